@@ -1,0 +1,45 @@
+# Every target sets itself up in a local virtualenv (.venv): `make prepare`, `make test` on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.musekern-installed
+# Without a GPU, torch must be the CPU build: a wheel in a local find-links folder (/opt/wheels here)
+# if there is one, else PyTorch's CPU index.
+TORCH_CPU_WHEEL ?= $(firstword $(wildcard /opt/wheels/torch-*+cpu-*.whl))
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+HAVE_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+PYTEST_ARGS ?=
+
+.PHONY: install prepare test lint gpu-test clean-venv
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+ifeq ($(HAVE_GPU),)
+ifneq ($(TORCH_CPU_WHEEL),)
+	$(PIP) install -q "$(TORCH_CPU_WHEEL)"
+else
+	$(PIP) install -q torch --index-url $(TORCH_CPU_INDEX)
+endif
+endif
+	$(PIP) install -q -e ".[build,test]"
+	touch $(STAMP)
+
+prepare: install
+	$(VENV)/bin/musekern prepare
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check musekern tests bench
+
+# On the GPU machine (no cutlass there): loader + GPU tests against a cache built here and carried.
+gpu-test:
+	bash bench/gpu_round.sh
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One whole GPU round on the H200 machine (no cutlass there): the GPU tests against the carried cache,
+# results JSON (commit, device) to $OUT (or bench/results/), a short table last.
+# Device call:  bash bench/gpu_round.sh [pytest -k expr]     with carry [".musekern-cache", ".whl"]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 MUSEKERN_CACHE_DIR="$PWD/.musekern-cache"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+DEST=${OUT:-bench/results}
+mkdir -p "$DEST"
+NAME=${GPU_ROUND_NAME:-gpu-tests}
+nvidia-smi -L || true
+KEXPR=${1:-}
+python3 -m pytest -m gpu -q -o junit_family=xunit1 --timeout=120 --timeout-method=thread -p no:cacheprovider ${KEXPR:+-k "$KEXPR"} \
+  --junitxml "$DEST/$NAME.junit.xml" ${GPU_TESTS:-tests} 2>&1 | tail -n 40
+rc=${PIPESTATUS[0]}
+python3 bench/gpu_results.py "$DEST/$NAME.junit.xml" "$DEST/$NAME.json"
+exit $rc

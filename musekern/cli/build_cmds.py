@@ -1,0 +1,167 @@
+"""`musekern plan` and `musekern prepare`."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ..variants import PlanEntry, fixed_rows, plan_model, shard_plan, token_tiles, variant_from_label
+from .common import (
+    Failure,
+    UsageFailure,
+    cache_dir_option,
+    emit_json,
+    json_option,
+    load_model,
+    log,
+    model_option,
+    resolve_targets,
+    table,
+    target_option,
+)
+
+
+def _plan_rows(entries: list[PlanEntry], model) -> list[dict]:
+    """One row per (target, TP rank, variant): what `plan` prints."""
+    rows = []
+    for e in entries:
+        v = e.variant
+        for tp in e.tps:
+            shard = model.shard(tp) if model else None
+            row = {"target": e.target.name, "arch": e.arch, "tp": tp, "kernel": e.kernel, "label": v.label}
+            if e.kernel == "qkv_front":
+                row.update(N=v.n, heads=v.heads, q_heads=v.num_q_heads, kv_heads=v.num_kv_heads, k_split=v.splits,
+                           stages=v.stages, tiles=v.tiles, fixed_rows=v.fixed_m,
+                           tokens=_tokens_served(v, model.max_decode_tokens if model else 16))
+            else:
+                row.update(N=shard.n if shard else None, heads=None, head_dim=v.head_dim, dtype=v.dtype,
+                           has_scale=v.has_scale)
+            rows.append(row)
+    rows.sort(key=lambda r: (r["target"], r["tp"], r["kernel"], r["label"]))
+    return rows
+
+
+def _tokens_served(v, max_tokens: int) -> str:
+    """The M values that take this qkv_front variant, e.g. '1-7', '8', '9-16'."""
+    ms = [m for m in range(1, max_tokens + 1) if token_tiles(m) == v.tiles and fixed_rows(m) == v.fixed_m]
+    if not ms:
+        return ""
+    return str(ms[0]) if len(ms) == 1 else f"{ms[0]}-{ms[-1]}"
+
+
+def _entries_for(model, targets, variant_labels) -> list[PlanEntry]:
+    if not variant_labels:
+        return plan_model(model, targets)
+    try:
+        variants = [variant_from_label(lbl) for lbl in variant_labels]
+    except ValueError as e:
+        raise UsageFailure(str(e)) from None
+    return sorted({PlanEntry(t, v, ()) for t in targets for v in variants}, key=PlanEntry.sort_key)
+
+
+def _parse_shard(value):
+    if value is None:
+        return None
+    try:
+        k, n = (int(x) for x in value.split("/"))
+        if n < 1 or not 1 <= k <= n:
+            raise ValueError
+    except ValueError:
+        raise click.BadParameter(f"expected K/N with 1 <= K <= N, got {value!r}", param_hint="--shard") from None
+    return k, n
+
+
+@click.command("plan")
+@model_option
+@target_option
+@json_option
+def plan_cmd(model_path, target_names, as_json):
+    """List every kernel variant the model needs, per target and TP rank."""
+    model = load_model(model_path)
+    targets = resolve_targets(target_names, model)
+    entries = plan_model(model, targets)
+    rows = _plan_rows(entries, model)
+    if as_json:
+        emit_json({"model": model.source, "targets": [t.name for t in targets],
+                   "variants": [e.to_json() for e in entries], "rows": rows})
+        return
+    cols = ["target", "tp", "kernel", "N", "heads", "k_split", "stages", "tiles", "fixed_rows", "tokens", "label"]
+    click.echo(table([[("" if r.get(c) is None else r.get(c, "")) for c in cols] for r in rows], cols))
+    click.echo(f"{len(entries)} distinct variants for {len(targets)} target(s): {model.source}")
+
+
+@click.command("prepare")
+@model_option
+@target_option
+@click.option("--variant", "variant_labels", multiple=True,
+              help="Build this variant (a label from `musekern plan`) instead of the model's plan. Repeatable.")
+@cache_dir_option
+@click.option("-j", "--jobs", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Parallel compiles (processes).")
+@click.option("--shard", "shard", default=None, metavar="K/N", help="Build only shard K of N of the plan (CI).")
+@click.option("--remote", default=None, envvar="MUSEKERN_REMOTE",
+              help="HTTP cache (Bazel protocol) to pull from [env: MUSEKERN_REMOTE].")
+@click.option("--upload", is_flag=True, help="Push entries this run built or has to --remote.")
+@json_option
+def prepare_cmd(model_path, target_names, variant_labels, cache_dir, jobs, shard, remote, upload, as_json):
+    """Compile every kernel variant the model needs into the cache (no GPU needed)."""
+    from ..build import BuildExtraMissing
+    from ..cache import Cache, ReadOnlyCacheError, default_cache_dir
+    from ..prepare import BUILT, FAILED, HIT, PULLED, prepare
+
+    model = load_model(model_path)
+    targets = resolve_targets(target_names, model)
+    entries = _entries_for(model, targets, variant_labels)
+    sh = _parse_shard(shard)
+    if sh:
+        entries = shard_plan(entries, *sh)
+    if upload and not remote:
+        raise UsageFailure("--upload needs --remote URL (or MUSEKERN_REMOTE)")
+    cache = Cache(default_cache_dir(cache_dir))
+    rem = None
+    if remote:
+        from ..remote import RemoteCache
+
+        rem = RemoteCache(remote)
+    if not variant_labels and not sh:
+        from ..build import dsl_version, key_parts
+
+        cache_record = getattr(cache, "record_plan", None)
+        if cache_record is not None and not cache.read_only:
+            cache_record(f"{model.source}|{','.join(t.name for t in targets)}",
+                         [key_parts(e.variant, e.arch, dsl_version()).key() for e in entries])
+    log(f"musekern prepare: {len(entries)} variant(s) for {', '.join(t.name for t in targets)} -> {cache.root}")
+    bar = click.progressbar(length=len(entries), label="prepare", file=sys.stderr, show_pos=True,
+                            item_show_func=lambda r: r.label if r else None)
+    try:
+        with bar:
+            report = prepare(entries, cache, jobs=jobs, remote=rem, upload=upload,
+                             on_done=lambda r: bar.update(1, r))
+    except BuildExtraMissing as e:
+        raise Failure(str(e)) from None
+    except ReadOnlyCacheError as e:
+        raise Failure(str(e)) from None
+    for w in report.warnings:
+        log(f"musekern: warning: {w}")
+    for r in report.results:
+        if r.status == FAILED:
+            log(f"musekern: error: {r.label} ({r.target}): {r.error}")
+    if as_json:
+        emit_json({"cache_dir": str(cache.root), "targets": [t.name for t in targets], **report.to_json()})
+    else:
+        rows = [[r.target, r.arch, r.status, f"{r.seconds:.1f}s" if r.status == BUILT else "", r.key[:12], r.label]
+                for r in report.results]
+        click.echo(table(rows, ["target", "arch", "status", "time", "key", "variant"]))
+        n = len(report.results)
+        if report.count(HIT) == n:
+            click.echo(f"all {n} variants already in the cache; nothing to do ({cache.root})")
+        else:
+            click.echo(f"{report.count(BUILT)} built, {report.count(PULLED)} pulled, {report.count(HIT)} cached, "
+                       f"{report.count(FAILED)} failed -> {cache.root}")
+    if not report.ok:
+        raise SystemExit(1)
+
+
+def register(group: click.Group) -> None:
+    group.add_command(plan_cmd)
+    group.add_command(prepare_cmd)

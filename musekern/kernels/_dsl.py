@@ -1,0 +1,42 @@
+"""Shared CuTe DSL build helpers (imports cutlass: only for kernel modules and build.py)."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import cutlass.cute as cute
+
+from .abi import ptx_entry_names
+
+
+def compile_to_cubin(jit_fn, *args, arch: str) -> tuple[bytes, str, str]:
+    """`cute.compile` `jit_fn(*args)` for `arch` on any machine (no GPU needed).
+
+    Returns (cubin bytes, PTX text, entry symbol). Exactly one kernel entry is expected.
+    """
+    # --keep-cubin/--keep-ptx also dump files; give them a private folder (NOTES.md pitfall 12),
+    # and the artifacts stay paths rather than bytes if the folder does not exist.
+    with tempfile.TemporaryDirectory(prefix="musekern-dsl-") as dump:
+        old = os.environ.get("CUTE_DSL_DUMP_DIR")
+        os.environ["CUTE_DSL_DUMP_DIR"] = dump
+        try:
+            c = cute.compile(jit_fn, *args, options=f"--gpu-arch {arch} --keep-cubin --keep-ptx")
+        finally:
+            if old is None:
+                os.environ.pop("CUTE_DSL_DUMP_DIR", None)
+            else:
+                os.environ["CUTE_DSL_DUMP_DIR"] = old
+        cubin, ptx = c.artifacts.CUBIN, c.artifacts.PTX
+        if isinstance(cubin, str) and os.path.exists(cubin):
+            cubin = open(cubin, "rb").read()
+        if isinstance(ptx, str) and os.path.exists(ptx):
+            ptx = open(ptx).read()
+    if not isinstance(cubin, bytes) or cubin[:4] != b"\x7fELF":
+        raise RuntimeError(f"cute.compile produced no cubin for {arch} (got {type(cubin).__name__})")
+    names = list(c.kernel_info)
+    if len(names) != 1:
+        raise RuntimeError(f"expected one kernel entry, got {names}")
+    symbol = names[0]
+    if symbol not in ptx_entry_names(ptx):
+        raise RuntimeError(f"kernel {symbol} is not an .entry of the PTX")
+    return cubin, ptx, symbol

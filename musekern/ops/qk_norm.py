@@ -1,0 +1,69 @@
+"""musekern.qk_norm: unweighted per-head RMS norm (seed 002) on the cached CuTe DSL kernel."""
+from __future__ import annotations
+
+import torch
+
+from ..variants.qk_norm import SUPPORTED_HEAD_DIMS, launch_grid, qk_norm_variant
+
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_VEC_BYTES = 16  # the kernel moves 16 bytes per thread access
+
+
+def qk_norm_unsupported(x, head_dim: int, out=None) -> str | None:
+    """Why qk_norm cannot take this call (checked before launch), or None."""
+    if not isinstance(x, torch.Tensor):
+        return f"x must be a torch.Tensor, got {type(x).__name__}"
+    if x.dtype not in _DTYPES:
+        return f"x.dtype must be bfloat16 or float16, got {x.dtype}"
+    if x.dim() != 2:
+        return f"x must be 2-D [M, heads*head_dim], got {x.dim()}-D shape {tuple(x.shape)}"
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim!r}"
+    if x.shape[1] == 0 or x.shape[1] % head_dim:
+        return f"x.shape[1] ({x.shape[1]}) must be a positive multiple of head_dim ({head_dim})"
+    if x.shape[0] > 0 and x.stride(1) != 1:
+        return f"x's last dim must be contiguous (stride 1), got stride {x.stride(1)}"
+    esize = x.element_size()
+    if x.shape[0] > 1 and (x.stride(0) * esize) % _VEC_BYTES:
+        return f"x's row stride ({x.stride(0)} elements) must be a multiple of {_VEC_BYTES // esize} elements"
+    if x.shape[0] > 1 and x.stride(0) < x.shape[1]:
+        return f"x's row stride ({x.stride(0)}) is smaller than a row ({x.shape[1]}): rows overlap"
+    if x.data_ptr() % _VEC_BYTES:
+        return f"x must be {_VEC_BYTES}-byte aligned (data_ptr % 16 = {x.data_ptr() % _VEC_BYTES})"
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.dtype != x.dtype or tuple(out.shape) != tuple(x.shape):
+            return f"out must be a {x.dtype} tensor of shape {tuple(x.shape)}"
+        if out.device != x.device:
+            return f"out is on {out.device}, x on {x.device}"
+        if x.shape[0] > 0 and (out.stride(1) != 1 or (out.shape[0] > 1 and (out.stride(0) * esize) % _VEC_BYTES)
+                               or out.data_ptr() % _VEC_BYTES):
+            return "out must have a contiguous last dim, 16-byte aligned rows and base"
+    return None
+
+
+def qk_norm(x: torch.Tensor, head_dim: int, eps: float = 1e-5, scale: float = 1.0,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMS-norm each head_dim group of x [M, heads*head_dim] (rows may be strided), times scale."""
+    reason = qk_norm_unsupported(x, head_dim, out)
+    if reason is not None:
+        if not isinstance(x, torch.Tensor) or x.dtype not in _DTYPES or (out is not None and (
+                not isinstance(out, torch.Tensor) or out.dtype != x.dtype)):
+            raise TypeError(f"qk_norm: {reason}")
+        raise ValueError(f"qk_norm: {reason}")
+    if not x.is_cuda:
+        raise ValueError(f"qk_norm: x must be on a CUDA device, got {x.device} (use musekern.reference "
+                         f"for CPU tensors)")
+    m, n = x.shape
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    from ..runtime import get_kernel
+
+    variant = qk_norm_variant(_DTYPES[x.dtype], head_dim, float(scale))
+    kernel = get_kernel(variant, device=x.device.index)
+    heads = n // head_dim
+    kernel.launch(launch_grid(variant, m, heads),
+                  {"x": x.data_ptr(), "out": out.data_ptr(), "m": m, "heads": heads, "ld_x": x.stride(0),
+                   "ld_out": out.stride(0), "eps": float(eps), "scale": float(scale)})
+    return out

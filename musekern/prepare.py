@@ -1,0 +1,119 @@
+"""prepare: make every planned variant present in the cache (hit, pull from a remote, or compile).
+
+Each variant goes through `Cache.get_or_create`, whose per-key lock makes concurrent
+prepares of one cache (CI ranks, NFS) compile each variant once. `jobs > 1` compiles in
+worker processes: the CuTe DSL compiler is not thread-safe, and processes also use both cores.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing
+import time
+from dataclasses import dataclass, field
+
+from .build import build_variant, dsl_version, key_parts
+from .cache import Cache
+
+HIT, PULLED, BUILT, FAILED = "hit", "pulled", "built", "failed"
+
+
+@dataclass
+class PrepareResult:
+    target: str
+    arch: str
+    label: str
+    key: str
+    status: str
+    seconds: float = 0.0
+    error: str | None = None
+    uploaded: bool = False
+
+    def to_json(self) -> dict:
+        return {"target": self.target, "arch": self.arch, "variant": self.label, "key": self.key,
+                "status": self.status, "seconds": round(self.seconds, 3), "error": self.error,
+                "uploaded": self.uploaded}
+
+
+@dataclass
+class PrepareReport:
+    results: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)
+
+    def count(self, status: str) -> int:
+        return sum(r.status == status for r in self.results)
+
+    @property
+    def ok(self) -> bool:
+        return self.count(FAILED) == 0
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "counts": {s: self.count(s) for s in (HIT, PULLED, BUILT, FAILED)},
+                "results": [r.to_json() for r in self.results], "warnings": self.warnings}
+
+
+def _prepare_one(cache_root: str, variant, arch: str) -> tuple[str, str, float, str | None]:
+    """Worker body (also used in-process): (key, status, seconds, error)."""
+    cache = Cache(cache_root)
+    parts = key_parts(variant, arch, dsl_version())
+    t0 = time.perf_counter()
+
+    def build():
+        b = build_variant(variant, arch)
+        return b.cubin, b.manifest
+
+    try:
+        _, built = cache.get_or_create(parts, build)
+    except Exception as e:  # reported per variant; prepare goes on with the others
+        return parts.key(), FAILED, time.perf_counter() - t0, f"{type(e).__name__}: {e}"
+    return parts.key(), BUILT if built else HIT, time.perf_counter() - t0, None
+
+
+def prepare(entries, cache: Cache, jobs: int = 1, remote=None, upload: bool = False, on_done=None) -> PrepareReport:
+    """Make every PlanEntry in `entries` present in `cache`; `on_done(result)` after each one."""
+    report = PrepareReport()
+    version = dsl_version()
+    todo = []
+    for e in entries:
+        parts = key_parts(e.variant, e.arch, version)
+        res = PrepareResult(e.target.name, e.arch, e.variant.label, parts.key(), HIT)
+        if cache.get(parts.key()) is None and cache.find(parts) is None:
+            if remote is not None and remote.pull(parts, cache) is not None:
+                res.status = PULLED
+            else:
+                todo.append((e, res))
+                continue
+        report.results.append(res)
+        if on_done:
+            on_done(res)
+    if todo and version is None:
+        from .build import BuildExtraMissing
+
+        raise BuildExtraMissing()
+
+    def finish(res, out):
+        res.key, res.status, res.seconds, res.error = out
+        report.results.append(res)
+        if on_done:
+            on_done(res)
+
+    if jobs <= 1 or len(todo) <= 1:
+        for e, res in todo:
+            finish(res, _prepare_one(str(cache.root), e.variant, e.arch))
+    else:
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold MLIR state
+        with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+            futs = {pool.submit(_prepare_one, str(cache.root), e.variant, e.arch): res for e, res in todo}
+            for f in cf.as_completed(futs):
+                finish(futs[f], f.result())
+    if remote is not None:
+        if getattr(remote, "failed", False):
+            report.warnings.append(f"remote cache {remote.url} unreachable: compiled locally instead")
+        if upload:
+            for r in report.results:
+                if r.status == BUILT or (r.status == HIT and r.error is None):
+                    entry = cache.get(r.key)
+                    if entry is not None:
+                        r.uploaded = bool(remote.push(entry))
+    order = {(e.target.name, e.variant.label): i for i, e in enumerate(entries)}
+    report.results.sort(key=lambda r: order.get((r.target, r.label), 0))
+    return report

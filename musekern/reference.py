@@ -1,0 +1,76 @@
+"""Plain-torch references (CPU or GPU): what the kernels must equal."""
+from __future__ import annotations
+
+import torch
+
+
+def qk_norm_reference(x: torch.Tensor, head_dim: int, eps: float = 1e-5, scale: float = 1.0) -> torch.Tensor:
+    """Unweighted RMS norm over each head_dim group, times `scale`; fp32 math, one rounding at the end."""
+    m, n = x.shape
+    xf = x.float().reshape(m, n // head_dim, head_dim)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * scale
+    return y.reshape(m, n).to(x.dtype)
+
+
+# ---------------------------------------------------------------- qkv_front (seed 000)
+QKV_HEAD_DIM = 64  # qkv_front's head size: 64 columns of y per head, 32 RoPE pairs
+
+
+def fused_qknorm_rope_kv_insert(y_gemm_bf16: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                                slot_mapping: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                num_kv_heads: int, eps: float) -> torch.Tensor:
+    """The qkv_front epilogue on a bf16 GEMM result y [M, N] (columns q | k | v | gate, 64 a head).
+
+    - q and k heads: unweighted RMS norm over the head's 64 values (fp32 math on the bf16 values),
+      then interleaved RoPE: pair (2i, 2i+1) = (a, b) -> (a*c - b*s, a*s + b*c) with
+      c, s = cos_sin_cache[p, i], cos_sin_cache[p, 32 + i] and p the token's position; fp32
+      throughout, one rounding to bf16 at the store;
+    - v and gate heads: unchanged;
+    - k (normed, roped) and v of token t are written to key_cache / value_cache
+      [num_blocks, block_size, num_kv_heads, 64] at block slot // block_size, offset
+      slot % block_size, unless slot < 0 (padding) or slot >= num_blocks * block_size.
+    Positions outside [0, max_pos) are clamped to [0, max_pos - 1] (the kernel does the same:
+    it never reads cos|sin out of bounds). Returns a new tensor; the caches are written in place.
+    """
+    m, n = y_gemm_bf16.shape
+    d = QKV_HEAD_DIM
+    heads = n // d
+    nkv = num_kv_heads
+    nq = (heads - 2 * nkv) // 2
+    y = y_gemm_bf16.to(torch.bfloat16).float().reshape(m, heads, d)
+    out = y.clone()
+    qk = y[:, :nq + nkv]
+    qk = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + eps)
+    max_pos = cos_sin_cache.shape[0]
+    pos = positions.to(device=cos_sin_cache.device, dtype=torch.long).clamp(0, max_pos - 1)
+    cs = cos_sin_cache.float()[pos]  # [M, 64]
+    c, s = cs[:, None, : d // 2], cs[:, None, d // 2:]
+    a, b = qk[..., 0::2], qk[..., 1::2]
+    roped = torch.stack((a * c - b * s, a * s + b * c), dim=-1).reshape(m, nq + nkv, d)
+    out[:, :nq + nkv] = roped.to(out.device)
+    out = out.reshape(m, n).to(torch.bfloat16)
+    num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+    heads_out = out.reshape(m, heads, d)
+    k_new = heads_out[:, nq:nq + nkv]
+    v_new = heads_out[:, nq + nkv:nq + 2 * nkv]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0 or slot >= num_blocks * block_size:
+            continue
+        blk, off = divmod(slot, block_size)
+        key_cache[blk, off] = k_new[t].to(key_cache.dtype)
+        value_cache[blk, off] = v_new[t].to(value_cache.dtype)
+    return out
+
+
+def qkv_front_reference(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
+                        cos_sin_cache: torch.Tensor, slot_mapping: torch.Tensor, key_cache: torch.Tensor,
+                        value_cache: torch.Tensor, num_kv_heads: int, eps: float,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = fused_qknorm_rope_kv_insert(bf16(x @ weight^T)) with an fp32-accumulated GEMM (CPU or GPU)."""
+    y_gemm = (x.float() @ weight.float().t()).to(torch.bfloat16)
+    y = fused_qknorm_rope_kv_insert(y_gemm, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
+                                    num_kv_heads, eps)
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y

@@ -1,0 +1,74 @@
+"""Thin, checked access to the CUDA driver through cuda.bindings (never cutlass)."""
+from __future__ import annotations
+
+import functools
+
+from cuda.bindings import driver as drv
+
+OK = drv.CUresult.CUDA_SUCCESS
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed; the message names the kernel and the call."""
+
+    def __init__(self, what: str, err, kernel: str | None = None):
+        self.err = err
+        where = f"{kernel}: " if kernel else ""
+        super().__init__(f"{where}{what} failed: {error_string(err)}")
+
+
+def error_string(err) -> str:
+    try:
+        name = drv.cuGetErrorName(err)[1].decode()
+        desc = drv.cuGetErrorString(err)[1].decode()
+        return f"{name} ({desc})"
+    except Exception:  # an unknown code
+        return repr(err)
+
+
+def check(res, what: str, kernel: str | None = None):
+    """Check a cuda.bindings result `(CUresult, *outs)` (or a bare CUresult); return the outputs."""
+    if isinstance(res, tuple):
+        err, outs = res[0], res[1:]
+    else:
+        err, outs = res, ()
+    if err != OK:
+        raise CudaError(what, err, kernel)
+    if not outs:
+        return None
+    return outs[0] if len(outs) == 1 else outs
+
+
+@functools.lru_cache(maxsize=None)
+def init() -> None:
+    check(drv.cuInit(0), "cuInit")
+
+
+def ensure_context(device_index: int) -> None:
+    """Make the device's primary context current on this thread (the one torch uses)."""
+    init()
+    ctx = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    dev = check(drv.cuDeviceGet(device_index), "cuDeviceGet")
+    if ctx is not None and int(ctx) != 0:
+        cur = check(drv.cuCtxGetDevice(), "cuCtxGetDevice")
+        if int(cur) == int(dev):
+            return
+    pctx = check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    check(drv.cuCtxSetCurrent(pctx), "cuCtxSetCurrent")
+
+
+@functools.lru_cache(maxsize=None)
+def device_info(device_index: int) -> dict:
+    init()
+    dev = check(drv.cuDeviceGet(device_index), "cuDeviceGet")
+    A = drv.CUdevice_attribute
+    get = lambda a: check(drv.cuDeviceGetAttribute(a, dev), "cuDeviceGetAttribute")  # noqa: E731
+    return {
+        "name": check(drv.cuDeviceGetName(256, dev), "cuDeviceGetName").split(b"\0", 1)[0].decode(),
+        "capability": (get(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+                       get(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)),
+        "sm_count": get(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+        "smem_optin": get(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+        "l2_bytes": get(A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
+        "driver_version": check(drv.cuDriverGetVersion(), "cuDriverGetVersion"),
+    }

@@ -1,0 +1,251 @@
+"""The runtime loader: cached cubin -> CUfunction -> cuLaunchKernelEx. No cutlass, no compiler.
+
+Everything it needs comes from the entry's manifest.json: the entry symbol, the ordered
+parameter ABI (kernels/abi.py), the launch configuration (block, cluster, dynamic smem,
+PDL) and the tensor-map encode parameters. Kernels are loaded once per process and device.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+import threading
+
+from cuda.bindings import driver as drv
+
+from .. import targets
+from ..cache import Cache, default_cache_dir
+from ..kernels.abi import KernelAbi
+from .driver import check, device_info, ensure_context
+from .tensormap import TensorMapCache
+
+ENV_AUTOBUILD = "MUSEKERN_AUTOBUILD"
+_FIELD_FMT = {"u8": "B", "i32": "i", "u32": "I", "f32": "f", "i64": "q", "u64": "Q"}
+
+
+class MissingKernelError(LookupError):
+    """No cache entry for a variant; the message names it and the command that builds it."""
+
+
+class ArchMismatchError(RuntimeError):
+    pass
+
+
+def _aligned_buffer(size: int, align: int):
+    raw = (ctypes.c_uint8 * (size + align))()
+    base = ctypes.addressof(raw) + (-ctypes.addressof(raw)) % align
+    return raw, base
+
+
+class _PackedParam:
+    """A host buffer for one kernel parameter and a struct.Struct that fills it in one call."""
+
+    def __init__(self, param):
+        self.name = param.name
+        # tensormaps need 64-byte alignment in the driver's view; host copies are taken at launch
+        self._raw, self.base = _aligned_buffer(param.size, max(param.align, 64 if param.kind == "tensormap" else 8))
+        self.view = memoryview((ctypes.c_uint8 * param.size).from_address(self.base)).cast("B")
+        fmt, pos, self.fields = "<", 0, []
+        for f in sorted(param.fields, key=lambda f: f.offset):
+            fmt += "x" * (f.offset - pos)
+            fmt += f"{f.size}s" if f.type == "bytes" else _FIELD_FMT[f.type]
+            pos = f.offset + f.size
+            self.fields.append(f.name)
+        self.struct = struct.Struct(fmt)
+
+    def pack(self, args: dict) -> None:
+        self.struct.pack_into(self.view, 0, *[args[n] for n in self.fields])
+
+
+class LoadedKernel:
+    """A cubin loaded on one device, ready to launch with named arguments."""
+
+    def __init__(self, entry, cubin: bytes, device_index: int):
+        self.entry = entry
+        self.label = entry.manifest.get("label", entry.key)
+        self.symbol = entry.manifest["symbol"]
+        self.abi = KernelAbi.from_json(entry.manifest["abi"])
+        self.device_index = device_index
+        ensure_context(device_index)
+        lbl = self.label
+        self._library = check(drv.cuLibraryLoadData(cubin, None, None, 0, None, None, 0), "cuLibraryLoadData", lbl)
+        kern = check(drv.cuLibraryGetKernel(self._library, self.symbol.encode()), "cuLibraryGetKernel", lbl)
+        self.func = check(drv.cuKernelGetFunction(kern), "cuKernelGetFunction", lbl)
+        self._set_attributes()
+        self._params = [_PackedParam(p) for p in self.abi.params]
+        self._kernel_params = (ctypes.c_void_p * len(self._params))(*[p.base for p in self._params])
+        self._kp_addr = ctypes.addressof(self._kernel_params)
+        self._tmaps = TensorMapCache(lbl)
+        self._tmap_specs = list(self.abi.tensormaps)
+        self._configs: dict = {}
+        self._lock = threading.Lock()
+
+    def _set_attributes(self) -> None:
+        A, L, lbl = drv.CUfunction_attribute, self.abi.launch, self.label
+        info = device_info(self.device_index)
+        static = check(drv.cuFuncGetAttribute(A.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, self.func), "smem query", lbl)
+        if static + L.dynamic_smem_bytes > info["smem_optin"]:
+            raise RuntimeError(f"{lbl}: needs {static} static + {L.dynamic_smem_bytes} dynamic bytes of shared "
+                               f"memory, the device allows {info['smem_optin']}; prepare it for this GPU's target")
+        check(drv.cuFuncSetAttribute(self.func, A.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                     L.dynamic_smem_bytes), "cuFuncSetAttribute(max dynamic smem)", lbl)
+        csize = L.cluster[0] * L.cluster[1] * L.cluster[2]
+        if csize > targets.PORTABLE_MAX_CLUSTER:
+            check(drv.cuFuncSetAttribute(self.func, A.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+                  "cuFuncSetAttribute(non-portable cluster)", lbl)
+        self.num_regs = check(drv.cuFuncGetAttribute(A.CU_FUNC_ATTRIBUTE_NUM_REGS, self.func), "regs query", lbl)
+        self.static_smem = static
+
+    def _config(self, grid: tuple, hstream: int):
+        key = (grid, hstream)
+        cfg = self._configs.get(key)
+        if cfg is not None:
+            return cfg
+        L, attrs = self.abi.launch, []
+        if L.cluster != (1, 1, 1):
+            a = drv.CUlaunchAttribute()
+            a.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z = L.cluster
+            attrs.append(a)
+        if L.pdl:
+            a = drv.CUlaunchAttribute()
+            a.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            a.value.programmaticStreamSerializationAllowed = 1
+            attrs.append(a)
+        cfg = drv.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = L.block
+        cfg.sharedMemBytes = L.dynamic_smem_bytes
+        cfg.hStream = drv.CUstream(hstream)
+        cfg.attrs = attrs  # copied into the config: attribute values must be set before
+        cfg.numAttrs = len(attrs)
+        if len(self._configs) > 256:
+            self._configs.clear()
+        self._configs[key] = cfg
+        return cfg
+
+    def launch(self, grid: tuple, args: dict, stream: int | None = None) -> None:
+        """Launch on `stream` (a CUstream handle as int; default: torch's current stream).
+
+        `args` maps every field name of the ABI to an int/float; for each tensor map spec,
+        args[spec.tensor] is the 2-D torch tensor the map describes.
+        """
+        if stream is None:
+            import torch
+
+            stream = torch.cuda.current_stream(self.device_index).cuda_stream
+        grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+        cfg = self._config(grid, stream)
+        with self._lock:
+            for spec in self._tmap_specs:
+                args = {**args, spec.param: self._tmaps.get(spec, args[spec.tensor])}
+            try:
+                for p in self._params:
+                    p.pack(args)
+            except KeyError as e:
+                raise TypeError(f"{self.label}: launch argument {e.args[0]!r} missing") from None
+            except struct.error as e:
+                raise TypeError(f"{self.label}: bad launch argument: {e}") from None
+            err = drv.cuLaunchKernelEx(cfg, self.func, self._kp_addr, 0)[0]
+        if err != drv.CUresult.CUDA_SUCCESS:
+            check(err, f"cuLaunchKernelEx(grid={grid}, block={self.abi.launch.block}, "
+                       f"cluster={self.abi.launch.cluster}, smem={self.abi.launch.dynamic_smem_bytes})", self.label)
+
+
+# ---------------------------------------------------------------- lookup
+_LOADED: dict = {}
+_LOAD_LOCK = threading.Lock()
+_CACHES: dict = {}
+
+
+def _cache(cache_dir) -> Cache:
+    root = str(default_cache_dir(cache_dir))
+    c = _CACHES.get(root)
+    if c is None:
+        c = _CACHES[root] = Cache(root)
+    return c
+
+
+def device_arch(device_index: int) -> str:
+    return targets.arch_for_capability(*device_info(device_index)["capability"])
+
+
+def prepare_command(variant, arch: str, cache: Cache) -> str:
+    """The exact command that builds `variant` for `arch` into `cache`."""
+    names = [t.name for t in targets.TARGETS.values() if t.arch == arch]
+    tgt = f" --target {names[0]}" if names else ""
+    return f"musekern prepare{tgt} --variant '{variant.label}' --cache-dir {cache.root}"
+
+
+def _missing(variant, arch: str, cache: Cache, parts) -> MissingKernelError:
+    near, diff = cache.nearest(parts)
+    hint = ""
+    if near is not None:
+        hint = f" The nearest entry ({near.key[:12]}) differs in: {', '.join(diff)}."
+    return MissingKernelError(
+        f"no cached kernel for {variant.label} on {arch} in {cache.root}.{hint} "
+        f"Build it with: {prepare_command(variant, arch, cache)}")
+
+
+def _autobuild_enabled() -> bool:
+    return os.environ.get(ENV_AUTOBUILD, "") not in ("", "0", "false", "no")
+
+
+def find_entry(variant, arch: str, cache: Cache):
+    """The cache entry for `variant` on `arch`: exact key when the DSL is installed, else any DSL version."""
+    from ..build import dsl_version, key_parts
+
+    ver = dsl_version()
+    parts = key_parts(variant, arch, ver)
+    entry = cache.find(parts) if ver else None
+    if entry is None:
+        entry = cache.find(parts, any_dsl_version=True)
+    if entry is None and ver and _autobuild_enabled():
+        from ..build import build_variant
+
+        def build():
+            b = build_variant(variant, arch)
+            return b.cubin, b.manifest
+
+        entry, _ = cache.get_or_create(parts, build)
+    if entry is None:
+        raise _missing(variant, arch, cache, parts)
+    return entry
+
+
+def load_artifact(variant, arch: str, cache: Cache):
+    """(entry, verified cubin bytes) of `variant` for `arch`: refuses another arch and corrupt bytes.
+
+    No GPU involved: the part of loading that tests can run anywhere.
+    """
+    entry = find_entry(variant, arch, cache)
+    if entry.manifest.get("arch") != arch:
+        raise ArchMismatchError(f"{variant.label}: cache entry {entry.key[:12]} was built for "
+                                f"{entry.manifest.get('arch')}, this GPU is {arch}; "
+                                f"{prepare_command(variant, arch, cache)}")
+    entry, cubin = cache.load(entry.key)  # sha256 checked: CorruptEntryError names the entry and the fix
+    return entry, cubin
+
+
+def get_kernel(variant, device: int | None = None, cache_dir=None) -> LoadedKernel:
+    """Load (once per process and device) the cached cubin of `variant` for the device's arch."""
+    if device is None:
+        import torch
+
+        device = torch.cuda.current_device()
+    key = (variant, device, cache_dir)
+    k = _LOADED.get(key)
+    if k is not None:
+        return k
+    with _LOAD_LOCK:
+        k = _LOADED.get(key)
+        if k is None:
+            cache = _cache(cache_dir)
+            entry, cubin = load_artifact(variant, device_arch(device), cache)
+            cache.touch(entry.key)
+            k = _LOADED[key] = LoadedKernel(entry, cubin, device)
+    return k
+
+
+def loaded_kernels() -> list[LoadedKernel]:
+    return list(_LOADED.values())

@@ -1,0 +1,109 @@
+"""GPU targets: what the planner needs to know about a GPU, with no GPU present.
+
+`get_target(name)` for a named target; `local_target()` reads the local device through
+the CUDA driver (cuda.bindings) when there is one and returns None otherwise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KIB = 1024
+# Hopper / Blackwell hardware limits (CUDA programming guide, compute capability tables).
+SM90_MAX_SMEM_OPTIN = 227 * KIB  # 232448: max dynamic shared memory per block (opt-in)
+SM100_MAX_SMEM_OPTIN = 227 * KIB
+PORTABLE_MAX_CLUSTER = 8  # without CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+SM90_MAX_CLUSTER = 16  # non-portable maximum on sm_90
+MAX_THREADS_PER_BLOCK = 1024
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    arch: str  # the --gpu-arch the cubin is compiled for
+    sm_count: int
+    max_smem_optin: int  # bytes of dynamic shared memory a block may opt into
+    max_cluster: int  # largest cluster size the planner may use (portable limit)
+    l2_bytes: int
+    capability: tuple[int, int]
+
+    @property
+    def description(self) -> str:
+        return f"{self.name} ({self.arch}, {self.sm_count} SMs)"
+
+
+TARGETS: dict[str, Target] = {
+    t.name: t
+    for t in (
+        Target("h100", "sm_90a", 132, SM90_MAX_SMEM_OPTIN, PORTABLE_MAX_CLUSTER, 50 * 1024 * KIB, (9, 0)),
+        Target("h200", "sm_90a", 132, SM90_MAX_SMEM_OPTIN, PORTABLE_MAX_CLUSTER, 60 * 1024 * KIB, (9, 0)),
+        Target("h100-pcie", "sm_90a", 114, SM90_MAX_SMEM_OPTIN, PORTABLE_MAX_CLUSTER, 50 * 1024 * KIB, (9, 0)),
+        Target("h20", "sm_90a", 78, SM90_MAX_SMEM_OPTIN, PORTABLE_MAX_CLUSTER, 60 * 1024 * KIB, (9, 0)),
+        Target("b200", "sm_100a", 148, SM100_MAX_SMEM_OPTIN, PORTABLE_MAX_CLUSTER, 126 * 1024 * KIB, (10, 0)),
+    )
+}
+ARCHES = tuple(sorted({t.arch for t in TARGETS.values()}))
+
+
+class UnknownTargetError(ValueError):
+    pass
+
+
+def get_target(name: str) -> Target:
+    try:
+        return TARGETS[name.lower()]
+    except KeyError:
+        raise UnknownTargetError(
+            f"unknown GPU target {name!r}; known targets: {', '.join(sorted(TARGETS))}") from None
+
+
+def arch_for_capability(major: int, minor: int) -> str:
+    """The arch musekern compiles for a device of this compute capability ('a' = arch-specific features)."""
+    return f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
+
+
+def _driver_devices():
+    """[(name, (major, minor), sm_count, smem_optin)] of local CUDA devices, [] without a driver or GPU."""
+    try:
+        from cuda.bindings import driver as drv
+    except Exception:
+        return []
+    ok = drv.CUresult.CUDA_SUCCESS
+    if drv.cuInit(0)[0] != ok:
+        return []
+    err, n = drv.cuDeviceGetCount()
+    if err != ok:
+        return []
+    A = drv.CUdevice_attribute
+    out = []
+    for i in range(n):
+        err, dev = drv.cuDeviceGet(i)
+        if err != ok:
+            continue
+        name = drv.cuDeviceGetName(256, dev)[1].split(b"\0", 1)[0].decode()
+        get = lambda a, dev=dev: drv.cuDeviceGetAttribute(a, dev)[1]  # noqa: E731
+        out.append((name, (get(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+                           get(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)),
+                    get(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+                    get(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+                    get(A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)))
+    return out
+
+
+def target_from_device(name: str, cap: tuple[int, int], sm_count: int, smem_optin: int, l2: int) -> Target:
+    """Map a device to a named target when one matches (same arch and SM count), else an ad-hoc one."""
+    arch = arch_for_capability(*cap)
+    lname = name.lower()
+    for t in TARGETS.values():
+        if t.arch == arch and t.sm_count == sm_count and t.name.split("-")[0] in lname:
+            return t
+    for t in TARGETS.values():
+        if t.arch == arch and t.sm_count == sm_count:
+            return t
+    return Target(f"local-{arch}-{sm_count}sm", arch, sm_count, smem_optin, PORTABLE_MAX_CLUSTER, l2, cap)
+
+
+def local_target(device_index: int = 0) -> Target | None:
+    devs = _driver_devices()
+    if len(devs) <= device_index:
+        return None
+    return target_from_device(*devs[device_index])

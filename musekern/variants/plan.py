@@ -1,0 +1,99 @@
+"""The plan: every kernel variant a model needs, per target and TP rank (pure, deterministic)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ModelConfig
+from ..targets import Target
+from .qk_norm import qk_norm_variants
+from .qkv_front import qkv_front_variants, supports_shape
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One compiled artifact: a variant of a kernel for a target, and which TP ranks use it."""
+    target: Target
+    variant: object  # a frozen *Variant dataclass (QkNormVariant, QkvFrontVariant)
+    tps: tuple[int, ...]
+
+    @property
+    def kernel(self) -> str:
+        return self.variant.kernel
+
+    @property
+    def arch(self) -> str:
+        return self.target.arch
+
+    def sort_key(self):
+        return (self.target.name, self.kernel, tuple(self.variant.params().values()))
+
+    def to_json(self) -> dict:
+        return {"target": self.target.name, "arch": self.arch, "kernel": self.kernel,
+                "variant": self.variant.params(), "label": self.variant.label, "tp": list(self.tps)}
+
+
+def plan_model(model: ModelConfig, targets: list[Target]) -> list[PlanEntry]:
+    """Every variant `model` needs on each target; one entry per distinct (target, variant)."""
+    by_key: dict = {}
+    for target in targets:
+        for shard in model.shards():
+            variants = list(qk_norm_variants(model.dtype, model.head_dim))
+            if supports_shape(shard.n, shard.num_kv_heads):
+                variants += qkv_front_variants(shard.n, shard.num_kv_heads, target, model.max_decode_tokens)
+            for v in variants:
+                key = (target.name, v)
+                tps = by_key.get(key, ())
+                by_key[key] = tuple(sorted(set(tps) | {shard.tp}))
+    named = {t.name: t for t in targets}
+    entries = [PlanEntry(named[name], v, tps) for (name, v), tps in by_key.items()]
+    return sorted(entries, key=PlanEntry.sort_key)
+
+
+def shard_plan(entries: list[PlanEntry], index: int, count: int) -> list[PlanEntry]:
+    """Deterministic 1/count of a plan (round robin over the sorted plan): shard `index` of `count` (1-based)."""
+    if count < 1 or not 1 <= index <= count:
+        raise ValueError(f"shard must be K/N with 1 <= K <= N, got {index}/{count}")
+    return [e for i, e in enumerate(sorted(entries, key=PlanEntry.sort_key)) if i % count == index - 1]
+
+
+def variant_types() -> dict:
+    from .qk_norm import QkNormVariant
+    from .qkv_front import QkvFrontVariant
+
+    return {QkNormVariant.kernel: QkNormVariant, QkvFrontVariant.kernel: QkvFrontVariant}
+
+
+def variant_from_label(label: str):
+    """Parse a variant label such as 'qk_norm[dtype=bfloat16,has_scale=True,head_dim=64]'."""
+    import dataclasses
+    import re
+
+    m = re.fullmatch(r"\s*([a-z_]+)\[(.*)\]\s*", label)
+    types = variant_types()
+    if not m or m.group(1) not in types:
+        raise ValueError(f"not a variant label: {label!r} (expected e.g. "
+                         f"'qk_norm[dtype=bfloat16,has_scale=True,head_dim=64]'; `musekern plan` lists them)")
+    cls = types[m.group(1)]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for item in filter(None, m.group(2).split(",")):
+        name, _, raw = item.partition("=")
+        name, raw = name.strip(), raw.strip()
+        if name not in fields:
+            raise ValueError(f"{label!r}: {cls.kernel} has no parameter {name!r}; parameters: {', '.join(fields)}")
+        typ = fields[name].type
+        if typ in ("bool", bool):
+            if raw not in ("True", "False", "true", "false", "1", "0"):
+                raise ValueError(f"{label!r}: {name} must be True or False, got {raw!r}")
+            values[name] = raw in ("True", "true", "1")
+        elif typ in ("int", int):
+            try:
+                values[name] = int(raw)
+            except ValueError:
+                raise ValueError(f"{label!r}: {name} must be an integer, got {raw!r}") from None
+        else:
+            values[name] = raw
+    missing = set(fields) - set(values)
+    if missing:
+        raise ValueError(f"{label!r}: missing parameter(s) {', '.join(sorted(missing))}")
+    return cls(**values)

@@ -1,0 +1,158 @@
+"""Planner for qkv_front, the fused Muse Spark decode attention front (seed 000).
+
+Pure functions of (N, M, num_kv_heads, target): no cutlass, no GPU. The kernel
+(`musekern/kernels/qkv_front.py`) imports the shape constants below, so the planner and
+the kernel cannot disagree on a tile size or a shared-memory budget.
+
+Structure being planned: one cluster of S = k_split CTAs per 64-column head; CTA r of a
+cluster streams the k-tiles r, r+S, r+2S, ... (K_TILE columns of K each) of its head's
+64 weight rows through a ring of `ring_stages` shared-memory stages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..targets import Target
+from .base import VariantMixin
+
+HIDDEN = 8192  # K of the projection (Muse Spark hidden size)
+HEAD_COLS = 64  # output columns per head = rows of W per cluster
+TOKEN_TILE = 8  # tokens per MMA N-tile (mma.sync m16n8k16: W rows are M, tokens are N)
+MAX_TOKENS = 16  # 1 <= M <= 16 decode tokens
+K_TILE = 128  # K columns per ring stage: two 64-wide 128B-swizzled TMA boxes
+K_TILES = HIDDEN // K_TILE
+W_STAGE_BYTES = HEAD_COLS * K_TILE * 2  # 16 KiB of bf16 weights per stage
+X_TILE_STAGE_BYTES = TOKEN_TILE * K_TILE * 2  # 2 KiB of bf16 activations per token tile per stage
+# Shared memory outside the ring: mbarriers, the owner's receive buffer for the S partials
+# (fp32, 64 columns x up to 16 tokens per peer), slots, cos|sin rows and the epilogue tile.
+SMEM_RESERVE_BYTES = 24 * 1024
+MAX_RING_STAGES = 8  # streaming probe: 8 x 16 KiB stages reached 77-78% (TP8, S=2) and 90% (TP4, S=1)
+MIN_RING_STAGES = 2
+# Streaming probe (H200): clusters of 3 are not all co-resident with one CTA per SM, so S is a power of two.
+SPLIT_CHOICES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class QkvFrontVariant(VariantMixin):
+    """One compiled qkv_front: serves every layer whose weight has N rows, every M with `tiles` tiles."""
+    kernel: ClassVar[str] = "qkv_front"
+    n: int  # rows of the weight = output columns (q|k|v|gate)
+    num_kv_heads: int
+    tiles: int  # 8-token tiles (1 or 2)
+    stages: int  # ring depth; never changes the result
+    splits: int  # S, CTAs per cluster splitting K
+    fixed_m: int  # 8 for the M == 8 specialisation, else 0 (M is a runtime parameter)
+
+    @property
+    def heads(self) -> int:
+        return self.n // HEAD_COLS
+
+    @property
+    def num_q_heads(self) -> int:
+        return (self.heads - 2 * self.num_kv_heads) // 2
+
+
+def token_tiles(m: int) -> int:
+    """8-token MMA tiles needed for M tokens."""
+    if not 1 <= m <= MAX_TOKENS:
+        raise ValueError(f"M must be in 1..{MAX_TOKENS}, got {m}")
+    return (m + TOKEN_TILE - 1) // TOKEN_TILE
+
+
+def fixed_rows(m: int) -> int:
+    """M == 8 (one full tile, the most common speculative-decode width) gets its own build."""
+    return TOKEN_TILE if m == TOKEN_TILE else 0
+
+
+def supports_shape(n: int, num_kv_heads: int) -> bool:
+    """Can qkv_front serve a weight of N rows with these KV heads (q|k|v|gate, 64 columns a head)?"""
+    if n <= 0 or n % HEAD_COLS or num_kv_heads < 1:
+        return False
+    rest = n // HEAD_COLS - 2 * num_kv_heads  # q + gate heads
+    return rest >= 2 and rest % 2 == 0 and (rest // 2) % num_kv_heads == 0
+
+
+def k_split(n: int, target: Target) -> int:
+    """Cluster size S: the largest power of two with heads * S <= SMs (one CTA per SM).
+
+    Measured (shared/anchors/streaming-probe): TP8 (34 heads) S=2 streams at 77%, S=3/4 no
+    better; TP4 (68 heads) S=1 90%; TP2/TP1 S=1 98-103%.
+    """
+    heads = n // HEAD_COLS
+    best = 1
+    for s in SPLIT_CHOICES:
+        if s <= target.max_cluster and heads * s <= target.sm_count:
+            best = s
+    return best
+
+
+def stage_bytes(tiles: int) -> int:
+    return W_STAGE_BYTES + tiles * X_TILE_STAGE_BYTES
+
+
+def ring_stages(split: int, target: Target, tiles: int = 2) -> int:
+    """Ring depth: as deep as the shared memory allows, capped at MAX_RING_STAGES.
+
+    The result does not depend on it (the determinism tests compare two depths bit for bit).
+    `split` is part of the signature because the per-CTA stripe shrinks with S: a CTA never
+    streams more than K_TILES / S tiles, and a deeper ring than that is wasted.
+    """
+    fit = (target.max_smem_optin - SMEM_RESERVE_BYTES) // stage_bytes(tiles)
+    per_cta_tiles = (K_TILES + split - 1) // split
+    return max(MIN_RING_STAGES, min(MAX_RING_STAGES, fit, per_cta_tiles))
+
+
+def variant(n: int, m: int, num_kv_heads: int, target: Target) -> QkvFrontVariant:
+    """The compiled variant a call with weight rows N and M tokens takes on `target`."""
+    if not supports_shape(n, num_kv_heads):
+        raise ValueError(f"qkv_front does not support N={n} with num_kv_heads={num_kv_heads}")
+    tiles = token_tiles(m)
+    s = k_split(n, target)
+    return QkvFrontVariant(n, num_kv_heads, tiles, ring_stages(s, target, tiles), s, fixed_rows(m))
+
+
+def qkv_front_variants(n: int, num_kv_heads: int, target: Target, max_tokens: int = MAX_TOKENS):
+    """Every distinct variant the calls M = 1..max_tokens take, in a stable order."""
+    seen = []
+    for m in range(1, max_tokens + 1):
+        v = variant(n, m, num_kv_heads, target)
+        if v not in seen:
+            seen.append(v)
+    return tuple(seen)
+
+
+# ---------------------------------------------------------------- launch geometry (pure helpers)
+# Used by the kernel (musekern/kernels/qkv_front.py, which asserts its CuTe smem struct against
+# `smem_bytes`) and by the op (grid per call) without importing cutlass.
+PRODUCER_WARPS = 1
+CONSUMER_WARPS = 4  # 4 x 16 W rows = the head's 64 output columns (one m16 MMA tile per warp)
+AUX_WARPS = 1
+THREADS = 32 * (CONSUMER_WARPS + PRODUCER_WARPS + AUX_WARPS)  # 192: warps 0-3 MMA, 4 TMA, 5 aux
+MAX_OWNED_TOKENS = MAX_TOKENS  # cos|sin and slot rows the aux warp stages (owner tokens <= 16)
+
+
+def launch_grid(v: QkvFrontVariant) -> tuple[int, int, int]:
+    """heads * S CTAs along x; consecutive groups of S CTAs form one cluster (one head)."""
+    return (v.heads * v.splits, 1, 1)
+
+
+def padded_tokens(v: QkvFrontVariant) -> int:
+    """Tokens the MMA computes (rows of x beyond M are zero-filled by TMA)."""
+    return v.tiles * TOKEN_TILE
+
+
+def smem_bytes(v: QkvFrontVariant) -> int:
+    """Dynamic shared memory of one CTA; must equal the kernel's `Smem.size_in_bytes()`.
+
+    Layout (the kernel's @cute.struct, in order): W ring (stages x 16 KiB, 1024-aligned for the
+    128B swizzle), x ring (stages x TT x 256 B, 1024-aligned), full/empty/recv mbarriers
+    (8 B each), 16 staged slots (int64), 16 staged cos|sin rows (64 fp32), the owner's receive
+    buffer for the S partials (TT x 64 fp32, S x TT/S tokens).
+    """
+    tt = padded_tokens(v)
+    ring = v.stages * (W_STAGE_BYTES + tt * K_TILE * 2)
+    small = 8 * (2 * v.stages + 1) + 8 * MAX_OWNED_TOKENS
+    small = (small + 15) // 16 * 16 + 4 * MAX_OWNED_TOKENS * 64 + 4 * tt * HEAD_COLS
+    total = ring + small
+    return (total + 1023) // 1024 * 1024  # the struct is padded to its 1024-byte alignment

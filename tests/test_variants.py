@@ -1,0 +1,136 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from musekern.config import load_config
+from musekern.targets import get_target
+from musekern.variants import (
+    QkNormVariant,
+    QkvFrontVariant,
+    fixed_rows,
+    k_split,
+    plan_model,
+    qk_norm_variant,
+    qkv_front_variants,
+    ring_stages,
+    shard_plan,
+    supports_qk_norm,
+    supports_shape,
+    token_tiles,
+    variant,
+    variant_from_label,
+)
+from musekern.variants.qkv_front import MAX_RING_STAGES, SMEM_RESERVE_BYTES, stage_bytes
+
+H200 = get_target("h200")
+
+
+@pytest.mark.parametrize("m,tiles,fixed", [(1, 1, 0), (7, 1, 0), (8, 1, 8), (9, 2, 0), (16, 2, 0)])
+def test_token_tiles_and_fixed_rows(m, tiles, fixed):
+    assert token_tiles(m) == tiles and fixed_rows(m) == fixed
+
+
+@pytest.mark.parametrize("m", [0, 17, -1])
+def test_token_tiles_range(m):
+    with pytest.raises(ValueError, match="1..16"):
+        token_tiles(m)
+
+
+# The default model's four TP shards on the 132-SM H200 and the 78-SM H20: S is the largest
+# power of two with heads * S <= SMs (streaming probe: S=2 best at TP8; S=1 at TP4 and up).
+@pytest.mark.parametrize("n,target,s", [(2176, "h200", 2), (4352, "h200", 1), (8704, "h200", 1), (17408, "h200", 1),
+                                        (2176, "h20", 2), (2176, "h100-pcie", 2), (1152, "h200", 4)])
+def test_k_split(n, target, s):
+    assert k_split(n, get_target(target)) == s
+
+
+def test_ring_stages_fit_shared_memory():
+    for split in (1, 2, 4, 8):
+        for tiles in (1, 2):
+            st = ring_stages(split, H200, tiles)
+            assert 2 <= st <= MAX_RING_STAGES
+            assert st * stage_bytes(tiles) + SMEM_RESERVE_BYTES <= H200.max_smem_optin
+
+
+@pytest.mark.parametrize("n,nkv,ok", [(2176, 1, True), (4352, 2, True), (17408, 8, True), (2176, 2, False),
+                                      (2175, 1, False), (64 * 4, 1, True), (64 * 3, 1, False), (0, 1, False),
+                                      (2176, 0, False)])
+def test_supports_shape(n, nkv, ok):
+    assert supports_shape(n, nkv) is ok
+
+
+def test_variant_one_build_per_tile_count():
+    vs = qkv_front_variants(2176, 1, H200)
+    assert [(v.tiles, v.fixed_m) for v in vs] == [(1, 0), (1, 8), (2, 0)]
+    assert variant(2176, 3, 1, H200) == variant(2176, 7, 1, H200) == vs[0]
+    assert variant(2176, 16, 1, H200) == vs[2]
+    with pytest.raises(ValueError, match="does not support"):
+        variant(2176, 1, 2, H200)
+
+
+def test_qk_norm_variants():
+    assert supports_qk_norm("bfloat16", 128) and not supports_qk_norm("float32", 128)
+    assert not supports_qk_norm("bfloat16", 96)
+    assert qk_norm_variant("bfloat16", 64, 1.0) == QkNormVariant("bfloat16", 64, False)
+    assert qk_norm_variant("bfloat16", 64, 0.5).has_scale
+    with pytest.raises(ValueError, match="does not support"):
+        QkNormVariant("bfloat16", 96, False)
+
+
+def test_default_plan():
+    entries = plan_model(load_config(), [H200])
+    kinds = [(e.kernel, e.variant.params().get("n")) for e in entries]
+    assert kinds.count(("qk_norm", None)) == 2
+    for n in (2176, 4352, 8704, 17408):
+        assert kinds.count(("qkv_front", n)) == 3
+    assert len(entries) == 14
+    tp_of = {e.variant.n: e.tps for e in entries if e.kernel == "qkv_front"}
+    assert tp_of == {17408: (1,), 8704: (2,), 4352: (4,), 2176: (8,)}
+
+
+def test_labels_round_trip():
+    for e in plan_model(load_config(), [H200, get_target("b200")]):
+        assert variant_from_label(e.variant.label) == e.variant
+
+
+@pytest.mark.parametrize("label,msg", [("nope[x=1]", "not a variant label"), ("qk_norm[dtype=bfloat16]", "missing"),
+                                       ("qk_norm[dtype=bfloat16,head_dim=x,has_scale=True]", "integer"),
+                                       ("qk_norm[dtype=bfloat16,head_dim=64,has_scale=maybe]", "True or False"),
+                                       ("qk_norm[dtype=bfloat16,head_dim=64,has_scale=True,zz=1]", "no parameter")])
+def test_bad_labels(label, msg):
+    with pytest.raises(ValueError, match=msg):
+        variant_from_label(label)
+
+
+def test_shards_partition_the_plan():
+    entries = plan_model(load_config(), [H200, get_target("h100-pcie")])
+    for n in (1, 2, 3, 5):
+        shards = [shard_plan(entries, k, n) for k in range(1, n + 1)]
+        flat = [e for s in shards for e in s]
+        assert sorted(flat, key=lambda e: e.sort_key()) == sorted(entries, key=lambda e: e.sort_key())
+        assert len(flat) == len(set(flat))
+    with pytest.raises(ValueError):
+        shard_plan(entries, 0, 2)
+
+
+def test_variant_dataclasses_are_frozen_and_hashable():
+    v = QkvFrontVariant(2176, 1, 1, 8, 2, 0)
+    with pytest.raises(AttributeError):
+        v.n = 1
+    assert len({v, QkvFrontVariant(2176, 1, 1, 8, 2, 0)}) == 1
+
+
+def test_plan_is_deterministic_across_hash_seeds():
+    """`musekern plan --json` is byte-identical across runs and PYTHONHASHSEED values."""
+    outs = set()
+    for seed in ("0", "1", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        r = subprocess.run([sys.executable, "-m", "musekern.cli", "plan", "--target", "h200", "--target", "h20",
+                            "--json"], capture_output=True, env=env, check=True)
+        outs.add(r.stdout)
+    assert len(outs) == 1
+    doc = json.loads(outs.pop())
+    assert len(doc["variants"]) == 28

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from musekern.build import cubin_arch
 from musekern.kernels.abi import KernelAbi, check_abi_against_ptx
 from musekern.variants.qk_norm import (
     QK_NORM_BLOCK,
@@ -28,60 +29,6 @@ from musekern.variants.qk_norm import (
 ALL_VARIANTS = [QkNormVariant(dt, hd, sc)
                 for dt, hd, sc in itertools.product(SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, (False, True))]
 PARAM_NAMES = ["x", "out", "m", "heads", "ld_x", "ld_out", "eps", "scale"]
-
-
-# ---------------------------------------------------------------- cubin header
-_CUBIN_IDENT = b"\x7fELF\x02\x01\x01"  # ELF64, little endian, version 1
-_EM_CUDA = 190
-
-
-def cubin_arch(cubin: bytes) -> str:
-    """'sm_90a' / 'sm_100' ... from a cubin's ELF header (e_flags), as the CuTe DSL 4.8.1 compiler writes it.
-
-    Two layouts (LLVM BinaryFormat/ELF.h EF_CUDA_*), told apart by EI_ABIVERSION:
-    - ABI 7 (EI_OSABI 0x33; the DSL's sm_90/sm_90a): SM in bits 0..7 (EF_CUDA_SM), 'a' = bit 11
-      (EF_CUDA_ACCELERATORS_V1 0x800), virtual SM in bits 16..23. Seen: sm_90 0x5a055a, sm_90a 0x5a0d5a.
-    - ABI 8 (EI_OSABI 0x41; the DSL's sm_100*): SM in bits 8..15, 'a' = bit 3 (EF_CUDA_ACCELERATORS 0x8).
-      Seen: sm_100 0x06006402, sm_100a 0x0600640a, sm_100f 0x06006402 ('f' is not recorded).
-    Caveat: standalone ptxas 13.0 writes ABI 8 for sm_90 too and leaves bit 3 clear for sm_90a and
-    sm_100a alike, so for cubins from other tools the 'a' suffix cannot be read from e_flags.
-    """
-    if len(cubin) < 64 or not cubin.startswith(_CUBIN_IDENT):
-        raise ValueError("not an ELF64 little-endian image")
-    (machine,) = struct.unpack_from("<H", cubin, 18)
-    if machine != _EM_CUDA:
-        raise ValueError(f"ELF e_machine {machine} is not EM_CUDA ({_EM_CUDA})")
-    abi_version = cubin[8]
-    (flags,) = struct.unpack_from("<I", cubin, 48)
-    if abi_version >= 8:
-        sm, accel = (flags >> 8) & 0xFF, bool(flags & 0x8)
-    else:
-        sm, accel = flags & 0xFF, bool(flags & 0x800)
-    return f"sm_{sm}" + ("a" if accel else "")
-
-
-def _fake_header(osabi: int, abiver: int, flags: int, machine: int = _EM_CUDA) -> bytes:
-    h = bytearray(64)
-    h[:7] = _CUBIN_IDENT
-    h[7], h[8] = osabi, abiver
-    struct.pack_into("<H", h, 18, machine)
-    struct.pack_into("<I", h, 48, flags)
-    return bytes(h)
-
-
-@pytest.mark.parametrize("osabi,abiver,flags,want", [
-    (0x33, 7, 0x5A0D5A, "sm_90a"), (0x33, 7, 0x5A055A, "sm_90"),
-    (0x41, 8, 0x0600640A, "sm_100a"), (0x41, 8, 0x06006402, "sm_100"), (0x41, 8, 0x06006402 | 0x8, "sm_100a"),
-])
-def test_cubin_arch_decodes_both_layouts(osabi, abiver, flags, want):
-    assert cubin_arch(_fake_header(osabi, abiver, flags)) == want
-
-
-def test_cubin_arch_rejects_non_cubins():
-    with pytest.raises(ValueError):
-        cubin_arch(b"\x7fELF" + b"\0" * 60)
-    with pytest.raises(ValueError):
-        cubin_arch(_fake_header(0x33, 7, 0x5A0D5A, machine=62))  # x86-64
 
 
 # ---------------------------------------------------------------- launch grid (pure)

@@ -14,13 +14,13 @@ def compile_to_cubin(jit_fn, *args, arch: str) -> tuple[bytes, str, str]:
 
     Returns (cubin bytes, PTX text, entry symbol). Exactly one kernel entry is expected.
     """
-    # --keep-cubin/--keep-ptx also dump files; give them a private folder (NOTES.md pitfall 12),
-    # and the artifacts stay paths rather than bytes if the folder does not exist.
+    # --keep-cubin/--keep-ptx also dump files; give them a private folder (NOTES.md pitfall 12).
+    # CuTe DSL reads CUTE_DSL_DUMP_DIR once per process, so --dump-dir is what moves them per compile.
     with tempfile.TemporaryDirectory(prefix="musekern-dsl-") as dump:
         old = os.environ.get("CUTE_DSL_DUMP_DIR")
         os.environ["CUTE_DSL_DUMP_DIR"] = dump
         try:
-            c = cute.compile(jit_fn, *args, options=f"--gpu-arch {arch} --keep-cubin --keep-ptx")
+            c = cute.compile(jit_fn, *args, options=f"--gpu-arch {arch} --keep-cubin --keep-ptx --dump-dir={dump}")
         finally:
             if old is None:
                 os.environ.pop("CUTE_DSL_DUMP_DIR", None)

@@ -224,6 +224,16 @@ def load_artifact(variant, arch: str, cache: Cache):
                                 f"{entry.manifest.get('arch')}, this GPU is {arch}; "
                                 f"{prepare_command(variant, arch, cache)}")
     entry, cubin = cache.load(entry.key)  # sha256 checked: CorruptEntryError names the entry and the fix
+    from ..build import BuildError, cubin_arch
+
+    try:
+        elf_arch = cubin_arch(cubin)
+    except BuildError as e:
+        raise ArchMismatchError(f"{variant.label}: cache entry {entry.key[:12]} is not a cubin ({e}); "
+                                f"{prepare_command(variant, arch, cache)}") from None
+    if elf_arch != arch:
+        raise ArchMismatchError(f"{variant.label}: the cubin of cache entry {entry.key[:12]} is for {elf_arch}, "
+                                f"this GPU is {arch}; {prepare_command(variant, arch, cache)}")
     return entry, cubin
 
 

@@ -1,0 +1,127 @@
+"""The runtime loader's CPU-testable half: parameter packing, lookup, integrity, no cutlass import."""
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from musekern.build import key_parts
+from musekern.cache import Cache, CorruptEntryError
+from musekern.kernels.abi import KernelAbi, LaunchSpec, pointer, scalar, tensor, tensormap
+from musekern.runtime import ArchMismatchError, MissingKernelError, load_artifact
+from musekern.runtime.loader import _PackedParam, prepare_command
+from musekern.variants import QkNormVariant
+
+from cubin_headers import elf_header
+
+V = QkNormVariant("bfloat16", 64, True)
+
+
+def fake_entry(cache, variant=V, arch="sm_90a", cubin=None):
+    abi = KernelAbi((pointer("x"), scalar("m", "i32")), LaunchSpec((256, 1, 1)))
+    man = {"kernel": variant.kernel, "label": variant.label, "variant": variant.params(), "symbol": "kern_0",
+           "arch": arch, "abi": abi.to_json(), "built_with": {}}
+    return cache.put(key_parts(variant, arch, "4.8.1"), elf_header(arch) if cubin is None else cubin, man)
+
+
+def test_pack_scalars_pointer_struct_and_tensormap():
+    params = [pointer("x"), scalar("m", "i32"), scalar("eps", "f32"),
+              tensor("y", shape=("M", "N"), stride=("ld",), stride_type="i32"), tensormap("tma")]
+    packed = [_PackedParam(p) for p in params]
+    args = {"x": 0xDEAD_BEEF_0000, "m": -3, "eps": 0.5, "y": 0x1000, "M": 7, "N": 64, "ld": 80, "tma": bytes(range(128))}
+    for p in packed:
+        p.pack(args)
+    assert struct.unpack("<Q", bytes(packed[0].view)) == (0xDEAD_BEEF_0000,)
+    assert struct.unpack("<i", bytes(packed[1].view)) == (-3,)
+    assert struct.unpack("<f", bytes(packed[2].view)) == (0.5,)
+    assert struct.unpack("<Qiii4x", bytes(packed[3].view)) == (0x1000, 7, 64, 80)
+    assert bytes(packed[4].view) == bytes(range(128)) and packed[4].base % 64 == 0
+
+
+def test_missing_entry_names_variant_and_command(tmp_path):
+    cache = Cache(tmp_path / "c")
+    with pytest.raises(MissingKernelError) as ei:
+        load_artifact(V, "sm_90a", cache)
+    msg = str(ei.value)
+    assert V.label in msg and "musekern prepare --target h100 --variant" in msg and str(cache.root) in msg
+
+
+def test_missing_entry_says_which_part_differs(tmp_path):
+    cache = Cache(tmp_path / "c")
+    fake_entry(cache, variant=QkNormVariant("bfloat16", 64, False))
+    with pytest.raises(MissingKernelError, match="differs in: variant"):
+        load_artifact(V, "sm_90a", cache)
+
+
+def test_prepare_command_round_trips(tmp_path):
+    cmd = prepare_command(V, "sm_100a", Cache(tmp_path))
+    assert cmd.startswith("musekern prepare --target b200 --variant 'qk_norm[") and str(tmp_path) in cmd
+
+
+def test_load_verifies_and_refuses_flipped_byte(tmp_path):
+    cache = Cache(tmp_path / "c")
+    e = fake_entry(cache)
+    entry, cubin = load_artifact(V, "sm_90a", cache)
+    assert cubin == elf_header() and entry.key == e.key
+    path = e.path / "kernel.cubin"
+    os.chmod(path, 0o644)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptEntryError, match="verify --repair"):
+        load_artifact(V, "sm_90a", cache)
+
+
+def test_other_arch_is_refused(tmp_path):
+    cache = Cache(tmp_path / "c")
+    fake_entry(cache, arch="sm_100a")  # an sm_100a build is not taken for an sm_90a device
+    with pytest.raises(MissingKernelError, match="differs in: arch"):
+        load_artifact(V, "sm_90a", cache)
+    # an entry whose cubin's ELF header says another SM than its key is refused before any load
+    cache2 = Cache(tmp_path / "d")
+    fake_entry(cache2, arch="sm_90a", cubin=elf_header("sm_90"))
+    with pytest.raises(ArchMismatchError, match="is for sm_90, this GPU is sm_90a"):
+        load_artifact(V, "sm_90a", cache2)
+    cache3 = Cache(tmp_path / "e")
+    fake_entry(cache3, cubin=b"not an elf")
+    with pytest.raises(ArchMismatchError, match="not a cubin"):
+        load_artifact(V, "sm_90a", cache3)
+
+
+def test_runtime_matches_any_dsl_version_without_cutlass(tmp_path, monkeypatch):
+    """A serving image has no nvidia-cutlass-dsl: entries of any DSL version are used."""
+    import musekern.build
+
+    cache = Cache(tmp_path / "c")
+    e = fake_entry(cache)
+    monkeypatch.setattr(musekern.build, "dsl_version", lambda: None)
+    assert load_artifact(V, "sm_90a", cache)[0].key == e.key
+
+
+def test_launch_path_never_imports_cutlass(tmp_path):
+    """Ops, loader and lookup in a fresh process: cutlass must not be in sys.modules afterwards."""
+    cache = Cache(tmp_path / "c")
+    fake_entry(cache)
+    code = textwrap.dedent(f"""
+        import sys, json
+        import musekern, musekern.runtime, musekern.ops, musekern.ops.qk_norm
+        from musekern.runtime import load_artifact
+        from musekern.cache import Cache
+        from musekern.variants import QkNormVariant
+        import torch
+        entry, cubin = load_artifact(QkNormVariant("bfloat16", 64, True), "sm_90a", Cache({str(cache.root)!r}))
+        try:
+            musekern.qk_norm(torch.randn(2, 128).to(torch.bfloat16), 64)
+        except ValueError as e:
+            assert "CUDA device" in str(e)
+        try:
+            import musekern.ops.qkv_front
+        except ImportError:
+            pass
+        print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "cutlass")))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []

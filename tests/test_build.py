@@ -2,14 +2,13 @@
 import importlib.util
 
 import pytest
+from cubin_headers import elf_header
 
 from musekern import build
 from musekern.build import BuildError, BuildExtraMissing, build_variant, cubin_arch, key_parts
 from musekern.kernels import source_hash
 from musekern.kernels.abi import ABI_VERSION, KernelAbi, check_abi_against_ptx
 from musekern.variants import QkNormVariant
-
-from cubin_headers import elf_header
 
 HAVE_DSL = importlib.util.find_spec("cutlass") is not None
 V = QkNormVariant("bfloat16", 128, False)

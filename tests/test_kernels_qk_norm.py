@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import math
 import re
-import struct
 import time
 
 import pytest

@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+from cubin_headers import elf_header
 
 from musekern.build import key_parts
 from musekern.cache import Cache, CorruptEntryError
@@ -14,8 +15,6 @@ from musekern.kernels.abi import KernelAbi, LaunchSpec, pointer, scalar, tensor,
 from musekern.runtime import ArchMismatchError, MissingKernelError, load_artifact
 from musekern.runtime.loader import _PackedParam, prepare_command
 from musekern.variants import QkNormVariant
-
-from cubin_headers import elf_header
 
 V = QkNormVariant("bfloat16", 64, True)
 
@@ -31,7 +30,8 @@ def test_pack_scalars_pointer_struct_and_tensormap():
     params = [pointer("x"), scalar("m", "i32"), scalar("eps", "f32"),
               tensor("y", shape=("M", "N"), stride=("ld",), stride_type="i32"), tensormap("tma")]
     packed = [_PackedParam(p) for p in params]
-    args = {"x": 0xDEAD_BEEF_0000, "m": -3, "eps": 0.5, "y": 0x1000, "M": 7, "N": 64, "ld": 80, "tma": bytes(range(128))}
+    args = {"x": 0xDEAD_BEEF_0000, "m": -3, "eps": 0.5, "y": 0x1000, "M": 7, "N": 64, "ld": 80,
+            "tma": bytes(range(128))}
     for p in packed:
         p.pack(args)
     assert struct.unpack("<Q", bytes(packed[0].view)) == (0xDEAD_BEEF_0000,)

@@ -368,7 +368,15 @@ class Cache:
             return
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                locked = True
+            except OSError as e:
+                # NFS mounted with `nolock` (or a filesystem without locks): go on unlocked. Entries
+                # stay whole (atomic dir rename, first writer wins); the cost is a possible duplicate build.
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                locked = False
             with _held_lock:
                 _held[me] = [fd, 1]
             try:
@@ -376,7 +384,8 @@ class Cache:
             finally:
                 with _held_lock:
                     _held.pop(me, None)
-                fcntl.flock(fd, fcntl.LOCK_UN)
+                if locked:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
 
@@ -557,7 +566,8 @@ class Cache:
         full = dict(manifest)
         for k, v in added.items():
             if k in full and full[k] != v:
-                raise ValueError(f"manifest field {k!r} = {str(full[k])[:80]!r} disagrees with the entry ({str(v)[:80]!r})")
+                raise ValueError(f"manifest field {k!r} = {str(full[k])[:80]!r} disagrees with the entry "
+                                 f"({str(v)[:80]!r})")
             full[k] = v
         for k in ("kernel", "arch"):
             if k in full and full[k] != getattr(parts, k):

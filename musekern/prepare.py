@@ -11,7 +11,7 @@ import multiprocessing
 import time
 from dataclasses import dataclass, field
 
-from .build import build_variant, dsl_version, key_parts
+from .build import BuildExtraMissing, build_variant, dsl_version, key_parts
 from .cache import Cache
 
 HIT, PULLED, BUILT, FAILED = "hit", "pulled", "built", "failed"
@@ -69,51 +69,62 @@ def _prepare_one(cache_root: str, variant, arch: str) -> tuple[str, str, float, 
 
 
 def prepare(entries, cache: Cache, jobs: int = 1, remote=None, upload: bool = False, on_done=None) -> PrepareReport:
-    """Make every PlanEntry in `entries` present in `cache`; `on_done(result)` after each one."""
+    """Make every PlanEntry in `entries` present in `cache`; `on_done(result)` after each one.
+
+    A present entry counts only if it verifies (sha256): a corrupt one is rebuilt. Raises
+    ReadOnlyCacheError (one line) when something is missing and the cache is read-only, and
+    BuildExtraMissing when something must be compiled and the DSL is not installed.
+    """
     report = PrepareReport()
     version = dsl_version()
-    todo = []
+    missing = []
+
+    def finish(res):
+        report.results.append(res)
+        if on_done:
+            on_done(res)
+
     for e in entries:
         parts = key_parts(e.variant, e.arch, version)
         res = PrepareResult(e.target.name, e.arch, e.variant.label, parts.key(), HIT)
-        if cache.get(parts.key()) is None and cache.find(parts) is None:
-            if remote is not None and remote.pull(parts, cache) is not None:
-                res.status = PULLED
-            else:
-                todo.append((e, res))
-                continue
-        report.results.append(res)
-        if on_done:
-            on_done(res)
+        if cache.verified(parts.key()) is None and (version is not None or cache.find(parts, True) is None):
+            missing.append((e, parts, res))
+        else:
+            finish(res)
+    if missing:
+        cache.check_writable("prepare")
+    todo = []
+    for e, parts, res in missing:
+        if remote is not None and remote.pull(parts, cache) is not None:
+            res.status = PULLED
+            finish(res)
+        else:
+            todo.append((e, res))
     if todo and version is None:
-        from .build import BuildExtraMissing
-
         raise BuildExtraMissing()
 
-    def finish(res, out):
+    def built(res, out):
         res.key, res.status, res.seconds, res.error = out
-        report.results.append(res)
-        if on_done:
-            on_done(res)
+        finish(res)
 
     if jobs <= 1 or len(todo) <= 1:
         for e, res in todo:
-            finish(res, _prepare_one(str(cache.root), e.variant, e.arch))
+            built(res, _prepare_one(str(cache.root), e.variant, e.arch))
     else:
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold MLIR state
         with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
             futs = {pool.submit(_prepare_one, str(cache.root), e.variant, e.arch): res for e, res in todo}
             for f in cf.as_completed(futs):
-                finish(futs[f], f.result())
+                built(futs[f], f.result())
     if remote is not None:
-        if getattr(remote, "failed", False):
+        report.warnings.extend(getattr(remote, "warnings", []))
+        if getattr(remote, "dead", False) and not report.warnings:
             report.warnings.append(f"remote cache {remote.url} unreachable: compiled locally instead")
-        if upload:
+        if upload:  # CI warming: the remote ends up with every entry of the plan
             for r in report.results:
-                if r.status == BUILT or (r.status == HIT and r.error is None):
-                    entry = cache.get(r.key)
-                    if entry is not None:
-                        r.uploaded = bool(remote.push(entry))
+                entry = cache.get(r.key) if r.status != FAILED else None
+                if entry is not None:
+                    r.uploaded = bool(remote.push(entry, cache))
     order = {(e.target.name, e.variant.label): i for i, e in enumerate(entries)}
     report.results.sort(key=lambda r: order.get((r.target, r.label), 0))
     return report

@@ -1,5 +1,11 @@
-"""Shared test set-up: `gpu` tests run only where torch sees a CUDA device (the H200 round)."""
+"""Shared test set-up: `gpu` tests run only where torch sees a CUDA device (the H200 round);
+`nginx_server`, a real HTTP cache (nginx with WebDAV PUT on 127.0.0.1) for the remote-cache tests."""
 import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +38,71 @@ def gpu_cache_dir():
     if not d or not os.path.isdir(d):
         pytest.skip("MUSEKERN_CACHE_DIR must point at a prepared cache (see bench/gpu_round.sh)")
     return d
+
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _nginx_binary() -> str | None:
+    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx")
+                                          if os.access(p, os.X_OK)), None)
+
+
+@pytest.fixture
+def no_proxy(monkeypatch):
+    """CI may set http_proxy; the test server is local."""
+    for v in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
+
+
+@pytest.fixture
+def nginx_server(tmp_path, no_proxy):
+    """(base URL, document root Path) of a fresh nginx serving GET/HEAD/PUT."""
+    exe = _nginx_binary()
+    if exe is None:
+        pytest.skip("nginx is not installed (apt-get install -y nginx) - remote cache tests need a real HTTP server")
+    run, root = tmp_path / "nginx-run", tmp_path / "nginx-root"
+    run.mkdir()
+    root.mkdir()
+    template = (HERE / "nginx" / "nginx.conf.in").read_text()
+    # As root nginx would drop its workers to `nobody`, which cannot write our 0700 temp dirs.
+    user_line = "user root;" if os.geteuid() == 0 else ""
+    last_err = ""
+    for _attempt in range(3):  # the free port may be taken between probe and bind: retry
+        port = free_port()
+        conf = run / "nginx.conf"
+        conf.write_text(template.replace("@USER_LINE@", user_line).replace("@RUN@", str(run))
+                        .replace("@ROOT@", str(root)).replace("@PORT@", str(port)))
+        proc = subprocess.Popen([exe, "-p", str(run), "-e", str(run / "error.log"), "-c", str(conf),
+                                 "-g", "daemon off;"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 10
+        up = False
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                up = True
+                break
+            except OSError:
+                time.sleep(0.05)
+        if up:
+            break
+        proc.kill()
+        last_err = proc.communicate()[1].decode(errors="replace")
+    else:
+        pytest.skip(f"nginx did not start: {last_err.strip()[-500:]}")
+    try:
+        yield f"http://127.0.0.1:{port}", root
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

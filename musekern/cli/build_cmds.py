@@ -113,23 +113,22 @@ def prepare_cmd(model_path, target_names, variant_labels, cache_dir, jobs, shard
     targets = resolve_targets(target_names, model)
     entries = _entries_for(model, targets, variant_labels)
     sh = _parse_shard(shard)
-    if sh:
-        entries = shard_plan(entries, *sh)
     if upload and not remote:
         raise UsageFailure("--upload needs --remote URL (or MUSEKERN_REMOTE)")
     cache = Cache(default_cache_dir(cache_dir))
+    if not variant_labels and not cache.read_only:
+        # the whole plan (also in a shard run): `musekern clean --stale` keeps what some plan needs
+        from ..build import dsl_version, key_parts
+
+        cache.record_plan(f"{model.source}|{','.join(t.name for t in targets)}",
+                          [key_parts(e.variant, e.arch, dsl_version()).key() for e in entries])
+    if sh:
+        entries = shard_plan(entries, *sh)
     rem = None
     if remote:
         from ..remote import RemoteCache
 
-        rem = RemoteCache(remote)
-    if not variant_labels and not sh:
-        from ..build import dsl_version, key_parts
-
-        cache_record = getattr(cache, "record_plan", None)
-        if cache_record is not None and not cache.read_only:
-            cache_record(f"{model.source}|{','.join(t.name for t in targets)}",
-                         [key_parts(e.variant, e.arch, dsl_version()).key() for e in entries])
+        rem = RemoteCache.from_env(remote, upload=upload)
     log(f"musekern prepare: {len(entries)} variant(s) for {', '.join(t.name for t in targets)} -> {cache.root}")
     bar = click.progressbar(length=len(entries), label="prepare", file=sys.stderr, show_pos=True,
                             item_show_func=lambda r: r.label if r else None)

@@ -1,0 +1,272 @@
+"""musekern.bundle: reproducible, relocatable, verified bundles; sharded warming merges by import."""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from musekern.bundle import INDEX_NAME, BundleError, export_bundle, import_bundle
+from musekern.cache import Cache, CorruptEntryError, KeyParts, MissingEntryError, ReadOnlyCacheError
+
+SRC = "ab" * 32
+
+
+def fake_parts(i: int, arch: str = "sm_90a") -> KeyParts:
+    return KeyParts.make("qk_norm", {"dtype": "bfloat16", "head_dim": 64, "has_scale": bool(i % 2), "i": i},
+                         arch, SRC, "4.8.1", 1)
+
+
+def fake_entry(parts: KeyParts) -> tuple[bytes, dict]:
+    cubin = b"\x7fELF" + hashlib.sha256(parts.key().encode()).digest() * 4
+    return cubin, {"kernel": parts.kernel, "label": parts.label, "variant": parts.variant_params, "symbol": "k",
+                   "arch": parts.arch, "abi": {}, "built_with": {"nvidia-cutlass-dsl": parts.dsl_version}}
+
+
+def put(cache: Cache, parts: KeyParts):
+    return cache.put(parts, *fake_entry(parts))
+
+
+def filled(path: Path, idx, order=None) -> Cache:
+    c = Cache(path)
+    for i in (order or idx):
+        put(c, fake_parts(i))
+    return c
+
+
+# ---------------------------------------------------------------- reproducible and relocatable
+@pytest.mark.parametrize("suffix", [".tar", ".tar.gz"])
+def test_export_is_byte_reproducible_across_machines(tmp_path, suffix):
+    """Two 'machines': different cache paths, insertion order, umask and file times: same bytes."""
+    a = filled(tmp_path / "machine-a" / "cache", range(5))
+    old = os.umask(0o077)
+    try:
+        b = filled(tmp_path / "elsewhere" / "b", range(5), order=[4, 2, 0, 3, 1])
+    finally:
+        os.umask(old)
+    for e in b.entries():
+        os.utime(e.cubin_path, (time.time() - 86400 * 3,) * 2)
+    keys = [fake_parts(i).key() for i in range(5)]
+    out1, out2, out3 = (tmp_path / f"b{n}{suffix}" for n in range(3))
+    export_bundle(a, keys, out1)
+    time.sleep(1.1)  # a second later: mtimes must not leak in
+    export_bundle(b, list(reversed(keys)), out2)
+    export_bundle(a, keys, out3)
+    assert out1.read_bytes() == out2.read_bytes() == out3.read_bytes()
+
+
+def test_bundle_members_are_relative_sorted_and_fixed(tmp_path):
+    c = filled(tmp_path / "cache", range(3))
+    keys = sorted(fake_parts(i).key() for i in range(3))
+    out = tmp_path / "x.tar"
+    export_bundle(c, keys, out, plan_name="cfg|h200")
+    with tarfile.open(out) as tar:
+        members = tar.getmembers()
+        names = [m.name for m in members]
+        assert names[0] == INDEX_NAME
+        assert names[1:] == [f"entries/{k}/{f}" for k in keys for f in ("manifest.json", "kernel.cubin")]
+        for m in members:
+            assert m.isreg() and not m.name.startswith("/") and ".." not in m.name
+            assert (m.mtime, m.uid, m.gid, m.uname, m.gname, m.mode) == (0, 0, 0, "", "", 0o644)
+        blob = b"".join(tar.extractfile(m).read() for m in members)
+    assert str(tmp_path).encode() not in blob and str(c.root).encode() not in blob  # no absolute paths
+    index = json.loads(tarfile.open(out).extractfile(INDEX_NAME).read())
+    assert index["plan"] == "cfg|h200" and [e["key"] for e in index["entries"]] == keys
+
+
+def test_export_refuses_damaged_or_missing_entries(tmp_path):
+    c = filled(tmp_path / "cache", range(2))
+    e = c.get(fake_parts(0).key())
+    os.chmod(e.cubin_path, 0o644)
+    e.cubin_path.write_bytes(b"\x7fELF truncated")
+    with pytest.raises(CorruptEntryError):
+        export_bundle(c, [e.key], tmp_path / "x.tar")
+    with pytest.raises(MissingEntryError):
+        export_bundle(c, ["0" * 64], tmp_path / "x.tar")
+    assert not (tmp_path / "x.tar").exists() and not list(tmp_path.glob(".x.tar*"))  # no half bundle
+
+
+# ---------------------------------------------------------------- import
+def test_import_roundtrip_and_plan(tmp_path):
+    src = filled(tmp_path / "src", range(4))
+    keys = [fake_parts(i).key() for i in range(4)]
+    out = tmp_path / "b.tar"
+    export_bundle(src, keys, out, plan_name="cfg|h200")
+    dst = Cache(tmp_path / "dst")
+    put(dst, fake_parts(0))
+    report = import_bundle(dst, out)
+    assert report.ok and sorted(report.added) == sorted(keys[1:]) and report.present == [keys[0]]
+    assert report.plan == "cfg|h200" and dst.plans() == {"cfg|h200": sorted(keys)}
+    for k in keys:
+        assert dst.load(k)[1] == src.load(k)[1]
+        assert dst.get(k).manifest_path.read_bytes() == src.get(k).manifest_path.read_bytes()
+    assert import_bundle(dst, out).added == []  # idempotent
+
+
+def _rewrite(src: Path, dst: Path, edit) -> None:
+    """Copy a bundle member by member, letting `edit(name, data)` change or drop members."""
+    with tarfile.open(src) as tin, tarfile.open(dst, "w", format=tarfile.USTAR_FORMAT) as tout:
+        for m in tin.getmembers():
+            data = tin.extractfile(m).read()
+            res = edit(m.name, data)
+            if res is None:
+                continue
+            name, data = res
+            ti = tarfile.TarInfo(name)
+            ti.size = len(data)
+            tout.addfile(ti, io.BytesIO(data))
+
+
+def test_import_rejects_corrupted_and_foreign_entries(tmp_path):
+    src = filled(tmp_path / "src", range(3))
+    k = [fake_parts(i).key() for i in range(3)]
+    good = tmp_path / "good.tar"
+    export_bundle(src, k, good, plan_name="p")
+
+    def edit(name, data):
+        if name == f"entries/{k[0]}/kernel.cubin":
+            return name, data[:-1] + bytes([data[-1] ^ 1])  # flipped bit
+        if name == f"entries/{k[1]}/kernel.cubin":
+            return name, data[:8]  # truncated
+        return name, data
+
+    bad = tmp_path / "bad.tar"
+    _rewrite(good, bad, edit)
+    dst = Cache(tmp_path / "dst")
+    report = import_bundle(dst, bad)
+    assert not report.ok and {key for key, _ in report.rejected} == {k[0], k[1]}
+    assert report.added == [k[2]] and [e.key for e in dst.entries()] == [k[2]]
+    assert report.plan is None  # a partly bad bundle does not record its plan
+
+    # a manifest and index consistently swapped to another key (a forged bundle) is caught by the key check
+    def forge(name, data):
+        if name == INDEX_NAME:
+            idx = json.loads(data)
+            idx["entries"][0]["key"] = "e" * 64
+            return name, json.dumps(idx).encode()
+        return name.replace(k[0], "e" * 64), data
+
+    forged = tmp_path / "forged.tar"
+    _rewrite(good, forged, forge)
+    report = import_bundle(Cache(tmp_path / "dst2"), forged)
+    assert ("e" * 64) in {key for key, _ in report.rejected}
+    assert Cache(tmp_path / "dst2").get("e" * 64) is None
+
+
+@pytest.mark.parametrize("evil", ["../evil", "/etc/evil", "entries/../../evil", "entries/x/kernel.cubin",
+                                  "link", "entries/" + "a" * 64 + "/other.bin"])
+def test_import_rejects_path_traversal_and_odd_members(tmp_path, evil):
+    src = filled(tmp_path / "src", range(1))
+    good = tmp_path / "good.tar"
+    export_bundle(src, [fake_parts(0).key()], good)
+    bad = tmp_path / "bad.tar"
+    with tarfile.open(good) as tin, tarfile.open(bad, "w", format=tarfile.GNU_FORMAT) as tout:
+        for m in tin.getmembers():
+            tout.addfile(m, tin.extractfile(m))
+        ti = tarfile.TarInfo(evil)
+        if evil == "link":
+            ti.type, ti.linkname = tarfile.SYMTYPE, "/etc/passwd"
+            tout.addfile(ti)
+        else:
+            ti.size = 4
+            tout.addfile(ti, io.BytesIO(b"evil"))
+    dst = Cache(tmp_path / "dst")
+    with pytest.raises(BundleError, match="nothing was imported"):
+        import_bundle(dst, bad)
+    assert not dst.root.exists()
+    assert not (tmp_path / "evil").exists()
+
+
+def test_import_rejects_symlink_disguised_as_entry(tmp_path):
+    ti = tarfile.TarInfo(f"entries/{'a' * 64}/kernel.cubin")
+    ti.type, ti.linkname = tarfile.SYMTYPE, "/etc/passwd"
+    bad = tmp_path / "bad.tar"
+    with tarfile.open(bad, "w") as tout:
+        tout.addfile(ti)
+    with pytest.raises(BundleError, match="not a regular file"):
+        import_bundle(Cache(tmp_path / "dst"), bad)
+
+
+def test_import_garbage_and_truncated_files(tmp_path):
+    g = tmp_path / "garbage.tar"
+    g.write_bytes(b"not a tar at all" * 100)
+    with pytest.raises(BundleError):
+        import_bundle(Cache(tmp_path / "d"), g)
+    src = filled(tmp_path / "src", range(3))
+    full = tmp_path / "full.tar.gz"
+    export_bundle(src, [fake_parts(i).key() for i in range(3)], full)
+    cut = tmp_path / "cut.tar.gz"
+    cut.write_bytes(full.read_bytes()[: len(full.read_bytes()) // 2])
+    with pytest.raises(BundleError):
+        import_bundle(Cache(tmp_path / "d"), cut)
+    gzip.decompress(full.read_bytes())  # the full one is a valid gzip
+
+
+def test_import_into_read_only_cache_fails_clearly(tmp_path):
+    src = filled(tmp_path / "src", range(1))
+    out = tmp_path / "b.tar"
+    export_bundle(src, [fake_parts(0).key()], out)
+    f = tmp_path / "file"
+    f.write_text("")
+    with pytest.raises(ReadOnlyCacheError):
+        import_bundle(Cache(f / "cache"), out)
+
+
+# ---------------------------------------------------------------- sharded CI warming (issue 4.7)
+def _plan():
+    from musekern.config import load_config
+    from musekern.targets import get_target
+    from musekern.variants import plan_model
+
+    return plan_model(load_config(None), [get_target("h200"), get_target("b200")])
+
+
+def _parts(pe) -> KeyParts:
+    from musekern.build import key_parts
+
+    return key_parts(pe, pe.arch, "4.8.1")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_shards_are_disjoint_and_cover_the_plan(n):
+    from musekern.variants import PlanEntry, shard_plan
+
+    plan = _plan()
+    shards = [shard_plan(plan, k, n) for k in range(1, n + 1)]
+    seen = [(e.target.name, e.variant) for s in shards for e in s]
+    assert len(seen) == len(set(seen)) == len(plan)  # disjoint, and their union is the whole plan
+    assert set(seen) == {(e.target.name, e.variant) for e in plan}
+    assert shards == [shard_plan(list(reversed(plan)), k, n) for k in range(1, n + 1)]  # deterministic
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    with pytest.raises(ValueError):
+        shard_plan(plan, 0, n)
+    assert isinstance(plan[0], PlanEntry)
+
+
+def test_shards_merge_by_import(tmp_path):
+    """Two CI jobs each warm one shard and export it; importing both into a third cache gives the union."""
+    from musekern.variants import shard_plan
+
+    plan = _plan()
+    bundles = []
+    for k in (1, 2):
+        c = Cache(tmp_path / f"job{k}")
+        keys = []
+        for pe in shard_plan(plan, k, 2):
+            p = _parts(pe)
+            c.get_or_create(p, lambda p=p: fake_entry(p))
+            keys.append(p.key())
+        out = tmp_path / f"shard{k}.tar"
+        export_bundle(c, keys, out)
+        bundles.append(out)
+    merged = Cache(tmp_path / "merged")
+    for b in bundles:
+        assert import_bundle(merged, b).ok
+    assert {e.key for e in merged.entries()} == {_parts(pe).key() for pe in plan}
+    assert merged.audit() == {}

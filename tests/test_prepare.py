@@ -1,0 +1,89 @@
+"""prepare (musekern/prepare.py through the CLI): hits are verified, corrupt entries rebuilt, read-only
+caches refused in one line, shards, and a real remote HTTP cache (nginx) for pull/upload/degrade."""
+import importlib.util
+import json
+import os
+import stat
+
+import pytest
+from click.testing import CliRunner
+
+from musekern.cache import Cache
+from musekern.cli import main
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("cutlass") is None,
+                                reason="needs the build extra (nvidia-cutlass-dsl)")
+LABELS = ["--variant", "qk_norm[dtype=bfloat16,has_scale=False,head_dim=64]",
+          "--variant", "qk_norm[dtype=float16,has_scale=True,head_dim=128]"]
+
+
+def prepare(cache_dir, *args, code=0):
+    r = CliRunner().invoke(main, ["prepare", "--target", "h200", "--cache-dir", str(cache_dir), "--json", *args])
+    assert r.exit_code == code, r.output
+    return json.loads(r.stdout) if code == 0 else r
+
+
+def test_corrupt_entry_is_rebuilt_not_counted_as_hit(tmp_path):
+    doc = prepare(tmp_path / "c", *LABELS)
+    assert doc["counts"]["built"] == 2
+    cache = Cache(tmp_path / "c")
+    e = cache.entries()[0]
+    os.chmod(e.cubin_path, stat.S_IRUSR | stat.S_IWUSR)
+    e.cubin_path.write_bytes(e.cubin_path.read_bytes()[:-7])  # truncated
+    doc = prepare(tmp_path / "c", *LABELS)
+    assert doc["counts"] == {"built": 1, "hit": 1, "pulled": 0, "failed": 0}
+    assert all(cache.verify_entry(x) == [] for x in cache.entries())
+
+
+def test_read_only_cache_fails_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(Cache, "read_only", property(lambda self: True))
+    r = prepare(tmp_path / "ro", *LABELS, code=1)
+    err = [ln for ln in r.stderr.splitlines() if "error" in ln]
+    assert len(err) == 1 and "read-only" in err[0] and "--cache-dir" in err[0]
+
+
+def test_read_only_cache_with_everything_present_is_fine(tmp_path, monkeypatch):
+    prepare(tmp_path / "c", *LABELS)
+    monkeypatch.setattr(Cache, "read_only", property(lambda self: True))
+    assert prepare(tmp_path / "c", *LABELS)["counts"]["hit"] == 2
+
+
+def test_shards_build_the_whole_plan_once(tmp_path):
+    keys = []
+    for k in (1, 2, 3):
+        doc = prepare(tmp_path / "c", "--shard", f"{k}/3")
+        keys += [r["key"] for r in doc["results"]]
+    full = prepare(tmp_path / "c")
+    assert sorted(keys) == sorted(r["key"] for r in full["results"]) and len(set(keys)) == len(keys)
+    assert full["counts"]["hit"] == len(keys)  # nothing left to build
+    assert Cache(tmp_path / "c").plans(), "the full plan is recorded (for clean --stale)"
+
+
+def test_warm_remote_means_zero_compiles(tmp_path, nginx_server):
+    url, _ = nginx_server
+    a = prepare(tmp_path / "a", *LABELS, "--remote", url, "--upload")
+    assert a["counts"]["built"] == 2 and all(r["uploaded"] for r in a["results"])
+    b = prepare(tmp_path / "b", *LABELS, "--remote", url)
+    assert b["counts"] == {"built": 0, "hit": 0, "pulled": 2, "failed": 0}
+    cb = Cache(tmp_path / "b")
+    assert all(cb.verify_entry(e) == [] for e in cb.entries())
+
+
+def test_corrupt_remote_blob_is_rejected_and_rebuilt(tmp_path, nginx_server):
+    url, root = nginx_server
+    prepare(tmp_path / "a", *LABELS, "--remote", url, "--upload")
+    for blob in (root / "cas").iterdir():
+        data = bytearray(blob.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        blob.write_bytes(bytes(data))
+    b = prepare(tmp_path / "b", *LABELS, "--remote", url)
+    assert b["counts"]["built"] == 2 and b["counts"]["pulled"] == 0
+    assert b["warnings"], "the rejected blobs are reported"
+
+
+def test_dead_remote_degrades_to_local_build(tmp_path, no_proxy):
+    from conftest import free_port
+
+    doc = prepare(tmp_path / "c", *LABELS, "--remote", f"http://127.0.0.1:{free_port()}")
+    assert doc["counts"]["built"] == 2 and doc["ok"]
+    assert any("127.0.0.1" in w for w in doc["warnings"])

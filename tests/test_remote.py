@@ -1,0 +1,202 @@
+"""musekern.remote against a real HTTP server: nginx with WebDAV PUT (Debian package `nginx`).
+
+The `nginx_server` fixture starts nginx on 127.0.0.1 with a free port, a temp document root
+and all of its pid/log/temp files in a temp dir, in the foreground (`daemon off`) as a
+subprocess that teardown stops. Without the nginx binary these tests skip, saying why.
+"""
+from __future__ import annotations
+
+import http.server
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import free_port
+
+from musekern.cache import Cache, KeyParts
+from musekern.remote import ENV_REMOTE, RemoteCache, RemoteError
+
+HERE = Path(__file__).resolve().parent
+pytestmark = pytest.mark.usefixtures("no_proxy")  # CI may set http_proxy; the servers here are local
+SRC = "ab" * 32
+
+
+def fake_parts(i: int, dsl: str = "4.8.1") -> KeyParts:
+    return KeyParts.make("qkv_front", {"n": 4352, "num_kv_heads": 1, "tiles": 1 + i % 2, "i": i}, "sm_90a", SRC,
+                         dsl, 1)
+
+
+def fake_build(parts: KeyParts, calls: list):
+    def build():
+        calls.append(parts.key())
+        cubin = b"\x7fELF" + parts.key().encode() * 4
+        return cubin, {"kernel": parts.kernel, "label": parts.label, "variant": parts.variant_params,
+                       "symbol": "k", "arch": parts.arch, "abi": {}, "built_with": {}}
+    return build
+
+
+def _fill(cache: Cache, n: int, calls: list) -> list[KeyParts]:
+    parts = [fake_parts(i) for i in range(n)]
+    for p in parts:
+        cache.get_or_create(p, fake_build(p, calls))
+    return parts
+
+
+# ---------------------------------------------------------------- the issue's scenarios
+def test_warm_remote_means_zero_compiles(nginx_server, tmp_path):
+    """Cache A builds and pushes; an empty cache B pulls everything and builds nothing."""
+    url, root = nginx_server
+    calls_a, calls_b = [], []
+    a = Cache(tmp_path / "a")
+    remote_a = RemoteCache(url, upload=True)
+    parts = [fake_parts(i) for i in range(6)]
+    for p in parts:
+        _, source = a.obtain(p, fake_build(p, calls_a), remote=remote_a)  # miss remote, build, push
+        assert source == "built"
+    assert len(calls_a) == 6 and remote_a.stats["pushed"] == 6 and not remote_a.warnings
+    assert sorted(os.listdir(root)) == ["ac", "cas"]
+    assert sorted(os.listdir(root / "ac")) == sorted(p.key() for p in parts)
+
+    b = Cache(tmp_path / "b")
+    remote_b = RemoteCache(url)  # read-only: no upload asked for
+    for p in parts:
+        e, built = b.get_or_create(p, fake_build(p, calls_b), remote=remote_b)
+        assert not built
+        assert b.load(p.key())[1] == a.load(p.key())[1]
+    assert calls_b == [] and remote_b.stats["pulled"] == 6 and not remote_b.warnings
+    # the manifest B stored is byte-identical to A's (same canonical JSON)
+    for p in parts:
+        assert b.get(p.key()).manifest_path.read_bytes() == a.get(p.key()).manifest_path.read_bytes()
+
+
+def test_pull_by_key_and_push_is_idempotent(nginx_server, tmp_path):
+    url, _ = nginx_server
+    a = Cache(tmp_path / "a")
+    (p,) = _fill(a, 1, [])
+    r = RemoteCache(url, upload=True)
+    assert r.push(a.get(p.key())) and r.push(a.get(p.key()))
+    assert r.stats["push_skipped"] == 1  # HEAD /cas found the blob: not uploaded twice
+    assert r.has(p.key()) and not r.has("0" * 64)
+    b = Cache(tmp_path / "b")
+    assert r.pull(p.key(), b).key == p.key()
+    assert r.pull("0" * 64, b) is None and r.stats["missed"] == 1 and not r.warnings
+
+
+def test_corrupt_remote_blob_is_rejected(nginx_server, tmp_path, caplog):
+    url, root = nginx_server
+    a = Cache(tmp_path / "a")
+    parts = _fill(a, 2, [])
+    r = RemoteCache(url, upload=True)
+    for p in parts:
+        assert r.push(a.get(p.key()))
+    # flip a byte of one blob, truncate the other's
+    sha0 = a.get(parts[0].key()).manifest["cubin_sha256"]
+    blob = bytearray((root / "cas" / sha0).read_bytes())
+    blob[5] ^= 0xFF
+    (root / "cas" / sha0).write_bytes(bytes(blob))
+    sha1 = a.get(parts[1].key()).manifest["cubin_sha256"]
+    (root / "cas" / sha1).write_bytes((root / "cas" / sha1).read_bytes()[:7])
+
+    b = Cache(tmp_path / "b")
+    rb = RemoteCache(url)
+    with caplog.at_level(logging.WARNING, logger="musekern.remote"):
+        for p in parts:
+            assert rb.pull(p, b) is None
+    assert rb.stats["rejected"] == 2 and b.entries() == [] and not rb.dead
+    assert any("corrupt remote blob" in w for w in rb.warnings) and "corrupt remote blob" in caplog.text
+    # prepare's path: the rejected entry is compiled locally instead
+    calls = []
+    for p in parts:
+        e, built = b.get_or_create(p, fake_build(p, calls), remote=rb)
+        assert built and b.verify_entry(e) == []
+    assert len(calls) == 2
+
+
+def test_foreign_manifest_is_rejected(nginx_server, tmp_path):
+    """/ac/<key> holding another key's manifest must not plant a wrong entry."""
+    url, root = nginx_server
+    a = Cache(tmp_path / "a")
+    p, q = _fill(a, 2, [])
+    r = RemoteCache(url, upload=True)
+    r.push(a.get(q.key()))
+    (root / "ac").mkdir(exist_ok=True)
+    shutil.copy(root / "ac" / q.key(), root / "ac" / p.key())
+    b = Cache(tmp_path / "b")
+    assert r.pull(p, b) is None and r.stats["rejected"] == 1 and b.get(p.key()) is None
+
+
+def test_dead_remote_degrades_to_local_build(tmp_path, caplog):
+    """Connection refused: a warning, then local builds; no exception reaches prepare."""
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    r = RemoteCache(url, timeout=2, upload=True)
+    c = Cache(tmp_path / "c")
+    calls = []
+    parts = [fake_parts(i) for i in range(3)]
+    with caplog.at_level(logging.WARNING, logger="musekern.remote"):
+        for p in parts:
+            e, built = c.get_or_create(p, fake_build(p, calls), remote=r)  # pull fails, build, push fails
+            assert built and c.verify_entry(e) == []
+    assert len(calls) == 3 and r.dead and r.failed
+    assert len(r.warnings) == 1 and "unreachable" in r.warnings[0]  # warned once, then skipped
+    assert "unreachable" in caplog.text
+    assert r.push(c.get(parts[0].key())) is False and r.pull(parts[0], c) is None
+
+
+def test_hanging_remote_times_out(tmp_path):
+    """A server that accepts but never answers: the timeout marks it dead instead of hanging prepare."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)  # never accept(): connects succeed, reads time out
+    try:
+        r = RemoteCache(f"http://127.0.0.1:{srv.getsockname()[1]}", timeout=0.5)
+        t0 = time.monotonic()
+        assert r.pull(fake_parts(0), Cache(tmp_path / "c")) is None
+        assert r.dead and time.monotonic() - t0 < 5
+    finally:
+        srv.close()
+
+
+def test_server_errors_warn_without_raising(tmp_path):
+    """HTTP 500 on every request: pull gives None with a warning; push gives False."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _fail(self):
+            self.send_response(500)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        do_GET = do_HEAD = do_PUT = _fail
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        r = RemoteCache(f"http://127.0.0.1:{srv.server_address[1]}", timeout=5, upload=True)
+        c = Cache(tmp_path / "c")
+        (p,) = _fill(c, 1, [])
+        assert r.pull(p, Cache(tmp_path / "d")) is None
+        assert r.push(c.get(p.key())) is False
+        assert any("HTTP 500" in w for w in r.warnings) and not r.dead
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+# ---------------------------------------------------------------- config
+def test_from_env_and_url_validation(monkeypatch):
+    monkeypatch.delenv(ENV_REMOTE, raising=False)
+    assert RemoteCache.from_env(None) is None
+    monkeypatch.setenv(ENV_REMOTE, "http://cache.example:8080/musekern/")
+    r = RemoteCache.from_env(None)
+    assert r.url == "http://cache.example:8080/musekern" and not r.upload
+    assert RemoteCache.from_env("http://other:1", upload=True).url == "http://other:1"
+    with pytest.raises(RemoteError):
+        RemoteCache("ftp://x/")
+    auth = RemoteCache("http://user:p%40ss@host:9/")
+    assert auth.url == "http://host:9" and auth._auth.startswith("Basic ")

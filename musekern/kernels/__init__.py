@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from .abi import KernelAbi
+
+# The DSL's own file cache (/tmp/cute_dsl_python_cache_*) would be a second, unkeyed cache under
+# ours: every compile that prepare asks for must really compile (reproducibility is tested that way).
+# Set before any kernel module imports cutlass, which reads its environment once.
+os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
 
 _HERE = Path(__file__).resolve().parent
 KERNELS = ("qk_norm", "qkv_front")

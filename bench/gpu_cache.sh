@@ -11,6 +11,18 @@ labels=()
 for dt in bfloat16 float16; do for hd in 64 128 256; do for sc in False True; do
   labels+=(--variant "qk_norm[dtype=$dt,has_scale=$sc,head_dim=$hd]")
 done; done; done
+# qkv_front builds that differ from the planned ones only in ring depth (3): the GPU tests check that
+# ring_stages does not change a single bit (tests/test_gpu_qkv_front.py ALT_STAGES).
+while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python - <<'PY'
+import dataclasses
+from musekern.config import load_config
+from musekern.targets import get_target
+from musekern.variants import plan_model
+for e in plan_model(load_config(), [get_target("h200")]):
+    if e.kernel == "qkv_front" and e.variant.n in (2176, 4352):
+        print(dataclasses.replace(e.variant, stages=3).label)
+PY
+)
 $MK prepare --target h200 --cache-dir "$CACHE" -j 2 "${labels[@]}" >&2
 # What the results files cite: the commit the cache was built from.
 python3 - "$CACHE" <<'PY'

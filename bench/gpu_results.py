@@ -54,7 +54,15 @@ def main(xml_path: str, out_path: str) -> int:
             props = {p.get("name"): p.get("value") for p in tc.iter("property")}
             tests.append({"test": f"{tc.get('classname')}::{tc.get('name')}", "outcome": outcome,
                           "seconds": float(tc.get("time") or 0), "properties": props, "message": msg})
-    doc = {"commit": build.get("commit"), "cache_built_dirty": build.get("dirty"), "device": device(),
+    sanitizer = {}
+    for tool in ("memcheck", "racecheck", "synccheck"):
+        log = os.path.join(os.path.dirname(os.path.abspath(out_path)), f"sanitizer-{tool}.log")
+        if os.path.exists(log):
+            lines = open(log, errors="replace").read().splitlines()
+            sanitizer[tool] = {"summary": [ln for ln in lines if "SUMMARY" in ln][-1:],
+                               "ran": [ln for ln in lines if ln.startswith("sanitize:")][-1:]}
+    doc = {"commit": build.get("commit"), "sanitizer": sanitizer, "cache_built_dirty": build.get("dirty"),
+           "device": device(),
            "versions": versions(), "cutlass_importable": importlib.util.find_spec("cutlass") is not None,
            "summary": dict(collections.Counter(t["outcome"] for t in tests)), "tests": tests}
     with open(out_path, "w") as f:
@@ -66,6 +74,9 @@ def main(xml_path: str, out_path: str) -> int:
     print(f"{'test module':48} {'passed':>7} {'failed':>7} {'error':>6} {'skipped':>8}")
     for mod, c in sorted(by_file.items()):
         print(f"{mod:48} {c['passed']:7} {c['failed']:7} {c['error']:6} {c['skipped']:8}")
+    for tool, r in sanitizer.items():
+        summary, ran = " ".join(r["summary"]) or "no summary", " ".join(r["ran"]) or "did not finish"
+        print(f"sanitizer {tool:10} {summary} | {ran}")
     return 0
 
 

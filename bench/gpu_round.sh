@@ -18,5 +18,12 @@ KEXPR=${1:-}
 python3 -m pytest -m gpu -q -o junit_family=xunit1 --timeout=120 --timeout-method=thread -p no:cacheprovider ${KEXPR:+-k "$KEXPR"} \
   --junitxml "$DEST/$NAME.junit.xml" ${GPU_TESTS:-tests} 2>&1 | tail -n 40
 rc=${PIPESTATUS[0]}
+if [ "${SANITIZE:-0}" = 1 ]; then
+  for tool in memcheck racecheck synccheck; do
+    timeout 300 compute-sanitizer --tool $tool --print-limit 20 python3 bench/sanitize_qkv_front.py \
+      > "$DEST/sanitizer-$tool.log" 2>&1
+    echo "sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$DEST/sanitizer-$tool.log" | tail -1)"
+  done
+fi
 python3 bench/gpu_results.py "$DEST/$NAME.junit.xml" "$DEST/$NAME.json"
 exit $rc

@@ -107,7 +107,7 @@ def test_launch_path_never_imports_cutlass(tmp_path):
     fake_entry(cache)
     code = textwrap.dedent(f"""
         import sys, json
-        import musekern, musekern.runtime, musekern.ops, musekern.ops.qk_norm
+        import musekern, musekern.runtime, musekern.ops, musekern.ops.qk_norm, musekern.ops.qkv_front
         from musekern.runtime import load_artifact
         from musekern.cache import Cache
         from musekern.variants import QkNormVariant

@@ -1,4 +1,6 @@
-"""torch-facing ops: checks, then a launch of the cached kernel (no compiler at run time)."""
-from .qk_norm import qk_norm, qk_norm_unsupported
+"""torch-facing ops: checks, then a launch of the cached kernel (no compiler at run time).
 
-__all__ = ["qk_norm", "qk_norm_unsupported"]
+`musekern.ops.qk_norm` and `musekern.ops.qkv_front` are the modules (nothing is re-exported here,
+so a function never shadows its module); `musekern.qk_norm(...)`, `musekern.qkv_front(...)` and
+`musekern.qkv_front_auto(...)` are the functions.
+"""

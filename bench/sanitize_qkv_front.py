@@ -1,0 +1,50 @@
+#!/usr/bin/env python3
+"""One launch of every default-model qkv_front variant (and qk_norm) with hostile inputs, for compute-sanitizer:
+padding slots (-1), a slot past the end of the cache, positions past the end of the table and negative,
+M = 1, 8, 16 (all three builds per N), FlashInfer's strided cache layout. Exit 0 if every launch ran.
+
+  compute-sanitizer --tool memcheck python3 bench/sanitize_qkv_front.py
+"""
+import sys
+
+import torch
+
+import musekern
+from musekern.config import load_config
+
+HIDDEN, HD = 8192, 64
+
+
+def main() -> int:
+    model = load_config()
+    torch.manual_seed(0)
+    max_pos, nb, bs = 256, 8, 16
+    cs = torch.randn(max_pos, HD, device="cuda")
+    n_launch = 0
+    for shard in model.shards():
+        w = (torch.randn(shard.n, HIDDEN, device="cuda") / 90).to(torch.bfloat16)
+        for m in (1, 8, 16):
+            x = torch.randn(m, HIDDEN, device="cuda").to(torch.bfloat16)
+            pos = torch.randint(0, max_pos, (m,), device="cuda")
+            pos[0] = max_pos + 1000
+            if m > 1:
+                pos[1] = -5
+            slots = torch.randperm(nb * bs, device="cuda")[:m]
+            slots[-1] = nb * bs + 3 if m > 1 else -1
+            if m > 2:
+                slots[0] = -1
+            kv = torch.zeros(nb, 2, bs, shard.num_kv_heads, HD, device="cuda", dtype=torch.bfloat16)
+            musekern.qkv_front(x, w, pos, cs, slots, kv[:, 0], kv[:, 1], shard.num_kv_heads, 1e-5)
+            n_launch += 1
+        torch.cuda.synchronize()
+    for hd in (64, 128):
+        q = torch.randn(33, 4 * hd + 24, device="cuda").to(torch.bfloat16)[:, : 4 * hd]
+        musekern.qk_norm(q, hd, scale=0.5)
+        n_launch += 1
+    torch.cuda.synchronize()
+    print(f"sanitize: {n_launch} launches ran")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

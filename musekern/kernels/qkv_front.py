@@ -1,0 +1,406 @@
+"""qkv_front: the fused Muse Spark decode attention front (seed 000), in CuTe DSL for sm_90a.
+
+y = epilogue(bf16(x @ W^T)); see musekern/reference.py::qkv_front_reference for the exact math.
+
+Launch (musekern/variants/qkv_front.py is the single source of truth for every constant):
+  grid  = heads * S CTAs along x, cluster = (S, 1, 1): cluster h computes head h (64 columns of y),
+  block = 192 threads: warps 0-3 consumers (mma.sync), warp 4 TMA producer, warp 5 aux.
+CTA rank r of a cluster streams the k-tiles r, r+S, r+2S, ... (K_TILE = 128 columns each, 64/S
+tiles: S divides 64) of its head's 64 W rows and of x through a `stages`-deep shared-memory ring:
+  - W: two 64x64 bf16 TMA boxes per stage (128B swizzle) = 16 KiB;
+  - x: two 64 x TT boxes per stage (TT = 8*tiles tokens), loaded by TMA too, from a tensor map
+    whose row count is M: rows M..TT-1 are outside the tensor, so TMA zero-fills them (never an
+    out-of-bounds read) and still counts the full box bytes on the mbarrier.
+Consumer warp w computes W rows [16w, 16w+16) x TT tokens with mma.sync m16n8k16 (W rows = the
+MMA's M, tokens = N, K = 16 per step, FP32 accumulate), operands loaded by ldmatrix from the
+swizzled ring. After the last k-tile each consumer thread sends its FP32 partial of token t to
+the owner CTA, rank t % S, with st.async (DSMEM, completes on the owner's receive mbarrier);
+the owner sums the S partials in rank order 0..S-1 (bitwise deterministic: the order depends
+on neither the ring depth nor timing), rounds to bf16 and runs the epilogue for its tokens:
+RMS norm (q, k heads), interleaved RoPE (q, k), y store, K/V cache insert (k, v heads).
+With S == 1 the partials go to the CTA's own shared memory with plain stores.
+
+PDL: before griddepcontrol.wait the kernel reads only W (the producer prefills the ring with W
+tiles); every thread executes griddepcontrol.wait before it reads x, positions, slots or
+cos|sin and before any global store; griddepcontrol.launch_dependents right after init.
+
+Out-of-range positions (p < 0 or p >= max_pos) are clamped to [0, max_pos - 1] for the cos|sin
+read (the reference does the same). Slots < 0 or >= num_blocks * block_size write nothing.
+"""
+# (no `from __future__ import annotations`: @cute.struct and @cute.jit read real annotation objects)
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.runtime import make_ptr
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.memory import SmemAllocator
+
+from ..variants.qkv_front import (
+    CONSUMER_WARPS,
+    HEAD_COLS,
+    HIDDEN,
+    K_TILE,
+    K_TILES,
+    MAX_OWNED_TOKENS,
+    THREADS,
+    TOKEN_TILE,
+    W_STAGE_BYTES,
+    QkvFrontVariant,
+    launch_grid,
+    padded_tokens,
+    smem_bytes,
+)
+from .abi import KernelAbi, LaunchSpec, TensorMapSpec, coord_tensor, pointer, scalar, tensormap
+
+# sm_90a: the target. sm_100a: compiles (mma.sync, TMA, clusters, st.async and griddepcontrol all exist
+# on Blackwell) but is checked on CPU only, never run.
+SUPPORTED_ARCHES = ("sm_90a", "sm_100a")
+PRODUCER_WARP = CONSUMER_WARPS  # warp 4
+AUX_WARP = CONSUMER_WARPS + 1  # warp 5
+CONSUMER_THREADS = 32 * CONSUMER_WARPS
+BOX_COLS = 64  # a 128B-swizzle TMA box is 64 bf16 columns wide
+# named barriers (0 is __syncthreads)
+BAR_PARTIALS = 1  # S == 1: consumers wrote their partials to smem with plain stores
+BAR_AUX = 2  # aux warp staged slots and cos|sin rows -> consumer warps (epilogue)
+
+
+@dsl_user_op
+def f32_bits(x, *, loc=None, ip=None):
+    """Bit-cast fp32 -> i32: st.async payloads are b32 words (NOTES.md pitfall 7)."""
+    return Int32(llvm.bitcast(Int32.mlir_type, Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+def make_smem_struct(stages: int, tt: int, splits: int):
+    @cute.struct
+    class Smem:
+        # ring first: offset 0 of the 1024-aligned dynamic smem, what the 128B swizzle expects
+        sW: cute.struct.Align[cute.struct.MemRange[BFloat16, HEAD_COLS * K_TILE * stages], 1024]
+        sX: cute.struct.Align[cute.struct.MemRange[BFloat16, tt * K_TILE * stages], 1024]
+        full: cute.struct.MemRange[Int64, stages]  # TMA -> consumers: count 1 + W and x bytes
+        empty: cute.struct.MemRange[Int64, stages]  # consumers -> producer: count 4 (one lane a warp)
+        recv_bar: cute.struct.MemRange[Int64, 1]  # partials landed (st.async complete_tx bytes)
+        slots: cute.struct.MemRange[Int64, MAX_OWNED_TOKENS]  # staged slot of each owned token
+        cs: cute.struct.Align[cute.struct.MemRange[Float32, MAX_OWNED_TOKENS * 64], 16]  # cos|sin rows
+        recv: cute.struct.Align[cute.struct.MemRange[Float32, tt * HEAD_COLS], 16]  # [src][j][col]
+    return Smem
+
+
+class QkvFrontKernel:
+    """One compiled qkv_front variant. Static: N, KV heads, tiles, ring depth, S, fixed M."""
+
+    def __init__(self, v: QkvFrontVariant):
+        assert HIDDEN % K_TILE == 0 and K_TILES % v.splits == 0, "S must divide the 64 k-tiles"
+        assert v.fixed_m in (0, TOKEN_TILE) and (v.fixed_m == 0 or v.tiles == 1)
+        self.v = v
+        self.n = v.n
+        self.heads = v.heads
+        self.nkv = v.num_kv_heads
+        self.nq = v.num_q_heads
+        self.stages = v.stages
+        self.S = v.splits
+        self.tt = padded_tokens(v)  # tokens the MMA computes
+        self.owned = self.tt // self.S  # tokens per owner CTA (S divides TT: S in 1,2,4,8)
+        assert self.tt % self.S == 0 and self.owned <= MAX_OWNED_TOKENS
+        self.ntiles = K_TILES // self.S  # k-tiles per CTA
+        assert self.stages <= self.ntiles
+        self.stage_tx = W_STAGE_BYTES + self.tt * K_TILE * 2  # bytes landing per stage
+        self.recv_tx = self.S * self.owned * HEAD_COLS * 4  # bytes of partials an owner receives
+        self.Smem = make_smem_struct(self.stages, self.tt, self.S)
+        self.smem = smem_bytes(v)
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(self, w_ptr: cute.Pointer, x_ptr: cute.Pointer, y_ptr: cute.Pointer, pos_ptr: cute.Pointer,
+                 cs_ptr: cute.Pointer, slot_ptr: cute.Pointer, kc_ptr: cute.Pointer, vc_ptr: cute.Pointer,
+                 M: Int32, max_pos: Int32, block_size: Int32, num_blocks: Int32, k_block_stride: Int64,
+                 v_block_stride: Int64, eps: Float32, stream: cuda.CUstream):
+        mW = cute.make_tensor(w_ptr, cute.make_layout((self.n, HIDDEN), stride=(HIDDEN, 1)))
+        if cutlass.const_expr(self.v.fixed_m):
+            mX = cute.make_tensor(x_ptr, cute.make_layout((self.v.fixed_m, HIDDEN), stride=(HIDDEN, 1)))
+        else:
+            mX = cute.make_tensor(x_ptr, cute.make_layout((M, HIDDEN), stride=(HIDDEN, 1)))
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+        sW_layout = cute.tile_to_shape(atom, (HEAD_COLS, K_TILE, self.stages), order=(0, 1, 2))
+        sX_layout = cute.tile_to_shape(atom, (self.tt, K_TILE, self.stages), order=(0, 1, 2))
+        tma_w, mW_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW,
+                                                    cute.slice_(sW_layout, (None, None, 0)), (HEAD_COLS, K_TILE))
+        tma_x, mX_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX,
+                                                    cute.slice_(sX_layout, (None, None, 0)), (self.tt, K_TILE))
+        # 4 warps along M (16 W rows each); every warp covers all TT tokens (tiles n8 atoms)
+        tiled_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)), (CONSUMER_WARPS, 1, 1),
+                                        permutation_mnk=(16 * CONSUMER_WARPS, self.tt, 16))
+        assert self.Smem.size_in_bytes() == self.smem, (self.Smem.size_in_bytes(), self.smem)
+        self.kernel(tma_w, mW_tma, tma_x, mX_tma, y_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, max_pos,
+                    block_size, num_blocks, k_block_stride, v_block_stride, eps, tiled_mma, sW_layout,
+                    sX_layout).launch(grid=list(launch_grid(self.v)), block=[THREADS, 1, 1],
+                                      cluster=[self.S, 1, 1], smem=self.smem, stream=stream, use_pdl=True)
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(self, tma_w: cute.CopyAtom, mW_tma: cute.Tensor, tma_x: cute.CopyAtom, mX_tma: cute.Tensor,
+               y_ptr: cute.Pointer, pos_ptr: cute.Pointer, cs_ptr: cute.Pointer, slot_ptr: cute.Pointer,
+               kc_ptr: cute.Pointer, vc_ptr: cute.Pointer, max_pos: Int32, block_size: Int32, num_blocks: Int32,
+               k_block_stride: Int64, v_block_stride: Int64, eps: Float32, tiled_mma: cute.TiledMma,
+               sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout):
+        tidx = cute.arch.thread_idx()[0]
+        bidx = cute.arch.block_idx()[0]
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        head = bidx // self.S
+        rank = Int32(0)
+        if cutlass.const_expr(self.S > 1):
+            rank = cute.arch.block_idx_in_cluster()  # == bidx % S: clusters are S consecutive CTAs
+        M = cute.size(mX_tma, mode=[0])  # runtime M (or the static 8 of the M == 8 build)
+
+        st = SmemAllocator().allocate(self.Smem)
+        sW = st.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)  # (64, 128, stages), swizzled
+        sX = st.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)  # (TT, 128, stages), swizzled
+        full = st.full.data_ptr()
+        empty = st.empty.data_ptr()
+        recv_bar = st.recv_bar.data_ptr()
+
+        if warp_idx == PRODUCER_WARP:
+            cpasync.prefetch_descriptor(tma_w)
+            cpasync.prefetch_descriptor(tma_x)
+        if tidx == 0:
+            for s in cutlass.range_constexpr(self.stages):
+                cute.arch.mbarrier_init(full + s, 1)
+                cute.arch.mbarrier_init(empty + s, CONSUMER_WARPS)
+            cute.arch.mbarrier_init(recv_bar, 1)
+            cute.arch.mbarrier_init_fence()
+            if cutlass.const_expr(self.S > 1):
+                # arm the receive barrier before the cluster sync, i.e. before any peer can send
+                cute.arch.mbarrier_arrive_and_expect_tx(recv_bar, self.recv_tx)
+        if cutlass.const_expr(self.S > 1):
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()  # every CTA's barriers are initialised and armed
+        else:
+            cute.arch.sync_threads()
+        cute.arch.griddepcontrol_launch_dependents()  # PDL: the next grid may start its W prefetch
+
+        if warp_idx == PRODUCER_WARP:
+            self.producer(tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank)
+        elif warp_idx == AUX_WARP:
+            self.aux(st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, rank)
+        else:
+            acc = self.consumer(tiled_mma, sW, sX, full, empty, tidx)
+            self.send(tiled_mma, acc, st, recv_bar, tidx, rank)
+            self.finish(st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
+                        v_block_stride, eps, head, rank, warp_idx, tidx)
+        if cutlass.const_expr(self.S > 1):
+            # nobody leaves while a peer may still write into its shared memory
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+    @cute.jit
+    def producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank):
+        gW = cute.local_tile(mW_tma, (HEAD_COLS, K_TILE), (head, None))  # (64, 128, 64 k-tiles)
+        gX = cute.local_tile(mX_tma, (self.tt, K_TILE), (0, None))  # (TT, 128, 64 k-tiles)
+        tWsW, tWgW = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
+                                           cute.group_modes(gW, 0, 2))
+        tXsX, tXgX = cpasync.tma_partition(tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                                           cute.group_modes(gX, 0, 2))
+        # Prefill: the ring is fresh, so no empty wait. W only: weights are never written by the
+        # previous grid, so they may stream before griddepcontrol.wait.
+        for i in cutlass.range_constexpr(self.stages):
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(full + i, self.stage_tx)  # W + x bytes
+            cute.copy(tma_w, tWgW[None, rank + i * self.S], tWsW[None, i], tma_bar_ptr=full + i)
+        cute.arch.griddepcontrol_wait()  # x may be the previous kernel's output
+        for i in cutlass.range_constexpr(self.stages):
+            cute.copy(tma_x, tXgX[None, rank + i * self.S], tXsX[None, i], tma_bar_ptr=full + i)
+        for i in cutlass.range(self.stages, self.ntiles, unroll=1):
+            s = i % self.stages
+            # use u = i // stages of stage s: wait until the consumers released use u - 1
+            cute.arch.mbarrier_wait(empty + s, ((i // self.stages) - 1) % 2)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(full + s, self.stage_tx)
+            k = rank + i * self.S
+            cute.copy(tma_w, tWgW[None, k], tWsW[None, s], tma_bar_ptr=full + s)
+            cute.copy(tma_x, tXgX[None, k], tXsX[None, s], tma_bar_ptr=full + s)
+
+    @cute.jit
+    def consumer(self, tiled_mma, sW, sX, full, empty, tidx):
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sW[None, None, 0]))
+        tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sX[None, None, 0]))
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((16 * CONSUMER_WARPS, self.tt)), Float32)
+        acc.fill(0.0)
+        cp_a = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), BFloat16), tiled_mma)
+        # B per warp per k-step is TT x 16: x4 covers 16 tokens, x2 covers 8
+        cp_b = cute.make_tiled_copy_B(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4 if self.tt == 16 else 2), BFloat16), tiled_mma)
+        thr_a = cp_a.get_slice(tidx)
+        thr_b = cp_b.get_slice(tidx)
+        tAsW = thr_a.partition_S(sW)  # (CPY, 1, 8 k-steps, stages)
+        tArA = thr_a.retile(tCrA)
+        tBsX = thr_b.partition_S(sX)  # (CPY, TT/8 or 1, 8 k-steps, stages)
+        tBrB = thr_b.retile(tCrB)
+        ksteps = cute.size(tAsW, mode=[2])
+        for i in cutlass.range(self.ntiles, unroll=1):
+            s = i % self.stages
+            cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
+            for kk in cutlass.range_constexpr(ksteps):
+                cute.copy(cp_a, tAsW[None, None, kk, s], tArA[None, None, kk])
+                cute.copy(cp_b, tBsX[None, None, kk, s], tBrB[None, None, kk])
+            for kk in cutlass.range_constexpr(ksteps):
+                cute.gemm(tiled_mma, acc, tCrA[None, None, kk], tCrB[None, None, kk], acc)
+            cute.arch.sync_warp()  # every lane's ldmatrix of stage s is done
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive(empty + s)
+        return acc
+
+    @cute.jit
+    def send(self, tiled_mma, acc, st, recv_bar, tidx, rank):
+        """Partial of (column m, token n) -> owner n % S at recv[rank][n // S][m]."""
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((16 * CONSUMER_WARPS, self.tt)))
+        recv = st.recv.get_tensor(cute.make_layout(self.tt * HEAD_COLS))
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            m, n = tCcC[i]
+            if cutlass.const_expr(self.S > 1):
+                owner = n % self.S
+                off = (rank * self.owned + n // self.S) * HEAD_COLS + m
+                cute.arch.store_async_dsmem(recv.iterator + off, f32_bits(acc[i]), recv_bar, owner)
+            else:
+                recv[n * HEAD_COLS + m] = acc[i]
+
+    @cute.jit
+    def finish(self, st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
+               v_block_stride, eps, head, rank, warp_idx, tidx):
+        """Owner epilogue: one warp per owned token, lane l holds columns (2l, 2l+1) = RoPE pair l."""
+        lane = tidx % 32
+        recv = st.recv.get_tensor(cute.make_layout(self.tt * HEAD_COLS))
+        cs = st.cs.get_tensor(cute.make_layout(MAX_OWNED_TOKENS * 64))
+        slots = st.slots.get_tensor(cute.make_layout(MAX_OWNED_TOKENS))
+        if cutlass.const_expr(self.S > 1):
+            cute.arch.mbarrier_wait(recv_bar, 0)  # all S partials of my tokens have landed
+        else:
+            cute.arch.barrier(barrier_id=BAR_PARTIALS, number_of_threads=CONSUMER_THREADS)
+        cute.arch.barrier(barrier_id=BAR_AUX, number_of_threads=CONSUMER_THREADS + 32)
+        cute.arch.griddepcontrol_wait()  # before any global store
+        is_qk = head < self.nq + self.nkv
+        is_k = head >= self.nq and head < self.nq + self.nkv
+        is_v = head >= self.nq + self.nkv and head < self.nq + 2 * self.nkv
+        kv_head = head - self.nq
+        if is_v:
+            kv_head = head - self.nq - self.nkv
+        mY = cute.make_tensor(y_ptr, cute.make_layout((self.tt, self.n), stride=(self.n, 1)))
+        c0 = 2 * lane
+        for jj in cutlass.range_constexpr((self.owned + CONSUMER_WARPS - 1) // CONSUMER_WARPS):
+            j = jj * CONSUMER_WARPS + warp_idx
+            t = j * self.S + rank
+            if j < self.owned and t < M:
+                a = Float32(0.0)
+                b = Float32(0.0)
+                for src in cutlass.range_constexpr(self.S):  # fixed rank order: deterministic
+                    a = a + recv[(src * self.owned + j) * HEAD_COLS + c0]
+                    b = b + recv[(src * self.owned + j) * HEAD_COLS + c0 + 1]
+                # the GEMM result is bf16: every later step works on the rounded value
+                a = Float32(BFloat16(a))
+                b = Float32(BFloat16(b))
+                if is_qk:
+                    ss = cute.arch.warp_reduction(a * a + b * b, lambda p, q: p + q)
+                    r = cute.math.rsqrt(ss * Float32(1.0 / HEAD_COLS) + eps)
+                    a = a * r
+                    b = b * r
+                    c = cs[j * 64 + lane]
+                    sn = cs[j * 64 + 32 + lane]
+                    a, b = a * c - b * sn, a * sn + b * c
+                ya = BFloat16(a)
+                yb = BFloat16(b)
+                mY[t, head * HEAD_COLS + c0] = ya
+                mY[t, head * HEAD_COLS + c0 + 1] = yb
+                if is_k or is_v:
+                    slot = slots[j]
+                    limit = Int64(num_blocks) * Int64(block_size)
+                    if slot >= Int64(0) and slot < limit:
+                        blk = slot // Int64(block_size)
+                        off = slot - blk * Int64(block_size)
+                        inner = off * Int64(self.nkv * HEAD_COLS) + Int64(kv_head * HEAD_COLS + c0)
+                        if is_k:
+                            dst = cute.make_tensor(kc_ptr + (blk * k_block_stride + inner), cute.make_layout(2))
+                            dst[0] = ya
+                            dst[1] = yb
+                        else:
+                            dst = cute.make_tensor(vc_ptr + (blk * v_block_stride + inner), cute.make_layout(2))
+                            dst[0] = ya
+                            dst[1] = yb
+
+    @cute.jit
+    def aux(self, st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, rank):
+        """Stage the owned tokens' slots and cos|sin rows (clamped position) in smem."""
+        cute.arch.griddepcontrol_wait()  # positions/slots/cos|sin may be written by the previous grid
+        lane = cute.arch.lane_idx()
+        cs = st.cs.get_tensor(cute.make_layout(MAX_OWNED_TOKENS * 64))
+        slots = st.slots.get_tensor(cute.make_layout(MAX_OWNED_TOKENS))
+        mPos = cute.make_tensor(pos_ptr, cute.make_layout(self.tt))
+        mSlot = cute.make_tensor(slot_ptr, cute.make_layout(self.tt))
+        mCS = cute.make_tensor(cs_ptr, cute.make_layout((max_pos, 64), stride=(64, 1)))
+        for j in cutlass.range_constexpr(self.owned):
+            t = j * self.S + rank
+            if t < M:  # never read positions/slots beyond M
+                p = mPos[t]
+                p = cutlass.max(p, Int64(0))
+                p = cutlass.min(p, Int64(max_pos) - Int64(1))
+                p32 = Int32(p)
+                cs[j * 64 + lane] = mCS[p32, lane]
+                cs[j * 64 + 32 + lane] = mCS[p32, 32 + lane]
+                if lane == 0:
+                    slots[j] = mSlot[t]
+        cute.arch.barrier_arrive(barrier_id=BAR_AUX, number_of_threads=CONSUMER_THREADS + 32)
+
+
+# ---------------------------------------------------------------------- ABI and build
+def abi_for(v: QkvFrontVariant) -> KernelAbi:
+    """The launch ABI (pure: no compile). Order = the kernel's argument order (NOTES.md §3)."""
+    tt = padded_tokens(v)
+    params = [tensormap("tma_w", "CUtensorMap of weight bf16 [N, 8192], box 64x64, 128B swizzle")]
+    # mW_tma: fully static shape (N, 8192) -> no parameter
+    params.append(tensormap("tma_x", f"CUtensorMap of x bf16 [M, 8192], box 64x{tt}, 128B swizzle (rows >= M: 0)"))
+    if not v.fixed_m:
+        params.append(coord_tensor("x_coord", ("M",), "TMA coordinate tensor of x: its dynamic row count M"))
+    params += [
+        pointer("y", "bf16 [M, N] output, contiguous"),
+        pointer("positions", "int64 [M]"),
+        pointer("cos_sin_cache", "float32 [max_pos, 64] contiguous"),
+        pointer("slot_mapping", "int64 [M]"),
+        pointer("key_cache", "bf16 [num_blocks, block_size, num_kv_heads, 64], inner dims contiguous"),
+        pointer("value_cache", "same layout as key_cache, own block stride"),
+        scalar("max_pos", "i32", "rows of cos_sin_cache"),
+        scalar("block_size", "i32"),
+        scalar("num_blocks", "i32"),
+        scalar("k_block_stride", "i64", "key_cache.stride(0) in elements"),
+        scalar("v_block_stride", "i64", "value_cache.stride(0) in elements"),
+        scalar("eps", "f32"),
+    ]
+    return KernelAbi(
+        params=tuple(params),
+        launch=LaunchSpec(block=(THREADS, 1, 1), cluster=(v.splits, 1, 1), dynamic_smem_bytes=smem_bytes(v),
+                          pdl=True, grid=f"(heads * S, 1, 1) = ({v.heads} * {v.splits}, 1, 1)"),
+        tensormaps=(TensorMapSpec("tma_w", "weight", "bf16", (BOX_COLS, HEAD_COLS)),
+                    TensorMapSpec("tma_x", "x", "bf16", (BOX_COLS, tt))))
+
+
+def compile_variant(v: QkvFrontVariant, arch: str):
+    from . import CompiledKernel
+    from ._dsl import compile_to_cubin
+    from .abi import check_abi_against_ptx
+
+    if arch not in SUPPORTED_ARCHES:
+        raise NotImplementedError(
+            f"qkv_front uses sm_90-class TMA, thread-block clusters and st.async; it is built for "
+            f"{' / '.join(SUPPORTED_ARCHES)}; {arch} is not supported")
+    bf = make_ptr(BFloat16, 1 << 20, cute.AddressSpace.gmem, assumed_align=16)
+    f32 = make_ptr(Float32, 1 << 20, cute.AddressSpace.gmem, assumed_align=16)
+    i64 = make_ptr(Int64, 1 << 20, cute.AddressSpace.gmem, assumed_align=8)
+    kern = QkvFrontKernel(v)
+    cubin, ptx, symbol = compile_to_cubin(
+        kern, bf, bf, bf, i64, f32, i64, bf, bf, Int32(max(v.fixed_m, 1)), Int32(1), Int32(16), Int32(1),
+        Int64(1 << 20), Int64(1 << 20), Float32(1e-5), cuda.CUstream(0), arch=arch)
+    abi = abi_for(v)
+    check_abi_against_ptx(abi, ptx, symbol)
+    return CompiledKernel(symbol=symbol, cubin=cubin, ptx=ptx, abi=abi)

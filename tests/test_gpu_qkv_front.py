@@ -1,0 +1,315 @@
+"""qkv_front on the GPU (marked `gpu`; run on the H200 against a cache built on the CPU machine).
+
+Correctness is judged against an fp64 pipeline (GEMM, norm, RoPE in float64): the kernel's error
+must be at most 2x the error of torch's own bf16 path (the reference: bf16 GEMM, fp32 epilogue)
+plus a tiny atol. Outputs are poisoned before every launch; caches are poisoned with a sentinel
+and checked bit for bit outside the given slots.
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from musekern.config import load_config
+from musekern.ops import qkv_front as ops
+from musekern.reference import qkv_front_reference
+
+pytestmark = pytest.mark.gpu
+
+HIDDEN = 8192
+HD = 64
+EPS = 1e-5
+SENTINEL = -7.0  # exact in bf16: a cache element that still holds it was never written
+MODEL = load_config()
+SHARDS = {s.tp: s for s in MODEL.shards()}  # TP 1, 2, 4, 8: N = 17408, 8704, 4352, 2176
+ATOL = 1e-3
+
+
+def rope_table(max_pos: int, device="cuda") -> torch.Tensor:
+    inv = 1.0 / (MODEL.rope_theta ** (torch.arange(0, HD, 2, dtype=torch.float64) / HD))
+    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cat([ang.cos(), ang.sin()], dim=1).float().to(device)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    """One bf16 weight per planned N (std 1/sqrt(K): y has unit scale), made once."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return {tp: (torch.randn(s.n, HIDDEN, device="cuda", generator=g) / HIDDEN ** 0.5).to(torch.bfloat16)
+            for tp, s in SHARDS.items()}
+
+
+def make_caches(num_blocks, block_size, nkv, layout):
+    """bf16 K/V caches poisoned with SENTINEL, in the layouts serving engines use."""
+    shape = (num_blocks, block_size, nkv, HD)
+    if layout == "vllm":  # [2, blocks, block_size, heads, 64]: each cache contiguous
+        kv = torch.full((2, *shape), SENTINEL, dtype=torch.bfloat16, device="cuda")
+        return kv[0], kv[1], kv
+    if layout == "flashinfer":  # [blocks, 2, block_size, heads, 64] NHD: block stride 2x the block
+        kv = torch.full((num_blocks, 2, block_size, nkv, HD), SENTINEL, dtype=torch.bfloat16, device="cuda")
+        return kv[:, 0], kv[:, 1], kv
+    raise ValueError(layout)
+
+
+def problem(m, nkv, *, num_blocks=64, block_size=16, layout="vllm", max_pos=4096, pad_every=0, seed=0,
+            positions=None):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
+    if positions is None:
+        positions = torch.randint(0, max_pos, (m,), device="cuda", generator=g)
+    slots = torch.randperm(num_blocks * block_size, device="cuda", generator=g)[:m]
+    if pad_every:
+        slots[::pad_every] = -1
+    kc, vc, backing = make_caches(num_blocks, block_size, nkv, layout)
+    return dict(x=x, positions=positions.long(), cos_sin_cache=rope_table(max_pos), slot_mapping=slots.long(),
+                key_cache=kc, value_cache=vc, backing=backing)
+
+
+def truth64(p, weight, nkv):
+    """y, and the (k, v) rows per token, in float64 from the same bf16 inputs."""
+    y = p["x"].double() @ weight.double().t()
+    m, n = y.shape
+    heads = n // HD
+    nq = (heads - 2 * nkv) // 2
+    y = y.reshape(m, heads, HD)
+    qk = y[:, :nq + nkv]
+    qk = qk / torch.sqrt(qk.pow(2).mean(-1, keepdim=True) + EPS)
+    pos = p["positions"].clamp(0, p["cos_sin_cache"].shape[0] - 1)
+    cs = p["cos_sin_cache"].double()[pos]
+    c, s = cs[:, None, :HD // 2], cs[:, None, HD // 2:]
+    a, b = qk[..., 0::2], qk[..., 1::2]
+    y[:, :nq + nkv] = torch.stack((a * c - b * s, a * s + b * c), -1).reshape(m, nq + nkv, HD)
+    return y.reshape(m, n), y[:, nq:nq + nkv], y[:, nq + nkv:nq + 2 * nkv]
+
+
+def run_kernel(p, weight, nkv, out=None):
+    if out is None:
+        out = torch.full((p["x"].shape[0], weight.shape[0]), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ops.qkv_front(p["x"], weight, p["positions"], p["cos_sin_cache"], p["slot_mapping"], p["key_cache"],
+                  p["value_cache"], nkv, EPS, out=out)
+    return out
+
+
+def cache_rows(cache, slots):
+    """The cache rows of the valid slots, [T, nkv, 64], and the token indices they belong to."""
+    nb, bs = cache.shape[0], cache.shape[1]
+    idx = [(t, s) for t, s in enumerate(slots.tolist()) if 0 <= s < nb * bs]
+    rows = torch.stack([cache[s // bs, s % bs] for _, s in idx]) if idx else cache.new_empty(0)
+    return rows, [t for t, _ in idx]
+
+
+def check_untouched(cache, slots, name):
+    """Every row outside the valid slots still holds the sentinel, bit for bit."""
+    nb, bs = cache.shape[0], cache.shape[1]
+    mask = torch.ones(nb * bs, dtype=torch.bool, device=cache.device)
+    for s in slots.tolist():
+        if 0 <= s < nb * bs:
+            mask[s] = False
+    rest = cache.reshape(nb * bs, -1)[mask]
+    assert torch.all(rest == SENTINEL), f"{name}: written outside the given slots"
+
+
+def check_against_truth(p, weight, nkv, y, record_property=None):
+    """Kernel error vs fp64 <= 2x torch's bf16 error + atol, for y, k cache and v cache."""
+    ty, tk, tv = truth64(p, weight, nkv)
+    # torch's own bf16 path, on copies of the (poisoned) caches
+    kc_ref, vc_ref = p["key_cache"].clone(), p["value_cache"].clone()
+    y_ref = qkv_front_reference(p["x"], weight, p["positions"], p["cos_sin_cache"], p["slot_mapping"], kc_ref,
+                                vc_ref, nkv, EPS)
+    assert not torch.isnan(y).any(), "y not fully written"
+    errs = {}
+    for name, got, ref in (("y", y, y_ref),):
+        e_k, e_t = (got.double() - ty).abs().max().item(), (ref.double() - ty).abs().max().item()
+        errs[name] = (e_k, e_t)
+    for name, cache, ref_cache, t in (("key_cache", p["key_cache"], kc_ref, tk),
+                                      ("value_cache", p["value_cache"], vc_ref, tv)):
+        rows, toks = cache_rows(cache, p["slot_mapping"])
+        ref_rows, _ = cache_rows(ref_cache, p["slot_mapping"])
+        check_untouched(cache, p["slot_mapping"], name)
+        if toks:
+            want = t[toks]
+            errs[name] = ((rows.double() - want).abs().max().item(), (ref_rows.double() - want).abs().max().item())
+    for name, (e_k, e_t) in errs.items():
+        if record_property:
+            record_property(f"{name}_err", e_k)
+            record_property(f"{name}_torch_err", e_t)
+        assert e_k <= 2 * e_t + ATOL, f"{name}: kernel error {e_k:.3e} > 2 x torch's {e_t:.3e} + {ATOL}"
+    return errs
+
+
+# Every M of 1..16 for each TP shard of the default model (the planned N's): all three compiled
+# variants per N (tiles 1, the M == 8 build, tiles 2) and every tail inside a tile.
+@pytest.mark.parametrize("tp", [8, 4, 2, 1])
+@pytest.mark.parametrize("m", list(range(1, 17)))
+def test_every_m_every_planned_n(weights, record_property, tp, m):
+    nkv = SHARDS[tp].num_kv_heads
+    p = problem(m, nkv, seed=100 * tp + m)
+    y = run_kernel(p, weights[tp], nkv)
+    torch.cuda.synchronize()
+    check_against_truth(p, weights[tp], nkv, y, record_property)
+
+
+# Both engine layouts (non-contiguous block stride for FlashInfer), padding slots (-1) and a slot past
+# the end of the cache (written nowhere), at the TP8 and TP4 shapes.
+@pytest.mark.parametrize("layout", ["vllm", "flashinfer"])
+@pytest.mark.parametrize("tp,m", [(8, 5), (8, 16), (4, 8), (4, 13)])
+def test_cache_layouts_padding_and_bad_slots(weights, layout, tp, m):
+    nkv = SHARDS[tp].num_kv_heads
+    p = problem(m, nkv, layout=layout, pad_every=3, seed=7 * m + tp)
+    nb, bs = p["key_cache"].shape[:2]
+    p["slot_mapping"][-1] = nb * bs + 5  # beyond the cache: must write nothing
+    if layout == "flashinfer":
+        assert not p["key_cache"].is_contiguous()
+    y = run_kernel(p, weights[tp], nkv)
+    torch.cuda.synchronize()
+    check_against_truth(p, weights[tp], nkv, y)
+
+
+@pytest.mark.parametrize("tp", [8, 1])
+def test_positions_near_and_past_the_end_of_the_table(weights, tp):
+    """Positions up to max_pos - 1 are exact; outside [0, max_pos) they are clamped (documented)."""
+    nkv = SHARDS[tp].num_kv_heads
+    max_pos = 512
+    pos = torch.tensor([511, 510, 0, 1, 509, 511, 600, -3, 2**40, 255], device="cuda")
+    p = problem(len(pos), nkv, max_pos=max_pos, positions=pos, seed=3)
+    y = run_kernel(p, weights[tp], nkv)
+    torch.cuda.synchronize()
+    check_against_truth(p, weights[tp], nkv, y)
+
+
+@pytest.mark.parametrize("tp,m", [(8, 1), (8, 8), (8, 16), (1, 11)])
+def test_bitwise_deterministic_20_launches(weights, tp, m):
+    nkv = SHARDS[tp].num_kv_heads
+    p = problem(m, nkv, seed=11)
+    first = run_kernel(p, weights[tp], nkv).clone()
+    k0 = p["backing"].clone()
+    for _ in range(20):
+        assert torch.equal(run_kernel(p, weights[tp], nkv), first)
+        assert torch.equal(p["backing"], k0)
+
+
+def _launch_variant(v, p, weight, out):
+    from musekern.runtime import get_kernel
+    from musekern.variants.qkv_front import launch_grid
+
+    get_kernel(v).launch(launch_grid(v), ops.launch_args(p["x"], weight, p["positions"], p["cos_sin_cache"],
+                                                          p["slot_mapping"], p["key_cache"], p["value_cache"], EPS,
+                                                          out))
+    return out
+
+
+@pytest.mark.parametrize("tp,m", [(8, 3), (8, 8), (8, 12), (4, 16)])
+def test_ring_stages_do_not_change_a_bit(weights, tp, m):
+    """Two builds that differ only in ring depth give identical bits (bench/gpu_cache.sh builds both)."""
+    import dataclasses
+
+    from musekern.targets import local_target
+    from musekern.variants.qkv_front import variant
+
+    nkv = SHARDS[tp].num_kv_heads
+    v = variant(SHARDS[tp].n, m, nkv, local_target())
+    alt = dataclasses.replace(v, stages=ALT_STAGES if v.stages != ALT_STAGES else ALT_STAGES + 1)
+    p = problem(m, nkv, seed=5)
+    a = _launch_variant(v, p, weights[tp], torch.full((m, SHARDS[tp].n), float("nan"), dtype=torch.bfloat16,
+                                                      device="cuda")).clone()
+    b = _launch_variant(alt, p, weights[tp], torch.full_like(a, float("nan")))
+    torch.cuda.synchronize()
+    assert torch.equal(a, b), f"stages {v.stages} vs {alt.stages} differ"
+
+
+ALT_STAGES = 3  # the second ring depth the GPU cache is built with
+
+
+@pytest.mark.parametrize("tp,m", [(8, 4), (8, 8), (2, 16)])
+def test_graph_replay_equals_eager(weights, tp, m):
+    nkv = SHARDS[tp].num_kv_heads
+    p = problem(m, nkv, seed=9)
+    eager = run_kernel(p, weights[tp], nkv).clone()
+    ops.prepare(SHARDS[tp].n, m, num_kv_heads=nkv)
+    out = torch.empty_like(eager)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        run_kernel(p, weights[tp], nkv, out=out)  # warm on the capture stream
+        with torch.cuda.graph(g, stream=s):
+            run_kernel(p, weights[tp], nkv, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
+# ---------------------------------------------------------------- PDL
+PRED_SRC = r"""
+#include <cuda_bf16.h>
+// A predecessor that lets its dependents launch at once, then waits ~spin_ns and only then writes x:
+// a front that read x before griddepcontrol.wait would see the old x.
+extern "C" __global__ void pred_write_x(__nv_bfloat16* x, const __nv_bfloat16* src, int n, long long spin_ns) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < (unsigned long long)spin_ns);
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) x[i] = src[i];
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def pred_kernel(tmp_path_factory):
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not os.path.exists(nvcc):
+        pytest.skip("nvcc is needed to build the PDL predecessor")
+    d = tmp_path_factory.mktemp("pred")
+    (d / "pred.cu").write_text(PRED_SRC)
+    subprocess.run([nvcc, "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-o", str(d / "pred.cubin"),
+                    str(d / "pred.cu")], check=True)
+    from cuda.bindings import driver as drv
+
+    from musekern.runtime.driver import check
+
+    mod = check(drv.cuModuleLoadData((d / "pred.cubin").read_bytes()), "cuModuleLoadData")
+    return check(drv.cuModuleGetFunction(mod, b"pred_write_x"), "cuModuleGetFunction")
+
+
+def test_pdl_front_sees_the_x_its_predecessor_writes(weights, pred_kernel):
+    """100 times: predecessor triggers dependents early, spins, then writes x; the front must use the new x."""
+    import ctypes
+
+    from cuda.bindings import driver as drv
+
+    from musekern.runtime.driver import check
+
+    tp, m = 8, 8
+    nkv = SHARDS[tp].num_kv_heads
+    p = problem(m, nkv, seed=21)
+    srcs = [torch.randn(m, HIDDEN, device="cuda").to(torch.bfloat16) for _ in range(2)]
+    expect = []
+    for src in srcs:
+        p["x"].copy_(src)
+        expect.append(run_kernel(p, weights[tp], nkv).clone())
+    assert not torch.equal(expect[0], expect[1])
+    out = torch.empty_like(expect[0])
+    hs = torch.cuda.current_stream().cuda_stream
+    n = m * HIDDEN
+    for i in range(100):
+        src = srcs[i % 2]
+        p["x"].copy_(srcs[1 - i % 2])  # the stale x
+        out.fill_(float("nan"))
+        args = [ctypes.c_uint64(p["x"].data_ptr()), ctypes.c_uint64(src.data_ptr()), ctypes.c_int(n),
+                ctypes.c_longlong(20_000)]
+        ptrs = (ctypes.c_void_p * 4)(*[ctypes.addressof(a) for a in args])
+        check(drv.cuLaunchKernel(pred_kernel, 8, 1, 1, 256, 1, 1, 0, hs, ctypes.addressof(ptrs), 0),
+              "cuLaunchKernel(pred)")
+        run_kernel(p, weights[tp], nkv, out=out)  # launched with PDL: may start while pred spins
+        torch.cuda.synchronize()
+        assert torch.equal(out, expect[i % 2]), f"iteration {i}: the front did not see its predecessor's x"
+
+
+def test_no_cutlass_on_the_launch_path():
+    assert "cutlass" not in sys.modules

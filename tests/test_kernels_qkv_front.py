@@ -1,0 +1,231 @@
+"""qkv_front CuTe DSL kernel: CPU-only checks of every planned variant (no GPU).
+
+- pure: launch geometry and shared-memory budget of every planned variant on every target;
+- slow (compiles, ~0.5 s a variant on one core): the declared ABI equals the PTX `.entry`, the
+  PTX has the instructions the design relies on (TMA ring, mma.sync bf16->f32, ldmatrix,
+  st.async for S > 1, griddepcontrol.wait/launch_dependents, no global atomics, the exact
+  expect_tx byte counts), and the SASS (cuobjdump, if installed) has HMMA.16816.F32.BF16,
+  UTMALDG and no local-memory spill (STL/LDL).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from musekern.targets import TARGETS, get_target
+from musekern.variants.qkv_front import (
+    HEAD_COLS,
+    K_TILE,
+    K_TILES,
+    THREADS,
+    W_STAGE_BYTES,
+    QkvFrontVariant,
+    launch_grid,
+    padded_tokens,
+    qkv_front_variants,
+    smem_bytes,
+)
+
+
+def planned_variants():
+    from musekern.config import load_config
+    from musekern.variants import plan_model
+
+    return [e.variant for e in plan_model(load_config(), [get_target("h200")]) if e.kernel == "qkv_front"]
+
+
+PLANNED = planned_variants()
+# not planned for the H200, but legal: S = 4 and 8 exercise the multi-owner paths (owned tokens 1..4)
+EXTRA = [QkvFrontVariant(2176, 1, 2, 4, 4, 0), QkvFrontVariant(2176, 1, 1, 8, 8, 8)]
+ARGS_FIELDS = {"weight", "x", "M", "y", "positions", "cos_sin_cache", "slot_mapping", "key_cache", "value_cache",
+               "max_pos", "block_size", "num_blocks", "k_block_stride", "v_block_stride", "eps"}
+
+
+# ---------------------------------------------------------------- pure (no cutlass)
+def test_plan_has_every_shape():
+    ns = sorted({v.n for v in PLANNED})
+    assert ns == [2176, 4352, 8704, 17408]
+    assert {(v.tiles, v.fixed_m) for v in PLANNED} == {(1, 0), (1, 8), (2, 0)}
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_smem_fits_every_target(target):
+    t = TARGETS[target]
+    for n, nkv in ((2176, 1), (4352, 2), (8704, 4), (17408, 8)):
+        for v in qkv_front_variants(n, nkv, t):
+            assert smem_bytes(v) <= t.max_smem_optin, v
+            assert K_TILES % v.splits == 0 and v.stages <= K_TILES // v.splits
+            assert padded_tokens(v) % v.splits == 0  # every owner gets TT/S tokens (static expect_tx)
+
+
+def test_launch_grid():
+    v = QkvFrontVariant(2176, 1, 2, 8, 2, 0)
+    assert launch_grid(v) == (68, 1, 1)
+    assert launch_grid(QkvFrontVariant(17408, 8, 1, 8, 1, 8)) == (272, 1, 1)
+
+
+def test_smem_bytes_formula():
+    # ring (stages x (16 KiB W + TT x 256 B x)) + 8448 B of barriers/slots/cos|sin + TT x 256 B receive buffer
+    v = QkvFrontVariant(2176, 1, 2, 8, 2, 0)
+    assert smem_bytes(v) == 173056
+    assert smem_bytes(QkvFrontVariant(2176, 1, 1, 8, 2, 0)) == 154624
+
+
+def test_ops_import_does_not_import_cutlass():
+    code = ("import sys, musekern.ops.qkv_front as q; assert hasattr(q, 'unsupported'); "
+            "bad = [m for m in sys.modules if m == 'cutlass' or m.startswith('cutlass.')]; assert not bad, bad")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+# ---------------------------------------------------------------- needs the DSL
+@pytest.fixture(scope="module")
+def kmod():
+    pytest.importorskip("cutlass")
+    from musekern.kernels import qkv_front
+
+    return qkv_front
+
+
+@pytest.mark.parametrize("v", PLANNED + EXTRA, ids=lambda v: v.label)
+def test_abi_declaration(kmod, v):
+    abi = kmod.abi_for(v)
+    names = {f.name for p in abi.params for f in p.fields}
+    tm = {s.param: s for s in abi.tensormaps}
+    # every field the op passes is declared (minus the tensor-map params, filled by the loader)
+    assert names - set(tm) <= ARGS_FIELDS
+    assert ("M" in names) == (v.fixed_m == 0)
+    assert abi.launch.block == (THREADS, 1, 1) and abi.launch.cluster == (v.splits, 1, 1) and abi.launch.pdl
+    assert abi.launch.dynamic_smem_bytes == smem_bytes(v)
+    assert tm["tma_w"].tensor == "weight" and tm["tma_w"].box == (64, HEAD_COLS) and tm["tma_w"].swizzle == "128B"
+    assert tm["tma_x"].tensor == "x" and tm["tma_x"].box == (64, padded_tokens(v)) and tm["tma_x"].swizzle == "128B"
+    assert tm["tma_x"].oob_fill == "none"  # rows >= M read as zeros
+
+
+def test_unsupported_arch(kmod):
+    with pytest.raises(NotImplementedError, match="sm_80"):
+        kmod.compile_variant(PLANNED[0], "sm_80")
+
+
+_COMPILED: dict = {}
+
+
+def _compile(kmod, v, arch="sm_90a"):
+    key = (v, arch)
+    if key not in _COMPILED:
+        t0 = time.perf_counter()
+        ck = kmod.compile_variant(v, arch)
+        _COMPILED[key] = (ck, time.perf_counter() - t0)
+    return _COMPILED[key]
+
+
+@pytest.fixture(autouse=True)
+def _tmp_cwd(tmp_path, monkeypatch):
+    # CuTe DSL's --keep-* may also drop files into the current directory
+    monkeypatch.chdir(tmp_path)
+
+
+def _count(pat, text):
+    return len(re.findall(pat, text, re.M))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("v", PLANNED + EXTRA, ids=lambda v: v.label)
+def test_compile_ptx(kmod, v):
+    from musekern.kernels.abi import check_abi_against_ptx
+
+    ck, secs = _compile(kmod, v)
+    assert secs < 120, f"compile took {secs:.1f}s"
+    check_abi_against_ptx(ck.abi, ck.ptx, ck.symbol)
+    ptx = ck.ptx
+    tt = padded_tokens(v)
+    assert ".target sm_90a" in ptx and f".reqntid {THREADS}, 1, 1" in ptx
+    # TMA ring: prefill (stages x (2 W + 2 x boxes)) + the steady-state loop body (4 boxes)
+    assert _count(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\.mbarrier::complete_tx", ptx) == \
+        4 * v.stages + (4 if v.stages < K_TILES // v.splits else 0)
+    stage_tx = W_STAGE_BYTES + tt * K_TILE * 2
+    assert re.search(rf"mov\.b32\s+%r\d+, {stage_tx};\s*\n\s*mbarrier\.arrive\.expect_tx", ptx)
+    # warp MMA: 8 k-steps x (TT / 8) n8 atoms per k-tile, ldmatrix x4 for W, x4 (TT=16) / x2 (TT=8) for x
+    assert _count(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx) == 8 * (tt // 8)
+    assert _count(r"ldmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16", ptx) == 8 + (8 if tt == 16 else 0)
+    assert _count(r"ldmatrix\.sync\.aligned\.m8n8\.x2\.shared\.b16", ptx) == (8 if tt == 8 else 0)
+    # cluster exchange: one st.async per accumulator element, complete_tx on the owner's barrier
+    n_st = _count(r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.b32", ptx)
+    if v.splits > 1:
+        assert n_st == 4 * (tt // 8)
+        recv_tx = tt * HEAD_COLS * 4
+        assert re.search(rf"mov\.b32\s+%r\d+, {recv_tx};\s*\n\s*mbarrier\.arrive\.expect_tx", ptx)
+        assert _count(r"barrier\.cluster\.wait", ptx) == 2  # after init, before exit
+    else:
+        assert n_st == 0 and "barrier.cluster" not in ptx  # S == 1: partials stay in the CTA
+    # PDL: producer (before x), aux (before positions/slots/cos|sin), consumers (before stores)
+    assert _count(r"griddepcontrol\.wait", ptx) == 3
+    assert _count(r"griddepcontrol\.launch_dependents", ptx) == 1
+    # no global atomics, no scratch
+    assert _count(r"^\s*(@%p\d+\s+)?(atom|red)\.", ptx) == 0
+    assert ".local" not in ptx
+
+
+def _nv_bin(name):
+    import site
+
+    dirs = site.getsitepackages() + [site.getusersitepackages()]
+    for d in dirs:
+        hits = glob.glob(os.path.join(d, "nvidia", "*", "bin", name)) + glob.glob(os.path.join(d, "nvidia", "*",
+                                                                                              "*", "bin", name))
+        if hits:
+            return hits[0]
+    return shutil.which(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("v", PLANNED, ids=lambda v: v.label)
+def test_sass(kmod, v, tmp_path):
+    cuobjdump = _nv_bin("cuobjdump")
+    if not cuobjdump:
+        pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    ck, _ = _compile(kmod, v)
+    cub = tmp_path / "k.cubin"
+    cub.write_bytes(ck.cubin)
+    env = dict(os.environ)
+    nvdisasm = _nv_bin("nvdisasm")
+    if nvdisasm:
+        env["PATH"] = os.path.dirname(nvdisasm) + os.pathsep + env.get("PATH", "")
+    res = subprocess.run([cuobjdump, "--dump-resource-usage", str(cub)], capture_output=True, text=True, env=env)
+    m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", res.stdout, re.S)
+    assert m, res.stdout + res.stderr
+    assert int(m.group(2)) == 0, "local memory (spills or stack arrays)"
+    sass = subprocess.run([cuobjdump, "-sass", str(cub)], capture_output=True, text=True, env=env)
+    if "Could not find executable" in sass.stderr:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    s = sass.stdout
+    assert "HMMA.16816.F32.BF16" in s
+    assert "UTMALDG" in s
+    assert "LDSM" in s
+    assert not re.search(r"\b(STL|LDL)\b", s), "local-memory spill in SASS"
+    assert not re.search(r"\b(ATOMG|REDG|RED\.E)\b", s), "global atomic in SASS"
+    if v.splits > 1:
+        assert "STAS" in s  # st.async
+
+
+@pytest.mark.slow
+def test_sm100a_compiles(kmod):
+    ck, _ = _compile(kmod, PLANNED[0], "sm_100a")
+    assert ".target sm_100a" in ck.ptx
+    assert _count(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ck.ptx) > 0
+
+
+@pytest.mark.slow
+def test_compile_is_deterministic(kmod):
+    v = PLANNED[0]
+    a = kmod.compile_variant(v, "sm_90a")
+    b = kmod.compile_variant(v, "sm_90a")
+    assert a.cubin == b.cubin and a.symbol == b.symbol

@@ -1,0 +1,270 @@
+"""qkv_front op: the plain-torch reference against an independent fp64 computation (CPU), every
+rejection of `unsupported` (CPU tensors), and the kernel against the reference (GPU, `gpu` mark).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from musekern.ops import qkv_front as op  # noqa: E402
+from musekern.reference import fused_qknorm_rope_kv_insert, qkv_front_reference  # noqa: E402
+
+K = 8192
+D = 64
+EPS = 1e-5
+
+
+def rope_cache(max_pos, theta=500000.0):
+    inv = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cat((ang.cos(), ang.sin()), dim=1).float()
+
+
+def make_case(m=5, nkv=1, layout="vllm", num_blocks=6, block_size=4, max_pos=64, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    heads = 2 * (16 * nkv) + 2 * nkv
+    n = heads * D
+    x = torch.randn(m, K, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, K, generator=g) / math.sqrt(K)).to(torch.bfloat16)
+    pos = torch.randint(0, max_pos, (m,), generator=g, dtype=torch.int64)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:m].to(torch.int64)
+    if layout == "vllm":  # [2, blocks, block_size, nkv, 64]
+        kv = torch.zeros(2, num_blocks, block_size, nkv, D, dtype=torch.bfloat16)
+        kc, vc = kv[0], kv[1]
+    else:  # flashinfer NHD [blocks, 2, block_size, nkv, 64]
+        kv = torch.zeros(num_blocks, 2, block_size, nkv, D, dtype=torch.bfloat16)
+        kc, vc = kv[:, 0], kv[:, 1]
+    t = dict(x=x, weight=w, positions=pos, cos_sin_cache=rope_cache(max_pos), slot_mapping=slots, key_cache=kc,
+             value_cache=vc, num_kv_heads=nkv, eps=EPS)
+    if device != "cpu":
+        kv = kv.to(device)
+        kc, vc = (kv[0], kv[1]) if layout == "vllm" else (kv[:, 0], kv[:, 1])
+        t = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in t.items()}
+        t["key_cache"], t["value_cache"] = kc, vc
+    return t
+
+
+def fp64_epilogue(yb, pos, cs, nkv, eps):
+    """Independent fp64 loops: norm + interleaved RoPE of q/k heads (positions clamped), v/gate as is."""
+    m, n = yb.shape
+    heads = n // D
+    nq = (heads - 2 * nkv) // 2
+    y = yb.double()
+    out = y.clone()
+    csd = cs.double()
+    for t in range(m):
+        p = min(max(int(pos[t]), 0), cs.shape[0] - 1)
+        for h in range(nq + nkv):
+            v = y[t, h * D:(h + 1) * D]
+            r = 1.0 / math.sqrt(float((v * v).sum()) / D + eps)
+            for i in range(D // 2):
+                a, b = float(v[2 * i]) * r, float(v[2 * i + 1]) * r
+                c, s = float(csd[p, i]), float(csd[p, D // 2 + i])
+                out[t, h * D + 2 * i] = a * c - b * s
+                out[t, h * D + 2 * i + 1] = a * s + b * c
+    return out
+
+
+def assert_bf16_close(got, want64):
+    """Within one bf16 rounding of the fp64 value (the fp32 path may round the other way at a tie)."""
+    got = got.double()
+    ulp = want64.abs().clamp_min(1e-30) * 2.0 ** -7
+    bad = (got - want64).abs() > ulp + 1e-6
+    assert not bad.any(), f"{int(bad.sum())} elements off by more than 1 bf16 ulp; worst " \
+                          f"{float((got - want64).abs().max())}"
+
+
+# ---------------------------------------------------------------- reference vs fp64
+@pytest.mark.parametrize("nkv", [1, 2])
+def test_epilogue_matches_fp64(nkv):
+    c = make_case(m=3, nkv=nkv, seed=nkv)
+    n = c["weight"].shape[0]
+    yb = (torch.randn(3, n, generator=torch.Generator().manual_seed(7)) * 3).to(torch.bfloat16)
+    kc, vc = c["key_cache"], c["value_cache"]
+    y = fused_qknorm_rope_kv_insert(yb, c["positions"], c["cos_sin_cache"], c["slot_mapping"], kc, vc, nkv, EPS)
+    assert y.dtype == torch.bfloat16 and y.shape == yb.shape
+    assert_bf16_close(y, fp64_epilogue(yb, c["positions"], c["cos_sin_cache"], nkv, EPS))
+    nq = (n // D - 2 * nkv) // 2
+    assert torch.equal(y[:, (nq + nkv) * D:], yb[:, (nq + nkv) * D:])  # v and gate unchanged, bitwise
+
+
+def test_reference_gemm_and_epilogue_match_fp64():
+    c = make_case(m=5, nkv=1)
+    y = qkv_front_reference(**c)
+    y64 = c["x"].double() @ c["weight"].double().t()
+    yb64 = y64.to(torch.bfloat16)  # the fp32-accumulated GEMM may round differently by one ulp
+    n = y.shape[1]
+    nq, nkv = 16, 1
+    assert_bf16_close(y[:, (nq + nkv) * D:], y64[:, (nq + nkv) * D:])
+    want = fp64_epilogue(yb64, c["positions"], c["cos_sin_cache"], nkv, EPS)
+    # normed values: a one-ulp GEMM difference moves them by about one ulp too
+    assert (y[:, :(nq + nkv) * D].double() - want[:, :(nq + nkv) * D]).abs().max() < 0.05
+    assert y.shape == (5, n)
+
+
+@pytest.mark.parametrize("layout", ["vllm", "flashinfer"])
+def test_cache_insert_and_padding(layout):
+    c = make_case(m=4, nkv=2, layout=layout)
+    cap = c["key_cache"].shape[0] * c["key_cache"].shape[1]
+    c["slot_mapping"] = torch.tensor([5, -1, cap, 0], dtype=torch.int64)  # token 1 padding, token 2 out of range
+    kbefore, vbefore = c["key_cache"].clone(), c["value_cache"].clone()
+    y = qkv_front_reference(**c)
+    nq, nkv = 32, 2
+    bs = c["key_cache"].shape[1]
+    k_cols = y[:, nq * D:(nq + nkv) * D].reshape(4, nkv, D)
+    v_cols = y[:, (nq + nkv) * D:(nq + 2 * nkv) * D].reshape(4, nkv, D)
+    for t, slot in ((0, 5), (3, 0)):
+        assert torch.equal(c["key_cache"][slot // bs, slot % bs], k_cols[t])
+        assert torch.equal(c["value_cache"][slot // bs, slot % bs], v_cols[t])
+    touched = torch.zeros_like(kbefore, dtype=torch.bool)
+    for slot in (5, 0):
+        touched[slot // bs, slot % bs] = True
+    assert torch.equal(c["key_cache"][~touched], kbefore[~touched])
+    assert torch.equal(c["value_cache"][~touched], vbefore[~touched])
+
+
+def test_positions_are_clamped():
+    c = make_case(m=3)
+    max_pos = c["cos_sin_cache"].shape[0]
+    c["positions"] = torch.tensor([-7, max_pos + 3, 2], dtype=torch.int64)
+    y = qkv_front_reference(**c)
+    c2 = make_case(m=3)
+    c2["positions"] = torch.tensor([0, max_pos - 1, 2], dtype=torch.int64)
+    assert torch.equal(y, qkv_front_reference(**c2))
+
+
+def test_out_argument():
+    c = make_case(m=2)
+    out = torch.empty(2, c["weight"].shape[0], dtype=torch.bfloat16)
+    y = qkv_front_reference(**c, out=out)
+    assert y is out and torch.equal(out, qkv_front_reference(**make_case(m=2)))
+
+
+# ---------------------------------------------------------------- unsupported (CPU tensors)
+def test_valid_cpu_call_only_lacks_a_gpu():
+    c = make_case()
+    r = op.unsupported(**c)
+    assert r is not None and "CUDA" in r
+    assert op.hidden_rows_ok(c["x"])
+    assert op.kv_cache_layout_ok(c["key_cache"], c["value_cache"], 1)
+
+
+def _mut(**changes):
+    c = make_case()
+    for k, f in changes.items():
+        c[k] = f(c) if callable(f) else f
+    return c
+
+
+REJECT = {
+    "x dtype": (dict(x=lambda c: c["x"].float()), "x.dtype"),
+    "x not a tensor": (dict(x=[1, 2]), "x must be a torch.Tensor"),
+    "x 1-D": (dict(x=lambda c: c["x"][0]), "x must be [M, 8192]"),
+    "x hidden": (dict(x=lambda c: c["x"][:, :4096]), "x must be [M, 8192]"),
+    "M = 0": (dict(x=lambda c: c["x"][:0]), "M (x.shape[0])"),
+    "M = 17": (dict(x=lambda c: torch.zeros(17, K, dtype=torch.bfloat16)), "M (x.shape[0])"),
+    "x strided": (dict(x=lambda c: torch.zeros(5, 2 * K, dtype=torch.bfloat16)[:, ::2]), "x must be contiguous"),
+    "x misaligned": (dict(x=lambda c: torch.zeros(5 * K + 1, dtype=torch.bfloat16)[1:].view(5, K)), "aligned"),
+    "weight dtype": (dict(weight=lambda c: c["weight"].half()), "weight.dtype"),
+    "weight K": (dict(weight=lambda c: c["weight"][:, :128]), "weight must be [N, 8192]"),
+    "weight transposed": (dict(weight=lambda c: torch.zeros(K, 2176, dtype=torch.bfloat16).t()), "row-major"),
+    "N not heads": (dict(weight=lambda c: c["weight"][:100]), "N=100"),
+    "N vs kv heads": (dict(num_kv_heads=3), "num_kv_heads=3"),
+    "kv heads type": (dict(num_kv_heads=1.0), "num_kv_heads must be an int"),
+    "positions dtype": (dict(positions=lambda c: c["positions"].int()), "positions.dtype"),
+    "positions length": (dict(positions=lambda c: c["positions"][:2]), "positions must be [M=5]"),
+    "slots dtype": (dict(slot_mapping=lambda c: c["slot_mapping"].int()), "slot_mapping.dtype"),
+    "slots 2-D": (dict(slot_mapping=lambda c: c["slot_mapping"][None]), "slot_mapping must be [M=5]"),
+    "slots strided": (dict(slot_mapping=lambda c: torch.zeros(10, dtype=torch.int64)[::2]), "contiguous"),
+    "cos_sin dtype": (dict(cos_sin_cache=lambda c: c["cos_sin_cache"].double()), "cos_sin_cache.dtype"),
+    "cos_sin width": (dict(cos_sin_cache=lambda c: c["cos_sin_cache"][:, :32]), "cos_sin_cache must be"),
+    "cos_sin strided": (dict(cos_sin_cache=lambda c: torch.zeros(64, 128)[:, ::2]), "cos_sin_cache must be contig"),
+    "cache dtype": (dict(key_cache=lambda c: c["key_cache"].float()), "key_cache.dtype"),
+    "cache heads": (dict(value_cache=lambda c: torch.zeros(6, 4, 2, 64, dtype=torch.bfloat16)), "value_cache must"),
+    "cache head dim": (dict(key_cache=lambda c: torch.zeros(6, 4, 1, 128, dtype=torch.bfloat16)), "key_cache must"),
+    "cache HND": (dict(key_cache=lambda c: torch.zeros(6, 1, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
+                       .expand(6, 4, 1, 64).contiguous().as_strided((6, 4, 1, 64), (256, 1, 256, 4))),
+                  "inner three dims"),
+    "cache shapes differ": (dict(value_cache=lambda c: torch.zeros(7, 4, 1, 64, dtype=torch.bfloat16)), "differ"),
+    "cache overlapping blocks": (dict(key_cache=lambda c: torch.zeros(2000, dtype=torch.bfloat16)
+                                      .as_strided((6, 4, 1, 64), (64, 64, 64, 1))), "block stride"),
+    "eps": (dict(eps=float("nan")), "eps"),
+    "out shape": (dict(out=lambda c: torch.empty(5, 64, dtype=torch.bfloat16)), "out must be"),
+    "out dtype": (dict(out=lambda c: torch.empty(5, 2176, dtype=torch.float32)), "out must be"),
+    "out strided": (dict(out=lambda c: torch.empty(5, 4352, dtype=torch.bfloat16)[:, ::2]), "contiguous"),
+    "out overlaps x": (dict(out=lambda c: c["x"].view(-1)[:5 * 2176].view(5, 2176)), "overlap"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REJECT))
+def test_unsupported_rejects(name):
+    changes, reason = REJECT[name]
+    c = _mut(**changes)
+    r = op.unsupported(**c)
+    assert r is not None and reason in r, r
+    with pytest.raises((TypeError, ValueError), match="qkv_front"):
+        op.qkv_front(**c)
+
+
+def test_type_errors_vs_value_errors():
+    with pytest.raises(TypeError):
+        op.qkv_front(**_mut(x=lambda c: c["x"].float()))
+    with pytest.raises(ValueError):
+        op.qkv_front(**make_case())  # CPU tensors: valid shapes, no GPU
+
+
+def test_hidden_rows_ok():
+    x = torch.zeros(3, K, dtype=torch.bfloat16)
+    assert op.hidden_rows_ok(x)
+    assert not op.hidden_rows_ok(x.float())
+    assert not op.hidden_rows_ok(torch.zeros(17, K, dtype=torch.bfloat16))
+    assert not op.hidden_rows_ok(torch.zeros(3, 2 * K, dtype=torch.bfloat16)[:, :K])
+    assert not op.hidden_rows_ok("x")
+
+
+def test_kv_cache_layout_ok():
+    kv = torch.zeros(2, 6, 4, 2, 64, dtype=torch.bfloat16)
+    assert op.kv_cache_layout_ok(kv[0], kv[1], 2)
+    fi = torch.zeros(6, 2, 4, 2, 64, dtype=torch.bfloat16)
+    assert op.kv_cache_layout_ok(fi[:, 0], fi[:, 1], 2)
+    assert not op.kv_cache_layout_ok(kv[0], kv[1], 1)
+    assert not op.kv_cache_layout_ok(kv[0].transpose(1, 2), kv[1].transpose(1, 2), 2)
+    assert not op.kv_cache_layout_ok(kv[0], kv[1], True)
+
+
+def test_auto_falls_back_to_reference_on_cpu():
+    y = op.qkv_front_auto(**make_case())
+    assert torch.equal(y, qkv_front_reference(**make_case()))
+
+
+def test_launch_args_cover_the_abi():
+    c = make_case()
+    out = torch.empty(5, 2176, dtype=torch.bfloat16)
+    args = op.launch_args(c["x"], c["weight"], c["positions"], c["cos_sin_cache"], c["slot_mapping"],
+                          c["key_cache"], c["value_cache"], EPS, out)
+    assert args["k_block_stride"] == c["key_cache"].stride(0) == 2 * 6 * 0 + 4 * 64  # vLLM split: blocks contiguous
+    assert args["M"] == 5 and args["max_pos"] == 64 and args["block_size"] == 4 and args["num_blocks"] == 6
+    try:
+        from musekern.kernels.qkv_front import abi_for
+    except ImportError:
+        pytest.skip("cutlass not installed")
+    from musekern.variants.qkv_front import QkvFrontVariant
+
+    for fixed in (0, 8):
+        abi = abi_for(QkvFrontVariant(2176, 1, 1, 8, 2, fixed))
+        maps = {s.param for s in abi.tensormaps}
+        need = {f.name for p in abi.params for f in p.fields} - maps
+        assert need <= set(args), need - set(args)
+        assert {s.tensor for s in abi.tensormaps} <= set(args)
+
+
+def test_lazy_kernel_class():
+    pytest.importorskip("cutlass")
+    assert op.QkvFrontKernel.__name__ == "QkvFrontKernel"
+
+
+# The kernel on the GPU (every M and N, caches, determinism, ring depth, graphs, PDL) is tested in
+# tests/test_gpu_qkv_front.py against an fp64 pipeline with the issue's error bound.

@@ -20,7 +20,7 @@ python3 -m pytest -m gpu -q -o junit_family=xunit1 --timeout=120 --timeout-metho
 rc=${PIPESTATUS[0]}
 if [ "${SANITIZE:-0}" = 1 ]; then
   for tool in memcheck racecheck synccheck; do
-    timeout 300 compute-sanitizer --tool $tool --print-limit 20 python3 bench/sanitize_qkv_front.py \
+    timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool --print-limit 20 python3 bench/sanitize_qkv_front.py \
       > "$DEST/sanitizer-$tool.log" 2>&1
     echo "sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$DEST/sanitizer-$tool.log" | tail -1)"
   done

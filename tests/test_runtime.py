@@ -11,9 +11,9 @@ from cubin_headers import elf_header
 
 from musekern.build import key_parts
 from musekern.cache import Cache, CorruptEntryError
-from musekern.kernels.abi import KernelAbi, LaunchSpec, pointer, scalar, tensor, tensormap
+from musekern.kernels.abi import KernelAbi, LaunchSpec, TensorMapSpec, pointer, scalar, tensor, tensormap
 from musekern.runtime import ArchMismatchError, MissingKernelError, load_artifact
-from musekern.runtime.loader import _PackedParam, prepare_command
+from musekern.runtime.loader import _ParamBlock, prepare_command
 from musekern.variants import QkNormVariant
 
 V = QkNormVariant("bfloat16", 64, True)
@@ -26,19 +26,27 @@ def fake_entry(cache, variant=V, arch="sm_90a", cubin=None):
     return cache.put(key_parts(variant, arch, "4.8.1"), elf_header(arch) if cubin is None else cubin, man)
 
 
-def test_pack_scalars_pointer_struct_and_tensormap():
+def test_one_block_packs_scalars_pointer_struct_and_tensormap():
     params = [pointer("x"), scalar("m", "i32"), scalar("eps", "f32"),
-              tensor("y", shape=("M", "N"), stride=("ld",), stride_type="i32"), tensormap("tma")]
-    packed = [_PackedParam(p) for p in params]
-    args = {"x": 0xDEAD_BEEF_0000, "m": -3, "eps": 0.5, "y": 0x1000, "M": 7, "N": 64, "ld": 80,
-            "tma": bytes(range(128))}
-    for p in packed:
-        p.pack(args)
-    assert struct.unpack("<Q", bytes(packed[0].view)) == (0xDEAD_BEEF_0000,)
-    assert struct.unpack("<i", bytes(packed[1].view)) == (-3,)
-    assert struct.unpack("<f", bytes(packed[2].view)) == (0.5,)
-    assert struct.unpack("<Qiii4x", bytes(packed[3].view)) == (0x1000, 7, 64, 80)
-    assert bytes(packed[4].view) == bytes(range(128)) and packed[4].base % 64 == 0
+              tensor("y", shape=("M", "N"), stride=("ld",), stride_type="i32"), tensormap("tma"), scalar("b", "u8")]
+    blk = _ParamBlock(params, (TensorMapSpec("tma", "weight", "bf16", (64, 64)),))
+    args = {"x": 0xDEAD_BEEF_0000, "m": -3, "eps": 0.5, "y": 0x1000, "M": 7, "N": 64, "ld": 80, "weight": "W",
+            "b": 255}
+    values = blk.values(args)
+    assert blk.tmaps == [(values.index("W"), blk.tmaps[0][1])]  # the tensor, to be encoded by the loader
+    values[blk.tmaps[0][0]] = bytes(range(128))
+    blk.struct.pack_into(blk.view, 0, *values)
+    mem = bytes(blk.view)
+    ptrs = [p - blk.base for p in blk.pointers]
+    assert [o % (64 if i == 4 else 8) for i, o in enumerate(ptrs)] == [0] * 6  # aligned parameter slots
+    assert struct.unpack_from("<Q", mem, ptrs[0]) == (0xDEAD_BEEF_0000,)
+    assert struct.unpack_from("<i", mem, ptrs[1]) == (-3,)
+    assert struct.unpack_from("<f", mem, ptrs[2]) == (0.5,)
+    assert struct.unpack_from("<Qiii", mem, ptrs[3]) == (0x1000, 7, 64, 80)
+    assert mem[ptrs[4]:ptrs[4] + 128] == bytes(range(128))
+    assert mem[ptrs[5]] == 255
+    with pytest.raises(KeyError):
+        blk.values({"x": 1})
 
 
 def test_missing_entry_names_variant_and_command(tmp_path):

@@ -7,6 +7,7 @@ PDL) and the tensor-map encode parameters. Kernels are loaded once per process a
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 import struct
 import threading
@@ -37,24 +38,46 @@ def _aligned_buffer(size: int, align: int):
     return raw, base
 
 
-class _PackedParam:
-    """A host buffer for one kernel parameter and a struct.Struct that fills it in one call."""
+class _ParamBlock:
+    """All kernel parameters in one host buffer, each at its own aligned offset, filled by one
+    struct.pack_into: kernelParams is the array of pointers to the parameters (NOTES.md: the cubin
+    places parameters at padded offsets, so an array of pointers, not one packed buffer, is passed).
+    One pack call per launch instead of one per parameter keeps the host cost low (issue 5: <= 10 us).
+    """
 
-    def __init__(self, param):
-        self.name = param.name
-        # tensormaps need 64-byte alignment in the driver's view; host copies are taken at launch
-        self._raw, self.base = _aligned_buffer(param.size, max(param.align, 64 if param.kind == "tensormap" else 8))
-        self.view = memoryview((ctypes.c_uint8 * param.size).from_address(self.base)).cast("B")
-        fmt, pos, self.fields = "<", 0, []
-        for f in sorted(param.fields, key=lambda f: f.offset):
-            fmt += "x" * (f.offset - pos)
-            fmt += f"{f.size}s" if f.type == "bytes" else _FIELD_FMT[f.type]
-            pos = f.offset + f.size
-            self.fields.append(f.name)
+    def __init__(self, params, tensormaps):
+        offsets, off = [], 0
+        for p in params:
+            align = max(p.align, 64 if p.kind == "tensormap" else 8)
+            off = (off + align - 1) // align * align
+            offsets.append(off)
+            off += p.size
+        self._raw, self.base = _aligned_buffer(max(off, 8), 64)
+        self.view = memoryview((ctypes.c_uint8 * max(off, 8)).from_address(self.base)).cast("B")
+        self.pointers = (ctypes.c_void_p * max(len(params), 1))(*[self.base + o for o in offsets])
+        tmap_of = {t.param: t for t in tensormaps}
+        fmt, pos, self.names, self.tmaps = "<", 0, [], []
+        for p, o in zip(params, offsets, strict=True):
+            for f in sorted(p.fields, key=lambda f: f.offset):
+                fmt += "x" * (o + f.offset - pos)
+                if f.type == "bytes":
+                    fmt += f"{f.size}s"
+                    spec = tmap_of.get(p.name)
+                    if spec is not None:  # the value is the tensor; the loader encodes its map
+                        self.tmaps.append((len(self.names), spec))
+                        self.names.append(spec.tensor)
+                        pos = o + f.offset + f.size
+                        continue
+                else:
+                    fmt += _FIELD_FMT[f.type]
+                pos = o + f.offset + f.size
+                self.names.append(f.name)
         self.struct = struct.Struct(fmt)
+        self.getter = operator.itemgetter(*self.names) if len(self.names) > 1 else (
+            lambda a, n=self.names: (a[n[0]],) if n else ())
 
-    def pack(self, args: dict) -> None:
-        self.struct.pack_into(self.view, 0, *[args[n] for n in self.fields])
+    def values(self, args: dict) -> list:
+        return list(self.getter(args))
 
 
 class LoadedKernel:
@@ -72,11 +95,9 @@ class LoadedKernel:
         kern = check(drv.cuLibraryGetKernel(self._library, self.symbol.encode()), "cuLibraryGetKernel", lbl)
         self.func = check(drv.cuKernelGetFunction(kern), "cuKernelGetFunction", lbl)
         self._set_attributes()
-        self._params = [_PackedParam(p) for p in self.abi.params]
-        self._kernel_params = (ctypes.c_void_p * len(self._params))(*[p.base for p in self._params])
-        self._kp_addr = ctypes.addressof(self._kernel_params)
+        self._block = _ParamBlock(self.abi.params, self.abi.tensormaps)
+        self._kp_addr = ctypes.addressof(self._block.pointers)
         self._tmaps = TensorMapCache(lbl)
-        self._tmap_specs = list(self.abi.tensormaps)
         self._configs: dict = {}
         self._lock = threading.Lock()
 
@@ -96,8 +117,8 @@ class LoadedKernel:
         self.num_regs = check(drv.cuFuncGetAttribute(A.CU_FUNC_ATTRIBUTE_NUM_REGS, self.func), "regs query", lbl)
         self.static_smem = static
 
-    def _config(self, grid: tuple, hstream: int):
-        key = (grid, hstream)
+    def _config(self, grid: tuple, hstream: int, pdl: bool):
+        key = (grid, hstream, pdl)
         cfg = self._configs.get(key)
         if cfg is not None:
             return cfg
@@ -107,7 +128,7 @@ class LoadedKernel:
             a.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
             a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z = L.cluster
             attrs.append(a)
-        if L.pdl:
+        if pdl:
             a = drv.CUlaunchAttribute()
             a.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
             a.value.programmaticStreamSerializationAllowed = 1
@@ -124,32 +145,44 @@ class LoadedKernel:
         self._configs[key] = cfg
         return cfg
 
-    def launch(self, grid: tuple, args: dict, stream: int | None = None) -> None:
+    def launch(self, grid: tuple, args: dict, stream: int | None = None, pdl: bool | None = None) -> None:
         """Launch on `stream` (a CUstream handle as int; default: torch's current stream).
 
         `args` maps every field name of the ABI to an int/float; for each tensor map spec,
-        args[spec.tensor] is the 2-D torch tensor the map describes.
+        args[spec.tensor] is the 2-D torch tensor the map describes. `pdl` overrides the
+        manifest's programmatic-stream-serialization attribute (False: a plain stream-ordered launch).
         """
         if stream is None:
-            import torch
-
-            stream = torch.cuda.current_stream(self.device_index).cuda_stream
-        grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
-        cfg = self._config(grid, stream)
-        with self._lock:
-            for spec in self._tmap_specs:
-                args = {**args, spec.param: self._tmaps.get(spec, args[spec.tensor])}
+            stream = _current_stream(self.device_index)
+        if len(grid) != 3:
+            grid = tuple(grid) + (1,) * (3 - len(grid))
+        cfg = self._config(grid, stream, self.abi.launch.pdl if pdl is None else pdl)
+        blk = self._block
+        try:
+            values = blk.values(args)
+        except KeyError as e:
+            raise TypeError(f"{self.label}: launch argument {e.args[0]!r} missing") from None
+        for i, spec in blk.tmaps:
+            values[i] = self._tmaps.get(spec, values[i])
+        with self._lock:  # the host buffer is shared: pack + launch (which copies it) must not interleave
             try:
-                for p in self._params:
-                    p.pack(args)
-            except KeyError as e:
-                raise TypeError(f"{self.label}: launch argument {e.args[0]!r} missing") from None
+                blk.struct.pack_into(blk.view, 0, *values)
             except struct.error as e:
                 raise TypeError(f"{self.label}: bad launch argument: {e}") from None
             err = drv.cuLaunchKernelEx(cfg, self.func, self._kp_addr, 0)[0]
         if err != drv.CUresult.CUDA_SUCCESS:
             check(err, f"cuLaunchKernelEx(grid={grid}, block={self.abi.launch.block}, "
                        f"cluster={self.abi.launch.cluster}, smem={self.abi.launch.dynamic_smem_bytes})", self.label)
+
+
+def _current_stream(device_index: int) -> int:
+    """torch's current stream on the device, as a raw handle (the private accessor is ~10x faster)."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 # ---------------------------------------------------------------- lookup

@@ -60,7 +60,7 @@ class TensorMapCache:
             raise ValueError(f"{self._kernel}: tensor map for {spec.tensor!r} needs a 2-D row-major tensor, "
                              f"got shape {tuple(t.shape)} stride {tuple(t.stride())}")
         rows, cols = t.shape
-        key = (spec, t.data_ptr(), rows, cols, t.stride(0))
+        key = (spec.param, t.data_ptr(), rows, cols, t.stride(0))  # one spec per param name per kernel
         raw = self._maps.get(key)
         if raw is None:
             if len(self._maps) >= self._max:

@@ -68,7 +68,10 @@ def _driver_devices():
     except Exception:
         return []
     ok = drv.CUresult.CUDA_SUCCESS
-    if drv.cuInit(0)[0] != ok:
+    try:
+        if drv.cuInit(0)[0] != ok:
+            return []
+    except Exception:  # newer cuda.bindings raise when libcuda itself is missing (no driver installed)
         return []
     err, n = drv.cuDeviceGetCount()
     if err != ok:

@@ -49,7 +49,7 @@ def _driver_version() -> int | None:
 
         err, v = drv.cuDriverGetVersion()
         return v if err == drv.CUresult.CUDA_SUCCESS else None
-    except Exception:
+    except Exception:  # no libcuda: no driver on this machine
         return None
 
 

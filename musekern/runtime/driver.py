@@ -41,7 +41,13 @@ def check(res, what: str, kernel: str | None = None):
 
 @functools.lru_cache(maxsize=None)
 def init() -> None:
-    check(drv.cuInit(0), "cuInit")
+    try:
+        res = drv.cuInit(0)
+    except Exception as e:  # cuda.bindings >= 13.5 raises when libcuda.so cannot be found
+        raise RuntimeError(f"the CUDA driver (libcuda) cannot be loaded: {e}; musekern's runtime needs an "
+                           f"NVIDIA GPU and driver (building kernels does not: `musekern prepare --target h200`)"
+                           ) from None
+    check(res, "cuInit")
 
 
 def ensure_context(device_index: int) -> None:

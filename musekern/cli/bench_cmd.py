@@ -1,0 +1,68 @@
+"""`musekern bench`: the issue-5 benchmark (GPU only). Table (or --json) on stdout, progress on stderr."""
+from __future__ import annotations
+
+import click
+
+from .common import Failure, UsageFailure, emit_json, json_option, log
+
+NO_GPU = ("musekern bench needs a CUDA GPU (none is visible to torch); run it on the GPU machine, e.g. "
+          "`bash bench/gpu_bench.sh` with the cache carried (see bench/README.md)")
+
+
+def _modes(value: str) -> tuple:
+    from ..bench.report import FRONT_MODES
+
+    modes = tuple(m.strip() for m in value.split(",") if m.strip())
+    bad = [m for m in modes if m not in FRONT_MODES]
+    if bad or not modes:
+        raise UsageFailure(f"--modes: unknown mode(s) {bad or value!r}; choose from {','.join(FRONT_MODES)}")
+    return modes
+
+
+def gpu_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+@click.command("bench")
+@click.option("--quick", is_flag=True, help="M 1 and 16 only, 3 samples (a smoke run of a minute or so).")
+@json_option
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench/results", show_default=True,
+              help="Where the JSON and the PNG go.")
+@click.option("--modes", default="chain,after-norm,isolated", show_default=True,
+              help="Comma-separated qkv_front modes.")
+@click.option("--tp", "tps", type=int, multiple=True, help="TP size(s) of the model plan (repeatable; default all).")
+@click.option("--m", "ms", type=click.IntRange(1, 16), multiple=True,
+              help="Decode token count(s) M (repeatable; default 1 2 4 8 9 12 16).")
+@click.option("--no-host", is_flag=True, help="Skip the host-cost and fresh-process measurements.")
+@click.option("--no-qk-norm", is_flag=True, help="Skip the qk_norm measurements.")
+def bench_cmd(quick, as_json, out_dir, modes, tps, ms, no_host, no_qk_norm):
+    """Benchmark qkv_front (chain, after-norm, isolated) against copy bandwidth, cuBLAS and an unfused chain;
+    qk_norm bandwidth; host cost per call. Writes qkv_front_bench.json and qkv_front_roofline.png to --out."""
+    mode_list = _modes(modes)
+    if not gpu_available():
+        raise Failure(NO_GPU)
+    from ..bench import plot, report, runner
+
+    cfg = runner.BenchConfig.make(quick=quick, tps=tps, ms=ms, modes=mode_list)
+    cfg.host, cfg.qk_norm = not no_host, not no_qk_norm
+    doc = runner.run(cfg)
+    path = report.write_json(doc, out_dir)
+    png = plot.write_plot(doc, out_dir)
+    log(f"wrote {path}" + (f" and {png}" if png else ""))
+    if as_json:
+        emit_json(doc)
+    else:
+        click.echo(report.format_table(doc))
+
+
+def register(group) -> None:
+    group.add_command(bench_cmd)
+
+
+if __name__ == "__main__":  # bench/gpu_bench.sh runs this directly (works before the group registers it)
+    bench_cmd(prog_name="musekern bench")

@@ -23,6 +23,8 @@ for e in plan_model(load_config(), [get_target("h200")]):
         print(dataclasses.replace(e.variant, stages=3).label)
 PY
 )
+# the ring-depth / k_split sweep of bench/sweep_variants.py (issue 5's levers)
+while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python bench/sweep_variants.py --print-labels)
 $MK prepare --target h200 --cache-dir "$CACHE" -j 2 "${labels[@]}" >&2
 # What the results files cite: the commit the cache was built from.
 python3 - "$CACHE" <<'PY'

@@ -499,6 +499,14 @@ class Cache:
                 bad[k] = problems
         return bad
 
+    def _parsed_entries(self):
+        """(entry, its KeyParts) for every entry whose manifest parses (others are `verify`'s business)."""
+        for cand in self.entries():
+            try:
+                yield cand, cand.parts
+            except CacheError:
+                continue
+
     def find(self, parts: KeyParts, any_dsl_version: bool = False) -> Entry | None:
         """The entry for `parts` (exact key). With `any_dsl_version` (the runtime, which has no
         cutlass to ask its version) an entry whose parts equal `parts` except `dsl_version` is
@@ -507,11 +515,7 @@ class Cache:
         if e is not None or not any_dsl_version:
             return e
         best = None
-        for cand in self.entries():
-            try:
-                cp = cand.parts
-            except CacheError:
-                continue
+        for cand, cp in self._parsed_entries():
             if cp.differences(parts) in ([], ["dsl_version"]):
                 rank = (version_sort_key(cp.dsl_version), cp.dsl_version)
                 if best is None or rank > best[0] or (rank == best[0] and cand.key < best[1].key):
@@ -525,11 +529,7 @@ class Cache:
         differing parts, then same kernel/arch first, then the smallest key (deterministic).
         """
         best = None
-        for cand in self.entries():
-            try:
-                cp = cand.parts
-            except CacheError:
-                continue
+        for cand, cp in self._parsed_entries():
             diff = cp.differences(parts)
             rank = (len(diff), "kernel" in diff, "arch" in diff, cand.key)
             if best is None or rank < best[0]:

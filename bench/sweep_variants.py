@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Time qkv_front builds that differ from the plan (ring depth, k_split) side by side, on the GPU.
+
+Usage (GPU machine, cache carried): python3 bench/sweep_variants.py OUT.json [LABEL ...]   (default: GRID)
+  or  python3 bench/sweep_variants.py OUT.json --n 8704 --kv 4 --stages 3,4,5,8 --splits 1 --m 1,16
+
+Per variant and M: a CUDA graph of 8 launches over 8 distinct weights (streams from HBM, not L2),
+with PDL (chain) and without (isolated); median of 7 replays; us per launch and the fraction of
+copy bandwidth (weight bytes / time / copy bandwidth measured in the same run). Also the
+occupancy the driver reports (blocks per SM, active clusters), which the planner's rules use.
+"""
+import argparse
+import itertools
+import json
+import statistics
+import sys
+
+import torch
+from cuda.bindings import driver as drv
+
+from musekern.ops.qkv_front import launch_args
+from musekern.runtime import get_kernel
+from musekern.variants import QkvFrontVariant, variant_from_label
+from musekern.variants.qkv_front import HIDDEN, fixed_rows, launch_grid, token_tiles
+
+LAYERS, REPS, LOOPS = 8, 7, 8
+# The default sweep: (N, kv heads, ring depths, cluster sizes), at M = 1 and 16. Levers from the streaming
+# probe: ring depth vs CTAs per SM (TP2: 136 CTAs > 132 SMs), k_split per N (TP8: 34 heads).
+GRID = [(2176, 1, (4, 8), (1, 2)), (2176, 1, (4,), (4,)), (4352, 2, (4, 8), (1,)), (4352, 2, (4,), (2,)),
+        (8704, 4, (3, 4, 5, 8), (1,)), (17408, 8, (4, 8), (1,))]
+SWEEP_MS = (1, 16)
+
+
+def grid_jobs(ms=SWEEP_MS):
+    return [(QkvFrontVariant(n, kv, token_tiles(m), st, sp, fixed_rows(m)), m)
+            for n, kv, stages, splits in GRID for st in stages for sp in splits for m in ms]
+
+
+def copy_tbps() -> float:
+    n = 1 << 31
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(10):
+        dst.copy_(src)
+    b.record()
+    torch.cuda.synchronize()
+    return 2 * n * 10 / (a.elapsed_time(b) / 1e3) / 1e12
+
+
+def occupancy(k) -> dict:
+    L = k.abi.launch
+    blocks = drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(k.func, L.block[0], L.dynamic_smem_bytes)[1]
+    cfg = k._config((L.cluster[0] * 132, 1, 1), 0, False)
+    clusters = drv.cuOccupancyMaxActiveClusters(k.func, cfg)[1]
+    return {"blocks_per_sm": blocks, "active_clusters": clusters}
+
+
+def time_graph(launch_all) -> float:
+    """us per launch: graph of LOOPS x LAYERS launches, median of REPS replays."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        launch_all()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            for _ in range(LOOPS):
+                launch_all()
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(REPS):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / (LOOPS * LAYERS))
+    return statistics.median(ts)
+
+
+def run(v: QkvFrontVariant, m: int, weights, bw: float) -> dict:
+    k = get_kernel(v)
+    x = torch.randn(m, HIDDEN, device="cuda").to(torch.bfloat16)
+    pos = torch.randint(0, 4096, (m,), device="cuda")
+    cs = torch.randn(4096, 64, device="cuda")
+    slots = torch.randperm(64 * 16, device="cuda")[:m]
+    kv = torch.zeros(2, 64, 16, v.num_kv_heads, 64, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(m, v.n, dtype=torch.bfloat16, device="cuda")
+    args = [launch_args(x, w, pos, cs, slots, kv[0], kv[1], 1e-5, out) for w in weights]
+    grid = launch_grid(v)
+    row = {"label": v.label, "N": v.n, "M": m, "stages": v.stages, "splits": v.splits, **occupancy(k)}
+    for mode, pdl in (("chain", True), ("isolated", False)):
+        us = time_graph(lambda pdl=pdl: [k.launch(grid, a, pdl=pdl) for a in args])
+        row[f"{mode}_us"] = round(us, 2)
+        row[f"{mode}_frac"] = round(v.n * HIDDEN * 2 / (us * 1e-6) / (bw * 1e12), 3)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", nargs="?", help="results JSON")
+    ap.add_argument("--print-labels", action="store_true", help="print the default grid's labels (for prepare)")
+    ap.add_argument("labels", nargs="*")
+    ap.add_argument("--n", type=int)
+    ap.add_argument("--kv", type=int)
+    ap.add_argument("--stages", default="8")
+    ap.add_argument("--splits", default="1")
+    ap.add_argument("--m", default="1,16")
+    a = ap.parse_args(argv)
+    if a.print_labels:
+        print("\n".join(sorted({v.label for v, _ in grid_jobs()})))
+        return 0
+    ms = [int(x) for x in a.m.split(",")]
+    jobs = [] if (a.labels or a.n) else grid_jobs()  # (variant, m)
+    for lbl in a.labels:
+        v = variant_from_label(lbl)
+        jobs += [(v, m) for m in ms if token_tiles(m) == v.tiles and fixed_rows(m) == v.fixed_m]
+    if a.n:
+        for st, sp, m in itertools.product(a.stages.split(","), a.splits.split(","), ms):
+            jobs.append((QkvFrontVariant(a.n, a.kv, token_tiles(m), int(st), int(sp), fixed_rows(m)), m))
+    bw = copy_tbps()
+    print(f"copy {bw:.3f} TB/s", file=sys.stderr)
+    weights_by_n, rows = {}, []
+    for v, m in jobs:
+        if v.n not in weights_by_n:
+            weights_by_n.clear()  # one N's layers at a time: bounded memory
+            weights_by_n[v.n] = [(torch.randn(v.n, HIDDEN, device="cuda") / 90).to(torch.bfloat16)
+                                 for _ in range(LAYERS)]
+        try:
+            row = run(v, m, weights_by_n[v.n], bw)
+        except Exception as e:  # a variant missing from the cache: report it, go on
+            row = {"label": v.label, "M": m, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+    json.dump({"copy_TBps": round(bw, 3), "device": torch.cuda.get_device_name(), "rows": rows},
+              open(a.out, "w"), indent=1)
+    print(f"{'variant':72} {'M':>3} {'blk/SM':>6} {'chain us':>9} {'frac':>6} {'isol us':>8} {'frac':>6}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['label']:72} {r['M']:3} ERROR {r['error'][:60]}")
+        else:
+            print(f"{r['label']:72} {r['M']:3} {r['blocks_per_sm']:6} {r['chain_us']:9} {r['chain_frac']:6} "
+                  f"{r['isolated_us']:8} {r['isolated_frac']:6}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

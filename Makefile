@@ -11,7 +11,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 HAVE_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 
-.PHONY: install prepare test lint gpu-test clean-venv
+.PHONY: install prepare test lint gpu-test bench clean-venv
 
 install: $(STAMP)
 
@@ -40,6 +40,10 @@ lint: install
 # On the GPU machine (no cutlass there): loader + GPU tests against a cache built here and carried.
 gpu-test:
 	bash bench/gpu_round.sh
+
+# On the GPU machine: the issue-5 benchmark (qkv_front modes vs cuBLAS/unfused/copy, qk_norm, host costs).
+bench:
+	bash bench/gpu_bench.sh
 
 clean-venv:
 	rm -rf $(VENV)

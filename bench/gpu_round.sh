@@ -3,24 +3,15 @@
 # results JSON (commit, device) to $OUT (or bench/results/), a short table last.
 # Device call:  bash bench/gpu_round.sh [pytest -k expr]     with carry [".musekern-cache", ".whl"]
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 MUSEKERN_CACHE_DIR="$PWD/.musekern-cache"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-DEST=${OUT:-bench/results}
-mkdir -p "$DEST"
+source "$(dirname "$0")/device_env.sh"
 NAME=${GPU_ROUND_NAME:-gpu-tests}
-nvidia-smi -L || true
 KEXPR=${1:-}
 python3 -m pytest -m gpu -q -o junit_family=xunit1 --timeout=120 --timeout-method=thread -p no:cacheprovider ${KEXPR:+-k "$KEXPR"} \
   --junitxml "$DEST/$NAME.junit.xml" ${GPU_TESTS:-tests} 2>&1 | tail -n 40
 rc=${PIPESTATUS[0]}
 if [ "${SANITIZE:-0}" = 1 ]; then
   for tool in memcheck racecheck synccheck; do
-    timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool --print-limit 20 python3 bench/sanitize_qkv_front.py \
+    timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool --print-limit 20 --report-api-errors no python3 bench/sanitize_qkv_front.py \
       > "$DEST/sanitizer-$tool.log" 2>&1
     echo "sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$DEST/sanitizer-$tool.log" | tail -1)"
   done

@@ -1,7 +1,7 @@
 """Host-side costs: per eager call of `launch` (no checks) and `qkv_front` (with checks), and the first
 call in a fresh process with a warm cache (cubin load + launch, no compile), apart from torch/CUDA init.
 
-`python -m musekern.bench.host --first-call N NUM_KV_HEADS M` is the fresh process; it prints one JSON line.
+FIRST_CALL_SRC (run with `python -c SRC N NUM_KV_HEADS M`) is the fresh process; it prints one JSON line.
 """
 from __future__ import annotations
 
@@ -51,15 +51,15 @@ def measure_eager(n: int, nkv: int, m: int) -> dict:
     """us per eager call of ops.launch and ops.qkv_front (same inputs, `out` given: no allocation)."""
     from ..ops import qkv_front as ops
 
-    a = _inputs(n, nkv, m)
+    a = tuple(_inputs(n, nkv, m).values())  # positional, in the ops' parameter order (no dict unpack timed)
     return {"shape": {"N": n, "num_kv_heads": nkv, "M": m},
-            "launch_us": per_call_us(lambda: ops.launch(**a)),
-            "qkv_front_us": per_call_us(lambda: ops.qkv_front(**a))}
+            "launch_us": per_call_us(lambda: ops.launch(*a)),
+            "qkv_front_us": per_call_us(lambda: ops.qkv_front(*a))}
 
 
 def first_call_subprocess(n: int, nkv: int, m: int, timeout: float = 180.0) -> dict:
     """Run the fresh-process measurement (same env: PYTHONPATH, MUSEKERN_CACHE_DIR) and parse its JSON."""
-    cmd = [sys.executable, "-m", "musekern.bench.host", "--first-call", str(n), str(nkv), str(m)]
+    cmd = [sys.executable, "-c", FIRST_CALL_SRC, str(n), str(nkv), str(m)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode or not lines:
@@ -67,34 +67,28 @@ def first_call_subprocess(n: int, nkv: int, m: int, timeout: float = 180.0) -> d
     return json.loads(lines[-1])
 
 
-def _first_call_main(n: int, nkv: int, m: int) -> None:
-    t0 = time.perf_counter()
-    import torch
-
-    t1 = time.perf_counter()
-    torch.zeros(1, device="cuda")
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    from musekern.ops import qkv_front as ops
-
-    t3 = time.perf_counter()
-    a = _inputs(n, nkv, m)
-    torch.cuda.synchronize()
-    t4 = time.perf_counter()
-    ops.qkv_front(**a)  # cache lookup + sha256 + cubin load + tensor-map encode + launch
-    torch.cuda.synchronize()
-    t5 = time.perf_counter()
-    ops.qkv_front(**a)
-    torch.cuda.synchronize()
-    t6 = time.perf_counter()
-    print(json.dumps({"import_torch_ms": (t1 - t0) * 1e3, "cuda_init_ms": (t2 - t1) * 1e3,
-                      "import_ms": (t3 - t2) * 1e3, "first_call_ms": (t5 - t4) * 1e3,
-                      "second_call_ms": (t6 - t5) * 1e3, "cutlass_imported": "cutlass" in sys.modules,
-                      "shape": {"N": n, "num_kv_heads": nkv, "M": m}}))
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--first-call":
-        _first_call_main(*map(int, sys.argv[2:]))
-    else:
-        sys.exit("usage: python -m musekern.bench.host --first-call N NUM_KV_HEADS M")
+# Run with `python -c` so that nothing of musekern is imported before the clock starts.
+FIRST_CALL_SRC = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+t1 = time.perf_counter()
+torch.zeros(1, device="cuda"); torch.cuda.synchronize()
+t2 = time.perf_counter()
+from musekern.ops import qkv_front as ops
+from musekern.bench.host import _inputs
+t3 = time.perf_counter()
+n, nkv, m = map(int, sys.argv[1:4])
+a = tuple(_inputs(n, nkv, m).values())
+torch.cuda.synchronize()
+t4 = time.perf_counter()
+ops.qkv_front(*a)  # cache lookup + sha256 + cubin load + tensor-map encode + launch: no compile
+torch.cuda.synchronize()
+t5 = time.perf_counter()
+ops.qkv_front(*a)
+torch.cuda.synchronize()
+t6 = time.perf_counter()
+print(json.dumps({"import_torch_ms": (t1 - t0) * 1e3, "cuda_init_ms": (t2 - t1) * 1e3, "import_ms": (t3 - t2) * 1e3,
+                  "first_call_ms": (t5 - t4) * 1e3, "second_call_ms": (t6 - t5) * 1e3,
+                  "cutlass_imported": "cutlass" in sys.modules, "shape": {"N": n, "num_kv_heads": nkv, "M": m}}))
+"""

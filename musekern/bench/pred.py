@@ -145,20 +145,9 @@ class PredKernel:
         key = (m, stream, pdl)
         cfg = self._configs.get(key)
         if cfg is None:
-            drv = self._drv
-            attrs = []
-            if pdl:
-                a = drv.CUlaunchAttribute()
-                a.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-                a.value.programmaticStreamSerializationAllowed = 1
-                attrs.append(a)
-            cfg = drv.CUlaunchConfig()
-            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = m, 1, 1
-            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = THREADS, 1, 1
-            cfg.sharedMemBytes = 0
-            cfg.hStream = drv.CUstream(stream)
-            cfg.attrs = attrs
-            cfg.numAttrs = len(attrs)
+            from ..runtime.driver import launch_config
+
+            cfg = launch_config((m, 1, 1), (THREADS, 1, 1), 0, stream, pdl=pdl)
             self._configs[key] = cfg
         return cfg
 

@@ -34,7 +34,7 @@ def measure(copy_tbps: float, ms=(16, 4096, 16384), head_dims=(64, 128), samples
             base = [torch.randn(m, ROW_STRIDE, device="cuda").to(torch.bfloat16) for _ in range(nb)]
             xs = [b[:, :WIDTH] for b in base]
             outs = [torch.empty(m, WIDTH, dtype=torch.bfloat16, device="cuda") for _ in range(nb)]
-            closures = [(lambda x=x, o=o: qk_norm(x, hd, 1e-6, out=o)) for x, o in zip(xs, outs, strict=True)]
+            closures = [(lambda x=x, o=o, hd=hd: qk_norm(x, hd, 1e-6, out=o)) for x, o in zip(xs, outs, strict=True)]
             per_call_s = max(2 * m * WIDTH * 2 / (copy_tbps * 1e12), 1.5e-6)
             g = Graph(f"qk_norm_{hd}_{m}", closures, loops_for(nb * per_call_s, max_loops=512), nb)
             from ..reference import qk_norm_reference

@@ -66,7 +66,7 @@ def front_checks(mode: str, tp: int, us: float, frac: float | None, floor: float
                 _check("speedup_vs_unfused", vs_unfused, t["vs_unfused"], True)]
     if mode == "after-norm":
         limit = t["added_us"] if "added_us" in t else t["added_floor_x"] * floor
-        return [_check("added_us", us, round(limit, 3), False)]
+        return [_check("added_us", us, limit, False)]
     if mode == "isolated":
         return [_check("frac_of_copy_bw", frac, t["isolated_frac"], True)]
     return []

@@ -18,10 +18,11 @@ def main():
 
 
 def _register_all():
-    from . import build_cmds, doctor_cmd
+    from . import bench_cmd, build_cmds, doctor_cmd
 
     build_cmds.register(main)
     doctor_cmd.register(main)
+    bench_cmd.register(main)
     try:
         from . import cache_cmds
     except ImportError as e:  # pragma: no cover - only while the module is being written

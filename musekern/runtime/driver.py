@@ -78,3 +78,32 @@ def device_info(device_index: int) -> dict:
         "l2_bytes": get(A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
         "driver_version": check(drv.cuDriverGetVersion(), "cuDriverGetVersion"),
     }
+
+
+def launch_config(grid: tuple, block: tuple, smem: int, stream: int, cluster: tuple = (1, 1, 1),
+                  pdl: bool = False):
+    """A CUlaunchConfig for cuLaunchKernelEx with the cluster and PDL attributes this launch needs.
+
+    The cluster shape and PDL are not recorded in a cubin (shared/cute-dsl/NOTES.md §4): without
+    the cluster attribute a cluster kernel runs as 1-CTA clusters (wrong or faulting), so every
+    launch goes through here.
+    """
+    attrs = []
+    if tuple(cluster) != (1, 1, 1):
+        a = drv.CUlaunchAttribute()
+        a.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z = cluster
+        attrs.append(a)
+    if pdl:
+        a = drv.CUlaunchAttribute()
+        a.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        a.value.programmaticStreamSerializationAllowed = 1
+        attrs.append(a)
+    cfg = drv.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
+    cfg.sharedMemBytes = smem
+    cfg.hStream = drv.CUstream(stream)
+    cfg.attrs = attrs  # copied into the config: attribute values must be set before this line
+    cfg.numAttrs = len(attrs)
+    return cfg

@@ -17,7 +17,7 @@ from cuda.bindings import driver as drv
 from .. import targets
 from ..cache import Cache, default_cache_dir
 from ..kernels.abi import KernelAbi
-from .driver import check, device_info, ensure_context
+from .driver import check, device_info, ensure_context, launch_config
 from .tensormap import TensorMapCache
 
 ENV_AUTOBUILD = "MUSEKERN_AUTOBUILD"
@@ -122,24 +122,8 @@ class LoadedKernel:
         cfg = self._configs.get(key)
         if cfg is not None:
             return cfg
-        L, attrs = self.abi.launch, []
-        if L.cluster != (1, 1, 1):
-            a = drv.CUlaunchAttribute()
-            a.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z = L.cluster
-            attrs.append(a)
-        if pdl:
-            a = drv.CUlaunchAttribute()
-            a.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            a.value.programmaticStreamSerializationAllowed = 1
-            attrs.append(a)
-        cfg = drv.CUlaunchConfig()
-        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
-        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = L.block
-        cfg.sharedMemBytes = L.dynamic_smem_bytes
-        cfg.hStream = drv.CUstream(hstream)
-        cfg.attrs = attrs  # copied into the config: attribute values must be set before
-        cfg.numAttrs = len(attrs)
+        L = self.abi.launch
+        cfg = launch_config(grid, L.block, L.dynamic_smem_bytes, hstream, L.cluster, pdl)
         if len(self._configs) > 256:
             self._configs.clear()
         self._configs[key] = cfg

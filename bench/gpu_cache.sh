@@ -11,8 +11,8 @@ labels=()
 for dt in bfloat16 float16; do for hd in 64 128 256; do for sc in False True; do
   labels+=(--variant "qk_norm[dtype=$dt,has_scale=$sc,head_dim=$hd]")
 done; done; done
-# qkv_front builds that differ from the planned ones only in ring depth (3): the GPU tests check that
-# ring_stages does not change a single bit (tests/test_gpu_qkv_front.py ALT_STAGES).
+# qkv_front builds that differ from the planned ones only in ring depth (3) or PDL trigger: the GPU tests
+# check that neither changes a single bit (tests/test_gpu_qkv_front.py ALT_STAGES, _alternatives).
 while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python - <<'PY'
 import dataclasses
 from musekern.config import load_config
@@ -21,6 +21,7 @@ from musekern.variants import plan_model
 for e in plan_model(load_config(), [get_target("h200")]):
     if e.kernel == "qkv_front" and e.variant.n in (2176, 4352):
         print(dataclasses.replace(e.variant, stages=3).label)
+        print(dataclasses.replace(e.variant, trigger="late" if e.variant.trigger == "early" else "early").label)
 PY
 )
 # the ring-depth / k_split sweep of bench/sweep_variants.py (issue 5's levers)

@@ -26,14 +26,16 @@ from musekern.variants.qkv_front import HIDDEN, fixed_rows, launch_grid, token_t
 LAYERS, REPS, LOOPS = 8, 7, 8
 # The default sweep: (N, kv heads, ring depths, cluster sizes), at M = 1 and 16. Levers from the streaming
 # probe: ring depth vs CTAs per SM (TP2: 136 CTAs > 132 SMs), k_split per N (TP8: 34 heads).
-GRID = [(2176, 1, (4, 8), (1, 2)), (2176, 1, (4,), (4,)), (4352, 2, (4, 8), (1,)), (4352, 2, (4,), (2,)),
-        (8704, 4, (3, 4, 5, 8), (1,)), (17408, 8, (4, 8), (1,))]
+# Second round: where the front triggers its dependents (PDL), crossed with the ring depth / CTAs per SM.
+GRID = [(2176, 1, (4, 8), (2,)), (2176, 1, (4,), (4,)), (4352, 2, (4, 8), (1,)), (4352, 2, (4,), (2,)),
+        (8704, 4, (4, 8), (1,)), (17408, 8, (4, 8), (1,))]
+TRIGGERS = ("early", "late")
 SWEEP_MS = (1, 16)
 
 
 def grid_jobs(ms=SWEEP_MS):
-    return [(QkvFrontVariant(n, kv, token_tiles(m), st, sp, fixed_rows(m)), m)
-            for n, kv, stages, splits in GRID for st in stages for sp in splits for m in ms]
+    return [(QkvFrontVariant(n, kv, token_tiles(m), st, sp, fixed_rows(m), trig), m)
+            for n, kv, stages, splits in GRID for st in stages for sp in splits for trig in TRIGGERS for m in ms]
 
 
 def copy_tbps() -> float:
@@ -83,7 +85,7 @@ def time_graph(launch_all) -> float:
     return statistics.median(ts)
 
 
-def run(v: QkvFrontVariant, m: int, weights, bw: float) -> dict:
+def run(v: QkvFrontVariant, m: int, weights, bw: float, pred) -> dict:
     k = get_kernel(v)
     x = torch.randn(m, HIDDEN, device="cuda").to(torch.bfloat16)
     pos = torch.randint(0, 4096, (m,), device="cuda")
@@ -93,11 +95,19 @@ def run(v: QkvFrontVariant, m: int, weights, bw: float) -> dict:
     out = torch.empty(m, v.n, dtype=torch.bfloat16, device="cuda")
     args = [launch_args(x, w, pos, cs, slots, kv[0], kv[1], 1e-5, out) for w in weights]
     grid = launch_grid(v)
-    row = {"label": v.label, "N": v.n, "M": m, "stages": v.stages, "splits": v.splits, **occupancy(k)}
+    row = {"label": v.label, "N": v.n, "M": m, "stages": v.stages, "splits": v.splits, "trigger": v.trigger,
+           **occupancy(k)}
     for mode, pdl in (("chain", True), ("isolated", False)):
         us = time_graph(lambda pdl=pdl: [k.launch(grid, a, pdl=pdl) for a in args])
         row[f"{mode}_us"] = round(us, 2)
         row[f"{mode}_frac"] = round(v.n * HIDDEN * 2 / (us * 1e-6) / (bw * 1e12), 3)
+    if pred is not None:  # after-norm: a PDL predecessor (writes x, triggers early) before every front
+        gamma = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
+        res = torch.randn(m, HIDDEN, device="cuda").to(torch.bfloat16)
+        both = time_graph(lambda: [(pred.launch(res, gamma, x, 1e-5), k.launch(grid, a, pdl=True)) for a in args])
+        alone = time_graph(lambda: [pred.launch(res, gamma, x, 1e-5) for _ in args])
+        row["after_norm_us"], row["pred_us"] = round(both, 2), round(alone, 2)
+        row["added_us"] = round(both - alone, 2)  # per layer: graph launches pred+front per layer entry
     return row
 
 
@@ -123,6 +133,13 @@ def main(argv=None) -> int:
     if a.n:
         for st, sp, m in itertools.product(a.stages.split(","), a.splits.split(","), ms):
             jobs.append((QkvFrontVariant(a.n, a.kv, token_tiles(m), int(st), int(sp), fixed_rows(m)), m))
+    try:
+        from musekern.bench.pred import PredKernel
+
+        pred = PredKernel()
+    except Exception as e:  # no NVRTC/nvcc: chain and isolated only
+        print(f"no predecessor kernel ({e}); after-norm skipped", file=sys.stderr)
+        pred = None
     bw = copy_tbps()
     print(f"copy {bw:.3f} TB/s", file=sys.stderr)
     weights_by_n, rows = {}, []
@@ -132,20 +149,22 @@ def main(argv=None) -> int:
             weights_by_n[v.n] = [(torch.randn(v.n, HIDDEN, device="cuda") / 90).to(torch.bfloat16)
                                  for _ in range(LAYERS)]
         try:
-            row = run(v, m, weights_by_n[v.n], bw)
+            row = run(v, m, weights_by_n[v.n], bw, pred)
         except Exception as e:  # a variant missing from the cache: report it, go on
             row = {"label": v.label, "M": m, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
     json.dump({"copy_TBps": round(bw, 3), "device": torch.cuda.get_device_name(), "rows": rows},
               open(a.out, "w"), indent=1)
-    print(f"{'variant':72} {'M':>3} {'blk/SM':>6} {'chain us':>9} {'frac':>6} {'isol us':>8} {'frac':>6}")
+    print(f"{'N':>5} {'S':>2} {'st':>2} {'trig':5} {'M':>3} {'blk/SM':>6} {'chain us':>9} {'frac':>6} "
+          f"{'isol us':>8} {'frac':>6} {'added us':>8}")
     for r in rows:
         if "error" in r:
             print(f"{r['label']:72} {r['M']:3} ERROR {r['error'][:60]}")
         else:
-            print(f"{r['label']:72} {r['M']:3} {r['blocks_per_sm']:6} {r['chain_us']:9} {r['chain_frac']:6} "
-                  f"{r['isolated_us']:8} {r['isolated_frac']:6}")
+            print(f"{r['N']:5} {r['splits']:2} {r['stages']:2} {r['trigger']:5} {r['M']:3} {r['blocks_per_sm']:6} "
+                  f"{r['chain_us']:9} {r['chain_frac']:6} {r['isolated_us']:8} {r['isolated_frac']:6} "
+                  f"{r.get('added_us', '-'):>8}")
     return 0
 
 

@@ -201,23 +201,30 @@ def _launch_variant(v, p, weight, out):
     return out
 
 
-@pytest.mark.parametrize("tp,m", [(8, 3), (8, 8), (8, 12), (4, 16)])
-def test_ring_stages_do_not_change_a_bit(weights, tp, m):
-    """Two builds that differ only in ring depth give identical bits (bench/gpu_cache.sh builds both)."""
+def _alternatives(v):
+    """The builds that must give the planned variant's bits: another ring depth, the other PDL trigger."""
     import dataclasses
 
+    return {"stages": dataclasses.replace(v, stages=ALT_STAGES if v.stages != ALT_STAGES else ALT_STAGES + 1),
+            "trigger": dataclasses.replace(v, trigger="late" if v.trigger == "early" else "early")}
+
+
+@pytest.mark.parametrize("what", ["stages", "trigger"])
+@pytest.mark.parametrize("tp,m", [(8, 3), (8, 8), (8, 12), (4, 16)])
+def test_ring_stages_and_trigger_do_not_change_a_bit(weights, tp, m, what):
+    """Builds that differ only in ring depth or PDL trigger give identical bits (gpu_cache.sh builds them)."""
     from musekern.targets import local_target
     from musekern.variants.qkv_front import variant
 
     nkv = SHARDS[tp].num_kv_heads
     v = variant(SHARDS[tp].n, m, nkv, local_target())
-    alt = dataclasses.replace(v, stages=ALT_STAGES if v.stages != ALT_STAGES else ALT_STAGES + 1)
+    alt = _alternatives(v)[what]
     p = problem(m, nkv, seed=5)
     a = _launch_variant(v, p, weights[tp], torch.full((m, SHARDS[tp].n), float("nan"), dtype=torch.bfloat16,
                                                       device="cuda")).clone()
     b = _launch_variant(alt, p, weights[tp], torch.full_like(a, float("nan")))
     torch.cuda.synchronize()
-    assert torch.equal(a, b), f"stages {v.stages} vs {alt.stages} differ"
+    assert torch.equal(a, b), f"{v.label} vs {alt.label} differ"
 
 
 ALT_STAGES = 3  # the second ring depth the GPU cache is built with

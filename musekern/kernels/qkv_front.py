@@ -22,7 +22,8 @@ With S == 1 the partials go to the CTA's own shared memory with plain stores.
 
 PDL: before griddepcontrol.wait the kernel reads only W (the producer prefills the ring with W
 tiles); every thread executes griddepcontrol.wait before it reads x, positions, slots or
-cos|sin and before any global store; griddepcontrol.launch_dependents right after init.
+cos|sin and before any global store; griddepcontrol.launch_dependents right after init
+(variant trigger "early") or once the producer has issued its last load ("late").
 
 Out-of-range positions (p < 0 or p >= max_pos) are clamped to [0, max_pos - 1] for the cos|sin
 read (the reference does the same). Slots < 0 or >= num_blocks * block_size write nothing.
@@ -179,7 +180,8 @@ class QkvFrontKernel:
             cute.arch.cluster_wait()  # every CTA's barriers are initialised and armed
         else:
             cute.arch.sync_threads()
-        cute.arch.griddepcontrol_launch_dependents()  # PDL: the next grid may start its W prefetch
+        if cutlass.const_expr(self.v.trigger == "early"):
+            cute.arch.griddepcontrol_launch_dependents()  # PDL: the next grid may start its W prefetch
 
         if warp_idx == PRODUCER_WARP:
             self.producer(tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank)
@@ -221,6 +223,10 @@ class QkvFrontKernel:
             k = rank + i * self.S
             cute.copy(tma_w, tWgW[None, k], tWsW[None, s], tma_bar_ptr=full + s)
             cute.copy(tma_x, tXgX[None, k], tXsX[None, s], tma_bar_ptr=full + s)
+        if cutlass.const_expr(self.v.trigger == "late"):
+            # every load of this CTA is issued: the next grid may land while the ring drains
+            # (one thread's trigger counts for the whole CTA, PTX ISA griddepcontrol)
+            cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def consumer(self, tiled_mma, sW, sX, full, empty, tidx):

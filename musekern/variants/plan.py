@@ -93,7 +93,7 @@ def variant_from_label(label: str):
                 raise ValueError(f"{label!r}: {name} must be an integer, got {raw!r}") from None
         else:
             values[name] = raw
-    missing = set(fields) - set(values)
+    missing = {n for n, f in fields.items() if f.default is dataclasses.MISSING} - set(values)
     if missing:
         raise ValueError(f"{label!r}: missing parameter(s) {', '.join(sorted(missing))}")
     return cls(**values)

@@ -31,6 +31,7 @@ MAX_RING_STAGES = 8  # streaming probe: 8 x 16 KiB stages reached 77-78% (TP8, S
 MIN_RING_STAGES = 2
 # Streaming probe (H200): clusters of 3 are not all co-resident with one CTA per SM, so S is a power of two.
 SPLIT_CHOICES = (1, 2, 4, 8)
+PDL_TRIGGERS = ("early", "late")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,14 @@ class QkvFrontVariant(VariantMixin):
     stages: int  # ring depth; never changes the result
     splits: int  # S, CTAs per cluster splitting K
     fixed_m: int  # 8 for the M == 8 specialisation, else 0 (M is a runtime parameter)
+    # Where the front lets the next grid (PDL) launch: "early" right after init (its W prefetch
+    # overlaps this whole grid), "late" once this CTA's producer has issued its last load (the
+    # next grid lands while this one drains its ring and runs the epilogue). Never changes a bit.
+    trigger: str = "early"
+
+    def __post_init__(self):
+        if self.trigger not in PDL_TRIGGERS:
+            raise ValueError(f"qkv_front trigger must be one of {PDL_TRIGGERS}, got {self.trigger!r}")
 
     @property
     def heads(self) -> int:

@@ -133,6 +133,7 @@ def main(argv=None) -> int:
     if a.n:
         for st, sp, m in itertools.product(a.stages.split(","), a.splits.split(","), ms):
             jobs.append((QkvFrontVariant(a.n, a.kv, token_tiles(m), int(st), int(sp), fixed_rows(m)), m))
+    bw = copy_tbps()  # also makes torch's CUDA context current (the predecessor loads into it)
     try:
         from musekern.bench.pred import PredKernel
 
@@ -140,7 +141,6 @@ def main(argv=None) -> int:
     except Exception as e:  # no NVRTC/nvcc: chain and isolated only
         print(f"no predecessor kernel ({e}); after-norm skipped", file=sys.stderr)
         pred = None
-    bw = copy_tbps()
     print(f"copy {bw:.3f} TB/s", file=sys.stderr)
     weights_by_n, rows = {}, []
     for v, m in jobs:

@@ -14,6 +14,8 @@ SM100_MAX_SMEM_OPTIN = 227 * KIB
 PORTABLE_MAX_CLUSTER = 8  # without CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
 SM90_MAX_CLUSTER = 16  # non-portable maximum on sm_90
 MAX_THREADS_PER_BLOCK = 1024
+SM90_SMEM_PER_SM = 228 * KIB  # shared memory of one SM, shared by its resident CTAs
+SMEM_RESERVED_PER_CTA = 1 * KIB  # the driver keeps 1 KiB of each CTA's shared memory for itself
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,7 @@ class Target:
     max_cluster: int  # largest cluster size the planner may use (portable limit)
     l2_bytes: int
     capability: tuple[int, int]
+    smem_per_sm: int = SM90_SMEM_PER_SM
 
     @property
     def description(self) -> str:

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from musekern.config import load_config
-from musekern.targets import get_target
+from musekern.targets import SMEM_RESERVED_PER_CTA, get_target
 from musekern.variants import (
     QkNormVariant,
     QkvFrontVariant,
@@ -23,7 +23,7 @@ from musekern.variants import (
     variant,
     variant_from_label,
 )
-from musekern.variants.qkv_front import MAX_RING_STAGES, SMEM_RESERVE_BYTES, stage_bytes
+from musekern.variants.qkv_front import MAX_RING_STAGES, SMEM_RESERVE_BYTES, smem_bytes, stage_bytes
 
 H200 = get_target("h200")
 
@@ -39,12 +39,26 @@ def test_token_tiles_range(m):
         token_tiles(m)
 
 
-# The default model's four TP shards on the 132-SM H200 and the 78-SM H20: S is the largest
-# power of two with heads * S <= SMs (streaming probe: S=2 best at TP8; S=1 at TP4 and up).
-@pytest.mark.parametrize("n,target,s", [(2176, "h200", 2), (4352, "h200", 1), (8704, "h200", 1), (17408, "h200", 1),
-                                        (2176, "h20", 2), (2176, "h100-pcie", 2), (1152, "h200", 4)])
+# The default model's four TP shards on the 132-SM H200 and the 78-SM H20, and a TP16 shard: S is the
+# largest power of two with >= 512 KiB of W per CTA (S <= 2) and heads * S <= 2 x SMs (bench/NOTES.md).
+@pytest.mark.parametrize("n,target,s", [(2176, "h200", 2), (4352, "h200", 2), (8704, "h200", 1), (17408, "h200", 1),
+                                        (2176, "h20", 2), (4352, "h20", 2), (8704, "h20", 1), (1152, "h200", 2)])
 def test_k_split(n, target, s):
     assert k_split(n, get_target(target)) == s
+
+
+# Measured rules: a 4-stage ring (two CTAs per SM) and a late PDL trigger when the grid then fits in
+# one wave; otherwise the deep 8-stage ring (one CTA per SM) and an early trigger.
+@pytest.mark.parametrize("n,target,stages,trigger", [(2176, "h200", 4, "late"), (4352, "h200", 4, "late"),
+                                                     (8704, "h200", 4, "late"), (17408, "h200", 8, "early"),
+                                                     (8704, "h20", 4, "late"), (17408, "h20", 8, "early")])
+@pytest.mark.parametrize("m", [1, 16])
+def test_planned_ring_and_trigger(n, target, stages, trigger, m):
+    t = get_target(target)
+    v = variant(n, m, {2176: 1, 4352: 2, 8704: 4, 17408: 8}[n], t)
+    assert (v.stages, v.trigger) == (stages, trigger)
+    if stages == 4:  # two CTAs really fit on one SM
+        assert 2 * (smem_bytes(v) + SMEM_RESERVED_PER_CTA) <= t.smem_per_sm
 
 
 def test_ring_stages_fit_shared_memory():

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..targets import Target
+from ..targets import SMEM_RESERVED_PER_CTA, Target
 from .base import VariantMixin
 
 HIDDEN = 8192  # K of the projection (Muse Spark hidden size)
@@ -82,34 +82,67 @@ def supports_shape(n: int, num_kv_heads: int) -> bool:
     return rest >= 2 and rest % 2 == 0 and (rest // 2) % num_kv_heads == 0
 
 
-def k_split(n: int, target: Target) -> int:
-    """Cluster size S: the largest power of two with heads * S <= SMs (one CTA per SM).
+# ---------------------------------------------------------------- the planner's rules, from measurements
+# bench/results/h200-sweep-stages-splits.json and h200-sweep-trigger-stages.json (H200, CUDA graphs of 8
+# layers over distinct weights; chain = PDL back to back, isolated = no PDL), summarised in bench/NOTES.md:
+# - a ring small enough for TWO CTAs per SM (4 stages) wins whenever heads * S CTAs then fit in one wave:
+#   TP2 36 us isolated / 35 us chain vs 45 / 42 us with 8 stages (136 CTAs > 132 SMs: 2 waves);
+# - with two CTAs per SM the front must let its dependents launch LATE (after its last load): an early
+#   trigger puts the next grid's CTAs on the SMs while this grid streams (TP2 chain 52.6 us early vs
+#   34.8 us late); with one CTA per SM (deep ring) early is as good or better (TP1 71.2 vs 73.1 us);
+# - splitting K so far that a CTA streams < 512 KiB of W loses to fixed per-CTA costs (TP8: S=4 13.8 us
+#   vs S=2 11.6 us chain at M=1);
+# - TP1 (272 CTAs > 2 x 132): no single wave either way; the deep ring is faster (71.2 vs 75.2 us chain).
+CTAS_PER_SM = 2
+MIN_CTA_STREAM_BYTES = 512 * 1024
+SHALLOW_RING_STAGES = 4
 
-    Measured (shared/anchors/streaming-probe): TP8 (34 heads) S=2 streams at 77%, S=3/4 no
-    better; TP4 (68 heads) S=1 90%; TP2/TP1 S=1 98-103%.
-    """
+
+def cta_stream_bytes(split: int) -> int:
+    """Bytes of W one CTA streams: its head's 64 rows, 1/S of K."""
+    return HEAD_COLS * HIDDEN * 2 // split
+
+
+def k_split(n: int, target: Target) -> int:
+    """Cluster size S: the largest power of two with >= 512 KiB of W per CTA whose heads * S CTAs
+    fit in one wave at two CTAs per SM (measured: see the rules above)."""
     heads = n // HEAD_COLS
     best = 1
     for s in SPLIT_CHOICES:
-        if s <= target.max_cluster and heads * s <= target.sm_count:
+        if (s <= target.max_cluster and cta_stream_bytes(s) >= MIN_CTA_STREAM_BYTES
+                and heads * s <= CTAS_PER_SM * target.sm_count):
             best = s
     return best
+
+
+def one_wave_at_two_per_sm(n: int, split: int, target: Target) -> bool:
+    return (n // HEAD_COLS) * split <= CTAS_PER_SM * target.sm_count
 
 
 def stage_bytes(tiles: int) -> int:
     return W_STAGE_BYTES + tiles * X_TILE_STAGE_BYTES
 
 
-def ring_stages(split: int, target: Target, tiles: int = 2) -> int:
-    """Ring depth: as deep as the shared memory allows, capped at MAX_RING_STAGES.
+def ring_stages(split: int, target: Target, tiles: int = 2, n: int | None = None) -> int:
+    """Ring depth. Shallow (two CTAs per SM) when the grid then fits in one wave, else as deep as one
+    CTA per SM allows, capped at MAX_RING_STAGES; never deeper than a CTA's k-tiles.
 
-    The result does not depend on it (the determinism tests compare two depths bit for bit).
-    `split` is part of the signature because the per-CTA stripe shrinks with S: a CTA never
-    streams more than K_TILES / S tiles, and a deeper ring than that is wasted.
+    The result does not depend on it (the GPU tests compare two depths bit for bit). Without `n`
+    (the seed's signature) the deep rule applies.
     """
-    fit = (target.max_smem_optin - SMEM_RESERVE_BYTES) // stage_bytes(tiles)
     per_cta_tiles = (K_TILES + split - 1) // split
+    if n is not None and one_wave_at_two_per_sm(n, split, target):
+        for st in range(SHALLOW_RING_STAGES, MIN_RING_STAGES - 1, -1):
+            probe = QkvFrontVariant(n, 1, tiles, st, split, 0)
+            if CTAS_PER_SM * (smem_bytes(probe) + SMEM_RESERVED_PER_CTA) <= target.smem_per_sm:
+                return min(st, per_cta_tiles)
+    fit = (target.max_smem_optin - SMEM_RESERVE_BYTES) // stage_bytes(tiles)
     return max(MIN_RING_STAGES, min(MAX_RING_STAGES, fit, per_cta_tiles))
+
+
+def pdl_trigger(n: int, split: int, target: Target) -> str:
+    """'late' when two CTAs share an SM (the shallow ring), else 'early' (measured, see above)."""
+    return "late" if one_wave_at_two_per_sm(n, split, target) else "early"
 
 
 def variant(n: int, m: int, num_kv_heads: int, target: Target) -> QkvFrontVariant:
@@ -118,7 +151,8 @@ def variant(n: int, m: int, num_kv_heads: int, target: Target) -> QkvFrontVarian
         raise ValueError(f"qkv_front does not support N={n} with num_kv_heads={num_kv_heads}")
     tiles = token_tiles(m)
     s = k_split(n, target)
-    return QkvFrontVariant(n, num_kv_heads, tiles, ring_stages(s, target, tiles), s, fixed_rows(m))
+    return QkvFrontVariant(n, num_kv_heads, tiles, ring_stages(s, target, tiles, n), s, fixed_rows(m),
+                           pdl_trigger(n, s, target))
 
 
 def qkv_front_variants(n: int, num_kv_heads: int, target: Target, max_tokens: int = MAX_TOKENS):

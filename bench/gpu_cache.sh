@@ -22,6 +22,7 @@ for e in plan_model(load_config(), [get_target("h200")]):
     if e.kernel == "qkv_front" and e.variant.n in (2176, 4352):
         print(dataclasses.replace(e.variant, stages=3).label)
         print(dataclasses.replace(e.variant, trigger="late" if e.variant.trigger == "early" else "early").label)
+        print(dataclasses.replace(e.variant, l2_prefetch=32 if e.variant.l2_prefetch == 0 else 0).label)
 PY
 )
 # the ring-depth / k_split sweep of bench/sweep_variants.py (issue 5's levers)

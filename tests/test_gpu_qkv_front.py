@@ -206,13 +206,14 @@ def _alternatives(v):
     import dataclasses
 
     return {"stages": dataclasses.replace(v, stages=ALT_STAGES if v.stages != ALT_STAGES else ALT_STAGES + 1),
-            "trigger": dataclasses.replace(v, trigger="late" if v.trigger == "early" else "early")}
+            "trigger": dataclasses.replace(v, trigger="late" if v.trigger == "early" else "early"),
+            "l2_prefetch": dataclasses.replace(v, l2_prefetch=ALT_PREFETCH if v.l2_prefetch == 0 else 0)}
 
 
-@pytest.mark.parametrize("what", ["stages", "trigger"])
+@pytest.mark.parametrize("what", ["stages", "trigger", "l2_prefetch"])
 @pytest.mark.parametrize("tp,m", [(8, 3), (8, 8), (8, 12), (4, 16)])
 def test_ring_stages_and_trigger_do_not_change_a_bit(weights, tp, m, what):
-    """Builds that differ only in ring depth or PDL trigger give identical bits (gpu_cache.sh builds them)."""
+    """Builds that differ only in ring depth, PDL trigger or L2 prefetch give identical bits (gpu_cache.sh)."""
     from musekern.targets import local_target
     from musekern.variants.qkv_front import variant
 
@@ -228,6 +229,7 @@ def test_ring_stages_and_trigger_do_not_change_a_bit(weights, tp, m, what):
 
 
 ALT_STAGES = 3  # the second ring depth the GPU cache is built with
+ALT_PREFETCH = 32  # the L2 prefetch (k-tiles per row) of the alternative build
 
 
 @pytest.mark.parametrize("tp,m", [(8, 4), (8, 8), (2, 16)])

@@ -44,8 +44,8 @@ def planned_variants():
 PLANNED = planned_variants()
 # not planned for the H200, but legal: S = 4 and 8 exercise the multi-owner paths (owned tokens 1..4)
 EXTRA = [QkvFrontVariant(2176, 1, 2, 4, 4, 0), QkvFrontVariant(2176, 1, 1, 8, 8, 8)]
-ARGS_FIELDS = {"weight", "x", "M", "y", "positions", "cos_sin_cache", "slot_mapping", "key_cache", "value_cache",
-               "max_pos", "block_size", "num_blocks", "k_block_stride", "v_block_stride", "eps"}
+ARGS_FIELDS = {"weight", "x", "weight_ptr", "M", "y", "positions", "cos_sin_cache", "slot_mapping", "key_cache",
+               "value_cache", "max_pos", "block_size", "num_blocks", "k_block_stride", "v_block_stride", "eps"}
 
 
 # ---------------------------------------------------------------- pure (no cutlass)
@@ -108,6 +108,20 @@ def test_abi_declaration(kmod, v):
     assert tm["tma_w"].tensor == "weight" and tm["tma_w"].box == (64, HEAD_COLS) and tm["tma_w"].swizzle == "128B"
     assert tm["tma_x"].tensor == "x" and tm["tma_x"].box == (64, padded_tokens(v)) and tm["tma_x"].swizzle == "128B"
     assert tm["tma_x"].oob_fill == "none"  # rows >= M read as zeros
+
+
+@pytest.mark.parametrize("pf", [0, 16, 64])
+def test_l2_prefetch_is_in_the_ptx_only_when_asked(kmod, pf):
+    """cp.async.bulk.prefetch.L2 of the CTA's W rows, before griddepcontrol.wait, iff l2_prefetch > 0."""
+    import dataclasses
+
+    v = dataclasses.replace(PLANNED[0], l2_prefetch=pf)
+    ptx = _compile(kmod, v)[0].ptx
+    body = ptx[ptx.index(".entry"):]
+    n = len(re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global", body))
+    assert (n > 0) == (pf > 0)
+    if pf:
+        assert body.index("cp.async.bulk.prefetch.L2") < body.index("griddepcontrol.wait")
 
 
 def test_unsupported_arch(kmod):

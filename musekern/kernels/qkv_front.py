@@ -70,6 +70,14 @@ BAR_AUX = 2  # aux warp staged slots and cos|sin rows -> consumer warps (epilogu
 
 
 @dsl_user_op
+def prefetch_l2(addr, nbytes, *, loc=None, ip=None):
+    """cp.async.bulk.prefetch.L2: start pulling [addr, addr + nbytes) into L2, no completion to wait on."""
+    llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
+                    "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", has_side_effects=True,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def f32_bits(x, *, loc=None, ip=None):
     """Bit-cast fp32 -> i32: st.async payloads are b32 words (NOTES.md pitfall 7)."""
     return Int32(llvm.bitcast(Int32.mlir_type, Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
@@ -135,7 +143,7 @@ class QkvFrontKernel:
         tiled_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)), (CONSUMER_WARPS, 1, 1),
                                         permutation_mnk=(16 * CONSUMER_WARPS, self.tt, 16))
         assert self.Smem.size_in_bytes() == self.smem, (self.Smem.size_in_bytes(), self.smem)
-        self.kernel(tma_w, mW_tma, tma_x, mX_tma, y_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, max_pos,
+        self.kernel(tma_w, mW_tma, tma_x, mX_tma, w_ptr, y_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, max_pos,
                     block_size, num_blocks, k_block_stride, v_block_stride, eps, tiled_mma, sW_layout,
                     sX_layout).launch(grid=list(launch_grid(self.v)), block=[THREADS, 1, 1],
                                       cluster=[self.S, 1, 1], smem=self.smem, stream=stream, use_pdl=True)
@@ -143,10 +151,10 @@ class QkvFrontKernel:
     # ------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, tma_w: cute.CopyAtom, mW_tma: cute.Tensor, tma_x: cute.CopyAtom, mX_tma: cute.Tensor,
-               y_ptr: cute.Pointer, pos_ptr: cute.Pointer, cs_ptr: cute.Pointer, slot_ptr: cute.Pointer,
-               kc_ptr: cute.Pointer, vc_ptr: cute.Pointer, max_pos: Int32, block_size: Int32, num_blocks: Int32,
-               k_block_stride: Int64, v_block_stride: Int64, eps: Float32, tiled_mma: cute.TiledMma,
-               sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout):
+               w_ptr: cute.Pointer, y_ptr: cute.Pointer, pos_ptr: cute.Pointer, cs_ptr: cute.Pointer,
+               slot_ptr: cute.Pointer, kc_ptr: cute.Pointer, vc_ptr: cute.Pointer, max_pos: Int32,
+               block_size: Int32, num_blocks: Int32, k_block_stride: Int64, v_block_stride: Int64, eps: Float32,
+               tiled_mma: cute.TiledMma, sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout):
         tidx = cute.arch.thread_idx()[0]
         bidx = cute.arch.block_idx()[0]
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -184,7 +192,7 @@ class QkvFrontKernel:
             cute.arch.griddepcontrol_launch_dependents()  # PDL: the next grid may start its W prefetch
 
         if warp_idx == PRODUCER_WARP:
-            self.producer(tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank)
+            self.producer(tma_w, mW_tma, tma_x, mX_tma, w_ptr, sW, sX, full, empty, head, rank)
         elif warp_idx == AUX_WARP:
             self.aux(st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, rank)
         else:
@@ -198,7 +206,7 @@ class QkvFrontKernel:
             cute.arch.cluster_wait()
 
     @cute.jit
-    def producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank):
+    def producer(self, tma_w, mW_tma, tma_x, mX_tma, w_ptr, sW, sX, full, empty, head, rank):
         gW = cute.local_tile(mW_tma, (HEAD_COLS, K_TILE), (head, None))  # (64, 128, 64 k-tiles)
         gX = cute.local_tile(mX_tma, (self.tt, K_TILE), (0, None))  # (TT, 128, 64 k-tiles)
         tWsW, tWgW = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
@@ -211,6 +219,16 @@ class QkvFrontKernel:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(full + i, self.stage_tx)  # W + x bytes
             cute.copy(tma_w, tWgW[None, rank + i * self.S], tWsW[None, i], tma_bar_ptr=full + i)
+        if cutlass.const_expr(self.v.l2_prefetch > 0):
+            # Each CTA of the cluster prefetches 64/S whole rows of the head (the cluster covers the
+            # head once), the first l2_prefetch k-tiles of each: HBM streams while this grid waits.
+            rows = HEAD_COLS // self.S
+            lane = cute.arch.lane_idx()
+            base = w_ptr.toint() + Int64(head * HEAD_COLS + rank * rows) * (HIDDEN * 2)
+            for j in cutlass.range_constexpr((rows + 31) // 32):
+                r = lane + 32 * j
+                if r < rows:
+                    prefetch_l2(base + Int64(r) * (HIDDEN * 2), Int32(self.v.l2_prefetch * K_TILE * 2))
         cute.arch.griddepcontrol_wait()  # x may be the previous kernel's output
         for i in cutlass.range_constexpr(self.stages):
             cute.copy(tma_x, tXgX[None, rank + i * self.S], tXsX[None, i], tma_bar_ptr=full + i)
@@ -370,6 +388,7 @@ def abi_for(v: QkvFrontVariant) -> KernelAbi:
     if not v.fixed_m:
         params.append(coord_tensor("x_coord", ("M",), "TMA coordinate tensor of x: its dynamic row count M"))
     params += [
+        pointer("weight_ptr", "the weight's base address (the L2 prefetch reads rows by address)"),
         pointer("y", "bf16 [M, N] output, contiguous"),
         pointer("positions", "int64 [M]"),
         pointer("cos_sin_cache", "float32 [max_pos, 64] contiguous"),

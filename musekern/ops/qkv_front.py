@@ -184,6 +184,7 @@ def launch_args(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, va
     """The `args` of LoadedKernel.launch: every ABI field name (kernels/qkv_front.py::abi_for)."""
     return {
         "weight": weight, "x": x,  # tensor maps (tma_w, tma_x), encoded by the loader
+        "weight_ptr": weight.data_ptr(),
         "M": x.shape[0],  # x's TMA coordinate tensor (absent from the M == 8 build's ABI)
         "y": out.data_ptr(), "positions": positions.data_ptr(), "cos_sin_cache": cos_sin_cache.data_ptr(),
         "slot_mapping": slot_mapping.data_ptr(), "key_cache": key_cache.data_ptr(),

@@ -48,10 +48,15 @@ class QkvFrontVariant(VariantMixin):
     # overlaps this whole grid), "late" once this CTA's producer has issued its last load (the
     # next grid lands while this one drains its ring and runs the epilogue). Never changes a bit.
     trigger: str = "early"
+    # k-tiles of each of the CTA's W rows prefetched into L2 (cp.async.bulk.prefetch.L2) before
+    # griddepcontrol.wait, so HBM keeps streaming while the previous grid finishes; 0 = off.
+    l2_prefetch: int = 0
 
     def __post_init__(self):
         if self.trigger not in PDL_TRIGGERS:
             raise ValueError(f"qkv_front trigger must be one of {PDL_TRIGGERS}, got {self.trigger!r}")
+        if not 0 <= self.l2_prefetch <= K_TILES:
+            raise ValueError(f"qkv_front l2_prefetch must be in 0..{K_TILES} k-tiles, got {self.l2_prefetch}")
 
     @property
     def heads(self) -> int:

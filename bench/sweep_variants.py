@@ -26,18 +26,17 @@ from musekern.variants.qkv_front import HIDDEN, fixed_rows, launch_grid, token_t
 LAYERS, REPS, LOOPS = 8, 7, 8
 # The default sweep: (N, kv heads, ring depths, cluster sizes), at M = 1 and 16. Levers from the streaming
 # probe: ring depth vs CTAs per SM (TP2: 136 CTAs > 132 SMs), k_split per N (TP8: 34 heads).
-# Rounds 1-3 swept ring depth x k_split x PDL trigger (bench/NOTES.md). Round 4: the L2 prefetch of the
-# CTA's W rows before griddepcontrol.wait, on the planned (N, S, stages, trigger) of each shard:
-# (N, kv heads, stages, S, trigger, l2_prefetch k-tiles per row).
-GRID = [(2176, 1, 4, 2, "late", p) for p in (0, 16, 32, 64)] + [(2176, 1, 4, 2, "early", 64)] \
-    + [(4352, 2, 4, 2, "late", p) for p in (0, 16, 32)] + [(8704, 4, 4, 1, "late", p) for p in (0, 16)] \
-    + [(17408, 8, 8, 1, "early", p) for p in (0, 8)]
+# Rounds 1-3 swept ring depth x k_split x PDL trigger, round 4 the L2 prefetch (bench/NOTES.md).
+# Round 5: rotating each head's k-tile order (k_rotate) on the planned (N, S, stages, trigger) of each
+# shard: (N, kv heads, stages, S, trigger, l2_prefetch, k_rotate).
+PLANNED_H200 = [(2176, 1, 4, 2, "late"), (4352, 2, 4, 2, "late"), (8704, 4, 4, 1, "late"), (17408, 8, 8, 1, "early")]
+GRID = [(*cfg, 0, rot) for cfg in PLANNED_H200 for rot in (0, 1, 3)]
 SWEEP_MS = (1, 16)
 
 
 def grid_jobs(ms=SWEEP_MS):
-    return [(QkvFrontVariant(n, kv, token_tiles(m), st, sp, fixed_rows(m), trig, pf), m)
-            for n, kv, st, sp, trig, pf in GRID for m in ms]
+    return [(QkvFrontVariant(n, kv, token_tiles(m), st, sp, fixed_rows(m), trig, pf, rot), m)
+            for n, kv, st, sp, trig, pf, rot in GRID for m in ms]
 
 
 def copy_tbps() -> float:
@@ -98,7 +97,7 @@ def run(v: QkvFrontVariant, m: int, weights, bw: float, pred) -> dict:
     args = [launch_args(x, w, pos, cs, slots, kv[0], kv[1], 1e-5, out) for w in weights]
     grid = launch_grid(v)
     row = {"label": v.label, "N": v.n, "M": m, "stages": v.stages, "splits": v.splits, "trigger": v.trigger,
-           "l2_prefetch": v.l2_prefetch, **occupancy(k)}
+           "l2_prefetch": v.l2_prefetch, "k_rotate": v.k_rotate, **occupancy(k)}
     for mode, pdl in (("chain", True), ("isolated", False)):
         us = time_graph(lambda pdl=pdl: [k.launch(grid, a, pdl=pdl) for a in args])
         row[f"{mode}_us"] = round(us, 2)
@@ -158,13 +157,14 @@ def main(argv=None) -> int:
         print(json.dumps(row), file=sys.stderr)
     json.dump({"copy_TBps": round(bw, 3), "device": torch.cuda.get_device_name(), "rows": rows},
               open(a.out, "w"), indent=1)
-    print(f"{'N':>5} {'S':>2} {'st':>2} {'trig':5} {'pf':>3} {'M':>3} {'blk/SM':>6} {'chain us':>9} {'frac':>6} "
-          f"{'isol us':>8} {'frac':>6} {'added us':>8}")
+    print(f"{'N':>5} {'S':>2} {'st':>2} {'trig':5} {'pf':>3} {'rot':>3} {'M':>3} {'blk/SM':>6} {'chain us':>9} "
+          f"{'frac':>6} {'isol us':>8} {'frac':>6} {'added us':>8}")
     for r in rows:
         if "error" in r:
             print(f"{r['label']:72} {r['M']:3} ERROR {r['error'][:60]}")
         else:
-            print(f"{r['N']:5} {r['splits']:2} {r['stages']:2} {r['trigger']:5} {r['l2_prefetch']:3} {r['M']:3} "
+            print(f"{r['N']:5} {r['splits']:2} {r['stages']:2} {r['trigger']:5} {r['l2_prefetch']:3} {r['k_rotate']:3} "
+                  f"{r['M']:3} "
                   f"{r['blocks_per_sm']:6} "
                   f"{r['chain_us']:9} {r['chain_frac']:6} {r['isolated_us']:8} {r['isolated_frac']:6} "
                   f"{r.get('added_us', '-'):>8}")

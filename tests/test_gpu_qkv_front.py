@@ -191,6 +191,27 @@ def test_bitwise_deterministic_20_launches(weights, tp, m):
         assert torch.equal(p["backing"], k0)
 
 
+# k_rotate changes each head's summation order (not the result's accuracy): the rotated builds of the
+# sweep (bench/sweep_variants.py, built by gpu_cache.sh) against the fp64 pipeline, both tile counts.
+@pytest.mark.parametrize("tp,m,rot", [(8, 5, 1), (8, 16, 3), (1, 16, 1), (4, 1, 3)])
+def test_rotated_k_order_is_correct_and_deterministic(weights, tp, m, rot):
+    import dataclasses
+
+    from musekern.targets import local_target
+    from musekern.variants.qkv_front import variant
+
+    nkv = SHARDS[tp].num_kv_heads
+    v = dataclasses.replace(variant(SHARDS[tp].n, m, nkv, local_target()), k_rotate=rot)
+    p = problem(m, nkv, seed=13)
+    y = _launch_variant(v, p, weights[tp], torch.full((m, SHARDS[tp].n), float("nan"), dtype=torch.bfloat16,
+                                                      device="cuda"))
+    torch.cuda.synchronize()
+    check_against_truth(p, weights[tp], nkv, y)
+    again = _launch_variant(v, p, weights[tp], torch.empty_like(y))
+    torch.cuda.synchronize()
+    assert torch.equal(again, y)
+
+
 def _launch_variant(v, p, weight, out):
     from musekern.runtime import get_kernel
     from musekern.variants.qkv_front import launch_grid

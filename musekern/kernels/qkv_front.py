@@ -213,12 +213,18 @@ class QkvFrontKernel:
                                            cute.group_modes(gW, 0, 2))
         tXsX, tXgX = cpasync.tma_partition(tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
                                            cute.group_modes(gX, 0, 2))
+        # The i-th k-tile this CTA streams. With k_rotate, head h starts h * k_rotate tiles further on
+        # (cyclically), so the clusters do not all read the same x tile from the same L2 lines at the
+        # same moment; the order is fixed per head, so results stay bitwise reproducible.
+        rot = Int32(0)
+        if cutlass.const_expr(self.v.k_rotate > 0):
+            rot = (head * self.v.k_rotate) % self.ntiles
         # Prefill: the ring is fresh, so no empty wait. W only: weights are never written by the
         # previous grid, so they may stream before griddepcontrol.wait.
         for i in cutlass.range_constexpr(self.stages):
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(full + i, self.stage_tx)  # W + x bytes
-            cute.copy(tma_w, tWgW[None, rank + i * self.S], tWsW[None, i], tma_bar_ptr=full + i)
+            cute.copy(tma_w, tWgW[None, self._k_tile(i, rank, rot)], tWsW[None, i], tma_bar_ptr=full + i)
         if cutlass.const_expr(self.v.l2_prefetch > 0):
             # Each CTA of the cluster prefetches 64/S whole rows of the head (the cluster covers the
             # head once), the first l2_prefetch k-tiles of each: HBM streams while this grid waits.
@@ -231,20 +237,26 @@ class QkvFrontKernel:
                     prefetch_l2(base + Int64(r) * (HIDDEN * 2), Int32(self.v.l2_prefetch * K_TILE * 2))
         cute.arch.griddepcontrol_wait()  # x may be the previous kernel's output
         for i in cutlass.range_constexpr(self.stages):
-            cute.copy(tma_x, tXgX[None, rank + i * self.S], tXsX[None, i], tma_bar_ptr=full + i)
+            cute.copy(tma_x, tXgX[None, self._k_tile(i, rank, rot)], tXsX[None, i], tma_bar_ptr=full + i)
         for i in cutlass.range(self.stages, self.ntiles, unroll=1):
             s = i % self.stages
             # use u = i // stages of stage s: wait until the consumers released use u - 1
             cute.arch.mbarrier_wait(empty + s, ((i // self.stages) - 1) % 2)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(full + s, self.stage_tx)
-            k = rank + i * self.S
+            k = self._k_tile(i, rank, rot)
             cute.copy(tma_w, tWgW[None, k], tWsW[None, s], tma_bar_ptr=full + s)
             cute.copy(tma_x, tXgX[None, k], tXsX[None, s], tma_bar_ptr=full + s)
         if cutlass.const_expr(self.v.trigger == "late"):
             # every load of this CTA is issued: the next grid may land while the ring drains
             # (one thread's trigger counts for the whole CTA, PTX ISA griddepcontrol)
             cute.arch.griddepcontrol_launch_dependents()
+
+    def _k_tile(self, i, rank, rot):
+        """The i-th k-tile a CTA of rank `rank` streams (traced inline: plain Python on DSL values)."""
+        if self.v.k_rotate > 0:
+            return rank + ((i + rot) % self.ntiles) * self.S
+        return rank + i * self.S
 
     @cute.jit
     def consumer(self, tiled_mma, sW, sX, full, empty, tidx):

@@ -51,10 +51,16 @@ class QkvFrontVariant(VariantMixin):
     # k-tiles of each of the CTA's W rows prefetched into L2 (cp.async.bulk.prefetch.L2) before
     # griddepcontrol.wait, so HBM keeps streaming while the previous grid finishes; 0 = off.
     l2_prefetch: int = 0
+    # Head h streams its k-tiles starting h * k_rotate tiles further on (cyclically): spreads the
+    # clusters' reads of the shared x over the L2 instead of every cluster reading the same x tile
+    # at once. Changes the summation order (fixed per head: still bitwise reproducible). 0 = off.
+    k_rotate: int = 0
 
     def __post_init__(self):
         if self.trigger not in PDL_TRIGGERS:
             raise ValueError(f"qkv_front trigger must be one of {PDL_TRIGGERS}, got {self.trigger!r}")
+        if self.k_rotate < 0:
+            raise ValueError(f"qkv_front k_rotate must be >= 0, got {self.k_rotate}")
         if not 0 <= self.l2_prefetch <= K_TILES:
             raise ValueError(f"qkv_front l2_prefetch must be in 0..{K_TILES} k-tiles, got {self.l2_prefetch}")
 

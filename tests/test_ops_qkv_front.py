@@ -209,6 +209,29 @@ def test_unsupported_rejects(name):
         op.qkv_front(**c)
 
 
+@pytest.fixture
+def as_if_cuda(monkeypatch):
+    """CPU tensors that claim to live on CUDA device 0: the fast path's device checks pass here."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda t: 0)
+
+
+@pytest.mark.parametrize("name", sorted(REJECT))
+def test_fast_path_never_accepts_a_rejected_call(as_if_cuda, name):
+    """The fast accept path (host cost) is stricter than the checks that give the reasons."""
+    changes, _ = REJECT[name]
+    c = _mut(**changes)
+    assert not op._fast_ok(**{**c, "out": c.get("out")})
+
+
+@pytest.mark.parametrize("layout", ["vllm", "flashinfer"])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_fast_path_accepts_the_common_call(as_if_cuda, layout, m):
+    c = make_case(m=m, layout=layout)
+    assert op._fast_ok(**c, out=None)
+    assert op._fast_ok(**c, out=torch.empty(m, c["weight"].shape[0], dtype=torch.bfloat16))
+
+
 def test_type_errors_vs_value_errors():
     with pytest.raises(TypeError):
         op.qkv_front(**_mut(x=lambda c: c["x"].float()))

@@ -141,9 +141,60 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and a0 < b1 and b0 < a1
 
 
+_supports_shape = functools.lru_cache(maxsize=256)(supports_shape)
+
+
+def _fast_ok(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
+             out) -> bool:
+    """The common valid call, accepted with as few tensor attribute reads as possible (issue 5: the checked
+    call's host cost). Stricter than `_layout_reason` + the device checks (exact strides instead of
+    "contiguous", a CUDA x, same device index everywhere): whatever it accepts, those accept; anything
+    else goes through them for the reason."""
+    try:
+        bf = torch.bfloat16
+        m = x.shape[0]
+        n = weight.shape[0]
+        kshape = key_cache.shape
+        nkv = num_kv_heads
+        if not (x.dtype is bf and weight.dtype is bf and key_cache.dtype is bf and value_cache.dtype is bf
+                and positions.dtype is torch.int64 and slot_mapping.dtype is torch.int64
+                and cos_sin_cache.dtype is torch.float32 and type(nkv) is int and type(eps) is float
+                and 0.0 <= eps < float("inf") and 1 <= m <= MAX_TOKENS and x.is_cuda):
+            return False
+        dev = x.get_device()
+        if not (x.stride() == (HIDDEN, 1) and x.shape[1] == HIDDEN and weight.stride() == (HIDDEN, 1)
+                and weight.shape[1] == HIDDEN and _supports_shape(n, nkv)
+                and (x.data_ptr() | weight.data_ptr()) % _ALIGN == 0
+                and positions.shape == (m,) and slot_mapping.shape == (m,)
+                and positions.stride() == (1,) and slot_mapping.stride() == (1,)
+                and cos_sin_cache.stride() == (HEAD_COLS, 1) and cos_sin_cache.shape[1] == HEAD_COLS
+                and 0 < cos_sin_cache.shape[0] <= _INT32_MAX // HEAD_COLS
+                and len(kshape) == 4 and kshape == value_cache.shape and kshape[2] == nkv
+                and kshape[3] == HEAD_COLS and kshape[0] >= 1 and kshape[1] >= 1
+                and kshape[0] * kshape[1] <= _INT32_MAX
+                and key_cache.stride()[1:] == (nkv * HEAD_COLS, HEAD_COLS, 1)
+                and value_cache.stride()[1:] == (nkv * HEAD_COLS, HEAD_COLS, 1)
+                and key_cache.stride(0) >= kshape[1] * nkv * HEAD_COLS
+                and value_cache.stride(0) >= kshape[1] * nkv * HEAD_COLS
+                and (key_cache.data_ptr() | value_cache.data_ptr()) % 4 == 0
+                and weight.get_device() == dev and positions.get_device() == dev
+                and slot_mapping.get_device() == dev and cos_sin_cache.get_device() == dev
+                and key_cache.get_device() == dev and value_cache.get_device() == dev):
+            return False
+        if out is not None:
+            return (out.dtype is bf and out.shape == (m, n) and out.stride() == (n, 1)
+                    and out.data_ptr() % _ALIGN == 0 and out.get_device() == dev and not _overlaps(out, x))
+        return True
+    except (AttributeError, TypeError, IndexError):  # not tensors, wrong ranks: the slow path says why
+        return False
+
+
 def unsupported(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
                 out=None) -> str | None:
     """Why the qkv_front kernel cannot take this call (checked before launch), or None."""
+    if _fast_ok(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
+                out):
+        return None
     r = _layout_reason(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads,
                        eps, out)
     if r:
@@ -197,16 +248,22 @@ def launch_args(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, va
 def launch(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
            out=None) -> torch.Tensor:
     """No checks: launch the cached variant this call takes on torch's current stream."""
-    from ..runtime import get_kernel
-
     m, n = x.shape[0], weight.shape[0]
     if out is None:
         out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-    dev = _device_index(x)
-    v = _variant(n, m, num_kv_heads, dev)
-    get_kernel(v, device=dev).launch(launch_grid(v), launch_args(x, weight, positions, cos_sin_cache,
-                                                                 slot_mapping, key_cache, value_cache, eps, out))
+    kernel, grid = _launch_plan(n, m, num_kv_heads, _device_index(x))
+    kernel.launch(grid, launch_args(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
+                                    eps, out))
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_plan(n: int, m: int, num_kv_heads: int, device_index: int):
+    """(loaded kernel, grid) of a call shape: resolved once per process (the host cost of `launch`)."""
+    from ..runtime import get_kernel
+
+    v = _variant(n, m, num_kv_heads, device_index)
+    return get_kernel(v, device=device_index), launch_grid(v)
 
 
 def qkv_front(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,

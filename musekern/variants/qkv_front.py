@@ -104,9 +104,14 @@ def supports_shape(n: int, num_kv_heads: int) -> bool:
 # - splitting K so far that a CTA streams < 512 KiB of W loses to fixed per-CTA costs (TP8: S=4 13.8 us
 #   vs S=2 11.6 us chain at M=1);
 # - TP1 (272 CTAs > 2 x 132): no single wave either way; the deep ring is faster (71.2 vs 75.2 us chain).
+# - rotating each head's k-tile order by one tile per head (k_rotate=1) is 0-4% faster than lockstep
+#   (TP4 chain 20.0 vs 20.8 us, TP1 69.5 vs 70.1; h200-sweep-k-rotate.json); an L2 prefetch of the W
+#   rows before griddepcontrol.wait is slower at every depth (TP8 12.7-16.4 vs 12.0 us,
+#   h200-sweep-l2-prefetch.json), so it stays off.
 CTAS_PER_SM = 2
 MIN_CTA_STREAM_BYTES = 512 * 1024
 SHALLOW_RING_STAGES = 4
+K_ROTATE = 1
 
 
 def cta_stream_bytes(split: int) -> int:
@@ -163,7 +168,7 @@ def variant(n: int, m: int, num_kv_heads: int, target: Target) -> QkvFrontVarian
     tiles = token_tiles(m)
     s = k_split(n, target)
     return QkvFrontVariant(n, num_kv_heads, tiles, ring_stages(s, target, tiles, n), s, fixed_rows(m),
-                           pdl_trigger(n, s, target))
+                           pdl_trigger(n, s, target), k_rotate=K_ROTATE)
 
 
 def qkv_front_variants(n: int, num_kv_heads: int, target: Target, max_tokens: int = MAX_TOKENS):

@@ -27,10 +27,11 @@ LAYERS, REPS, LOOPS = 8, 7, 8
 # The default sweep: (N, kv heads, ring depths, cluster sizes), at M = 1 and 16. Levers from the streaming
 # probe: ring depth vs CTAs per SM (TP2: 136 CTAs > 132 SMs), k_split per N (TP8: 34 heads).
 # Rounds 1-3 swept ring depth x k_split x PDL trigger, round 4 the L2 prefetch (bench/NOTES.md).
-# Round 5: rotating each head's k-tile order (k_rotate) on the planned (N, S, stages, trigger) of each
-# shard: (N, kv heads, stages, S, trigger, l2_prefetch, k_rotate).
-PLANNED_H200 = [(2176, 1, 4, 2, "late"), (4352, 2, 4, 2, "late"), (8704, 4, 4, 1, "late"), (17408, 8, 8, 1, "early")]
-GRID = [(*cfg, 0, rot) for cfg in PLANNED_H200 for rot in (0, 1, 3)]
+# Round 5 rotated each head's k-tile order (k_rotate). Round 6: the deepest ring that still fits two
+# CTAs per SM (5 stages) against the planned 4, where the grid leaves SMs with one CTA (TP8, TP4):
+# (N, kv heads, stages, S, trigger, l2_prefetch, k_rotate).
+GRID = [(n, kv, st, 2, "late", 0, 1) for n, kv in ((2176, 1), (4352, 2)) for st in (4, 5)] \
+    + [(8704, 4, st, 1, "late", 0, 1) for st in (4, 5)]
 SWEEP_MS = (1, 16)
 
 

@@ -148,7 +148,11 @@ def ring_stages(split: int, target: Target, tiles: int = 2, n: int | None = None
     """
     per_cta_tiles = (K_TILES + split - 1) // split
     if n is not None and one_wave_at_two_per_sm(n, split, target):
-        for st in range(SHALLOW_RING_STAGES, MIN_RING_STAGES - 1, -1):
+        # A CTA alone on its SM (heads * S <= SMs, TP8) takes the deepest ring that still lets the
+        # next grid's CTA share the SM: 5 stages, 11.4 vs 12.0 us chain at M=1; where SMs hold two
+        # CTAs (TP4, TP2) 4 stages is as fast or faster (h200-sweep-ring5.json).
+        top = MAX_RING_STAGES if (n // HEAD_COLS) * split <= target.sm_count else SHALLOW_RING_STAGES
+        for st in range(top, MIN_RING_STAGES - 1, -1):
             probe = QkvFrontVariant(n, 1, tiles, st, split, 0)
             if CTAS_PER_SM * (smem_bytes(probe) + SMEM_RESERVED_PER_CTA) <= target.smem_per_sm:
                 return min(st, per_cta_tiles)

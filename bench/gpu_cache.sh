@@ -11,18 +11,22 @@ labels=()
 for dt in bfloat16 float16; do for hd in 64 128 256; do for sc in False True; do
   labels+=(--variant "qk_norm[dtype=$dt,has_scale=$sc,head_dim=$hd]")
 done; done; done
-# qkv_front builds that differ from the planned ones only in ring depth (3) or PDL trigger: the GPU tests
-# check that neither changes a single bit (tests/test_gpu_qkv_front.py ALT_STAGES, _alternatives).
+# qkv_front builds that differ from the planned ones only in ring depth (3), PDL trigger or L2 prefetch
+# (the GPU tests check that none changes a single bit: tests/test_gpu_qkv_front.py _alternatives), and in
+# k_rotate (a different summation order, checked against fp64).
 while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python - <<'PY'
 import dataclasses
 from musekern.config import load_config
 from musekern.targets import get_target
 from musekern.variants import plan_model
 for e in plan_model(load_config(), [get_target("h200")]):
-    if e.kernel == "qkv_front" and e.variant.n in (2176, 4352):
+    if e.kernel == "qkv_front" and e.variant.n in (2176, 4352):  # the bit-identity tests' alternatives
         print(dataclasses.replace(e.variant, stages=3).label)
         print(dataclasses.replace(e.variant, trigger="late" if e.variant.trigger == "early" else "early").label)
         print(dataclasses.replace(e.variant, l2_prefetch=32 if e.variant.l2_prefetch == 0 else 0).label)
+    if e.kernel == "qkv_front":  # test_rotated_k_order_is_correct_and_deterministic: k_rotate 0, 1, 3
+        for rot in (0, 1, 3):
+            print(dataclasses.replace(e.variant, k_rotate=rot).label)
 PY
 )
 # the ring-depth / k_split sweep of bench/sweep_variants.py (issue 5's levers)

@@ -196,6 +196,10 @@ def prepare_command(variant, arch: str, cache: Cache) -> str:
 
 def _missing(variant, arch: str, cache: Cache, parts) -> MissingKernelError:
     near, diff = cache.nearest(parts)
+    from ..build import dsl_version
+
+    if dsl_version() is None:  # the runtime takes any DSL version: not a difference worth naming
+        diff = [d for d in diff if d != "dsl_version"]
     hint = ""
     if near is not None:
         hint = f" The nearest entry ({near.key[:12]}) differs in: {', '.join(diff)}."

@@ -6,7 +6,8 @@ Launch (musekern/variants/qkv_front.py is the single source of truth for every c
   grid  = heads * S CTAs along x, cluster = (S, 1, 1): cluster h computes head h (64 columns of y),
   block = 192 threads: warps 0-3 consumers (mma.sync), warp 4 TMA producer, warp 5 aux.
 CTA rank r of a cluster streams the k-tiles r, r+S, r+2S, ... (K_TILE = 128 columns each, 64/S
-tiles: S divides 64) of its head's 64 W rows and of x through a `stages`-deep shared-memory ring:
+tiles: S divides 64; with k_rotate, head h starts h*k_rotate tiles further on, cyclically) of its
+head's 64 W rows and of x through a `stages`-deep shared-memory ring:
   - W: two 64x64 bf16 TMA boxes per stage (128B swizzle) = 16 KiB;
   - x: two 64 x TT boxes per stage (TT = 8*tiles tokens), loaded by TMA too, from a tensor map
     whose row count is M: rows M..TT-1 are outside the tensor, so TMA zero-fills them (never an
@@ -23,7 +24,9 @@ With S == 1 the partials go to the CTA's own shared memory with plain stores.
 PDL: before griddepcontrol.wait the kernel reads only W (the producer prefills the ring with W
 tiles); every thread executes griddepcontrol.wait before it reads x, positions, slots or
 cos|sin and before any global store; griddepcontrol.launch_dependents right after init
-(variant trigger "early") or once the producer has issued its last load ("late").
+(variant trigger "early") or once the producer has issued its last load ("late"). With
+l2_prefetch > 0 the producer also asks L2 for its CTA's W rows before the wait (measured slower:
+off in every plan, kept as a lever; bench/NOTES.md round 4).
 
 Out-of-range positions (p < 0 or p >= max_pos) are clamped to [0, max_pos - 1] for the cos|sin
 read (the reference does the same). Slots < 0 or >= num_blocks * block_size write nothing.

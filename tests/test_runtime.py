@@ -1,4 +1,5 @@
 """The runtime loader's CPU-testable half: parameter packing, lookup, integrity, no cutlass import."""
+import importlib.util
 import json
 import os
 import struct
@@ -133,3 +134,15 @@ def test_launch_path_never_imports_cutlass(tmp_path):
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="needs the build extra (nvidia-cutlass-dsl)")
+def test_autobuild_builds_a_missing_variant_on_the_spot(tmp_path, monkeypatch):
+    """MUSEKERN_AUTOBUILD=1 with the DSL installed: a miss is compiled into the cache instead of raising."""
+    cache = Cache(tmp_path / "c")
+    with pytest.raises(MissingKernelError):
+        load_artifact(V, "sm_90a", cache)
+    monkeypatch.setenv("MUSEKERN_AUTOBUILD", "1")
+    entry, cubin = load_artifact(V, "sm_90a", cache)
+    assert entry.manifest["label"] == V.label and cubin[:4] == b"\x7fELF"
+    assert [e.key for e in cache.entries()] == [entry.key]

@@ -29,12 +29,17 @@ class BuildExtraMissing(BuildError):
                          f"Install the build extra: {BUILD_EXTRA_HINT}")
 
 
-def dsl_version() -> str | None:
-    """Installed nvidia-cutlass-dsl version, read from package metadata (does not import cutlass)."""
+def dist_version(dist: str) -> str | None:
+    """An installed distribution's version from package metadata (imports nothing), or None."""
     try:
-        return importlib.metadata.version(DSL_DISTRIBUTION)
+        return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def dsl_version() -> str | None:
+    """Installed nvidia-cutlass-dsl version (does not import cutlass)."""
+    return dist_version(DSL_DISTRIBUTION)
 
 
 def key_parts(variant, arch: str, dsl_version: str | None = None) -> KeyParts:

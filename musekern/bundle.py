@@ -172,6 +172,9 @@ def _check_entry(key: str, meta: dict, mbytes: bytes | None, cubin: bytes | None
         raise ValueError(f"cache format {manifest.get('format')!r} != {CACHE_FORMAT}")
     if manifest.get("cubin_sha256") != sha256_hex(cubin) or manifest.get("cubin_size") != len(cubin):
         raise ValueError("kernel.cubin does not match its manifest's sha256/size")
+    for name in ("kernel", "arch"):  # what Cache.put would refuse: reject it here, entry by entry
+        if manifest.get(name) != getattr(parts, name):
+            raise ValueError(f"manifest {name} {manifest.get(name)!r} != key part {getattr(parts, name)!r}")
     return parts, cubin, manifest
 
 
@@ -200,7 +203,7 @@ def import_bundle(cache: Cache, path: Path | str) -> ImportReport:
         report.rejected.append((key, "entry files not listed in the bundle index"))
 
     good = []
-    for key in sorted(metas):
+    for key in sorted(metas, key=str):  # a non-string key is rejected below, not a crash here
         if not is_key(key):
             report.rejected.append((str(key), "not a cache key"))
             continue
@@ -217,7 +220,11 @@ def import_bundle(cache: Cache, path: Path | str) -> ImportReport:
         if cache.verified(key) is not None:
             report.present.append(key)
             continue
-        cache.put(parts, cubin, manifest)
+        try:
+            cache.put(parts, cubin, manifest)
+        except ValueError as e:  # anything else Cache.put refuses: this entry is rejected, the import goes on
+            report.rejected.append((key, str(e)))
+            continue
         report.added.append(key)
     if index.get("plan") and not report.rejected:
         cache.record_plan(str(index["plan"]), list(metas))

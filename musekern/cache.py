@@ -52,7 +52,6 @@ ENV_CACHE_DIR = "MUSEKERN_CACHE_DIR"
 CUBIN_NAME = "kernel.cubin"
 MANIFEST_NAME = "manifest.json"
 # Fields `Cache.put` adds to the builder's manifest (the builder must not disagree with them).
-ADDED_FIELDS = ("format", "key", "key_parts", "cubin_sha256", "cubin_size")
 PART_NAMES = ("kernel", "variant", "arch", "source_sha256", "dsl_version", "abi_version")
 TMP_MAX_AGE_S = 3600.0  # staging dirs older than this are crash debris (`clean` removes them)
 
@@ -74,8 +73,8 @@ def default_cache_dir(cli_value: str | None = None) -> Path:
     return Path(platformdirs.user_cache_dir("musekern"))
 
 
-def is_key(s: str) -> bool:
-    return bool(_KEY_RE.match(s or ""))
+def is_key(s) -> bool:
+    return isinstance(s, str) and bool(_KEY_RE.match(s))
 
 
 def canonical_json(obj) -> bytes:
@@ -764,7 +763,7 @@ class Cache:
                 t = table.setdefault(name, {"entries": 0, "bytes": 0})
                 t["entries"] += 1
                 t["bytes"] += size
-        return {"root": str(self.root), "format": CACHE_FORMAT, "read_only": self.read_only,
+        return {"cache_dir": str(self.root), "format": CACHE_FORMAT, "read_only": self.read_only,
                 "entries": len(entries), "bytes": total, "by_kernel": by_kernel, "by_arch": by_arch,
                 "uncommitted": len(self.entry_keys()) - len(entries), "plans": sorted(self.plans())}
 

@@ -14,6 +14,7 @@ from .targets import TARGETS
 
 DEFAULT_CONFIG_NAME = "muse_spark.json"
 QKV_FRONT_HEAD_DIM = 64  # the qkv_front kernel owns one 64-column head per cluster
+QKV_FRONT_HIDDEN = 8192  # the K the qkv_front kernel is built for (Muse Spark's hidden size)
 
 
 class ConfigError(ValueError):
@@ -125,6 +126,12 @@ def parse_config(data, source: str = "<config>") -> ModelConfig:
                           f"num_attention_heads ({nq}) is not divisible by num_key_value_heads ({nkv})")
     if hd != QKV_FRONT_HEAD_DIM:
         raise ConfigError(src, "head_dim", f"must be {QKV_FRONT_HEAD_DIM} for the qkv_front kernel, got {hd}")
+    if vals["hidden_size"] != QKV_FRONT_HIDDEN:
+        raise ConfigError(src, "hidden_size",
+                          f"must be {QKV_FRONT_HIDDEN} for the qkv_front kernel, got {vals['hidden_size']}")
+    if not gate:
+        raise ConfigError(src, "attn_output_gate", "must be true: the qkv_front kernel's fused projection is "
+                                                   "q | k | v | gate (a model without the gate is not supported)")
 
     mk = data.get("musekern", {})
     if not isinstance(mk, dict):

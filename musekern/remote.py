@@ -36,6 +36,7 @@ MAX_MANIFEST_BYTES = 1 << 20
 MAX_BLOB_BYTES = 256 << 20
 
 log = logging.getLogger("musekern.remote")
+log.addHandler(logging.NullHandler())  # a library: no "last resort" stderr copy of what prepare reports
 
 
 class RemoteError(Exception):

@@ -65,7 +65,7 @@ def arch_for_capability(major: int, minor: int) -> str:
 
 
 def _driver_devices():
-    """[(name, (major, minor), sm_count, smem_optin)] of local CUDA devices, [] without a driver or GPU."""
+    """[(name, (major, minor), sm_count, smem_optin, l2_bytes)] of local CUDA devices, [] without a driver/GPU."""
     try:
         from cuda.bindings import driver as drv
     except Exception:

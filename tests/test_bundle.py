@@ -159,6 +159,44 @@ def test_import_rejects_corrupted_and_foreign_entries(tmp_path):
     assert Cache(tmp_path / "dst2").get("e" * 64) is None
 
 
+def test_import_rejects_a_manifest_disagreeing_with_its_key_and_goes_on(tmp_path):
+    """A manifest whose kernel field contradicts its key parts (index hashes fixed up) is one rejected
+    entry, not a crash halfway through the import; and a non-string key in the index is rejected too."""
+    src = filled(tmp_path / "src", range(2))
+    k = [fake_parts(i).key() for i in range(2)]
+    good = tmp_path / "good.tar"
+    export_bundle(src, k, good)
+    new_manifest = {}
+
+    def tamper(name, data):
+        if name == f"entries/{k[0]}/manifest.json":
+            m = json.loads(data)
+            m["kernel"] = "evil"
+            new_manifest["bytes"] = json.dumps(m, sort_keys=True, indent=1).encode()
+            return name, new_manifest["bytes"]
+        return name, data
+
+    stage = tmp_path / "stage.tar"
+    _rewrite(good, stage, tamper)
+
+    def fix_index(name, data):
+        if name == INDEX_NAME:
+            idx = json.loads(data)
+            for e in idx["entries"]:
+                if e["key"] == k[0]:
+                    e["manifest_sha256"] = hashlib.sha256(new_manifest["bytes"]).hexdigest()
+            idx["entries"].append({"key": 5})
+            return name, json.dumps(idx).encode()
+        return name, data
+
+    bad = tmp_path / "bad.tar"
+    _rewrite(stage, bad, fix_index)
+    dst = Cache(tmp_path / "dst")
+    report = import_bundle(dst, bad)
+    rejected = dict(report.rejected)
+    assert "kernel" in rejected[k[0]] and "5" in rejected and report.added == [k[1]]
+
+
 @pytest.mark.parametrize("evil", ["../evil", "/etc/evil", "entries/../../evil", "entries/x/kernel.cubin",
                                   "link", "entries/" + "a" * 64 + "/other.bin"])
 def test_import_rejects_path_traversal_and_odd_members(tmp_path, evil):

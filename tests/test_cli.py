@@ -65,7 +65,8 @@ def test_bad_config_exits_2_naming_file_and_key(run, tmp_path):
 
 def test_no_target_without_gpu_or_config(run, tmp_path):
     cfg = tmp_path / "cfg.json"
-    cfg.write_text(json.dumps({"hidden_size": 8192, "num_attention_heads": 128, "num_key_value_heads": 8}))
+    cfg.write_text(json.dumps({"hidden_size": 8192, "num_attention_heads": 128, "num_key_value_heads": 8,
+                               "attn_output_gate": True}))
     r = run("prepare", "--model", str(cfg), code=2)
     assert "musekern prepare --target h200" in r.output
 
@@ -112,3 +113,29 @@ def test_two_processes_prepare_one_cache_concurrently(tmp_path):
 
     cache = Cache(tmp_path / "shared")
     assert len(cache.entries()) == 3 and all(cache.verify_entry(e) == [] for e in cache.entries())
+
+
+def test_bad_remote_url_is_a_usage_error(run):
+    r = run("prepare", "--target", "h200", *QK, "--remote", "ftp://cache", code=2)
+    assert "--remote: remote cache URL must be http(s)" in r.output
+
+
+@pytest.mark.parametrize("label,msg", [
+    ("qkv_front[fixed_m=0,n=100,num_kv_heads=1,splits=2,stages=4,tiles=1]", "not a q|k|v|gate layout"),
+    ("qkv_front[fixed_m=5,n=2176,num_kv_heads=1,splits=16,stages=99,tiles=3]", "tiles must be 1 or 2"),
+])
+def test_impossible_variant_labels_are_usage_errors(run, label, msg):
+    r = run("prepare", "--target", "h200", "--variant", label, code=2)
+    assert msg in r.output
+
+
+@needs_dsl
+def test_doctor_counts_a_corrupt_entry_as_missing(run, tmp_path):
+    run("prepare", "--target", "h200")
+    from musekern.cache import Cache
+
+    e = Cache(tmp_path / "cache").entries()[0]
+    os.chmod(e.cubin_path, 0o644)
+    e.cubin_path.write_bytes(b"\x7fELF-not-the-built-cubin")
+    doc = json.loads(run("doctor", "--target", "h200", "--json", code=1).stdout)
+    assert [m["variant"] for m in doc["missing"]] == [e.manifest["label"]]

@@ -122,6 +122,11 @@ def test_gc(cli, filled):
     assert r.exit_code == 0 and [e["key"] for e in json.loads(r.stdout)["removed"]] == [keys[0]]
     r = cli("gc", "--cache-dir", filled.root, "--max-size", "1", "--dry-run")
     assert r.exit_code == 0 and "would be removed" in r.stdout and len(filled.entries()) == 3
+    before = filled.stats()
+    r = cli("gc", "--cache-dir", filled.root, "--max-size", "1", "--dry-run", "--json")
+    doc = json.loads(r.stdout)  # what would be LEFT, not today's totals
+    assert doc["entries_left"] == before["entries"] - len(doc["removed"]) and doc["removed"]
+    assert doc["bytes_left"] == before["bytes"] - sum(e["size_bytes"] for e in doc["removed"])
     r = cli("gc", "--cache-dir", filled.root, "--max-size", "1GiB")
     assert r.exit_code == 0 and len(filled.entries()) == 3
     assert cli("gc", "--cache-dir", filled.root).exit_code == 2  # needs an option
@@ -135,7 +140,7 @@ def test_size_and_duration_parsing():
     for bad in ("", "10x", "abc"):
         with pytest.raises(ValueError):
             parse_size(bad)
-    for bad in ("", "10", "5y", "1d junk"):
+    for bad in ("", "10", "5y", "1d junk", "1.5.5d", "d1"):
         with pytest.raises(ValueError):
             parse_duration(bad)
 

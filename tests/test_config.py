@@ -42,6 +42,8 @@ def test_unknown_keys_ignored(tmp_path):
     ({"hidden_size": -1}, "hidden_size", ">= 1"),
     ({"rms_norm_eps": "small"}, "rms_norm_eps", "finite number"),
     ({"attn_output_gate": "yes"}, "attn_output_gate", "true or false"),
+    ({"attn_output_gate": False}, "attn_output_gate", "q | k | v | gate"),
+    ({"hidden_size": 4096}, "hidden_size", "must be 8192"),
     ({"torch_dtype": "float8"}, "torch_dtype", "unsupported dtype"),
     ({"musekern": {"targets": ["a100x"]}}, "musekern.targets", "unknown target"),
     ({"musekern": {"tensor_parallel_sizes": [3]}}, "musekern.tensor_parallel_sizes", "does not divide"),

@@ -4,10 +4,10 @@ Progress goes to stderr with wall times; the caller prints the table (stdout) an
 """
 from __future__ import annotations
 
-import importlib.metadata
 import time
 from dataclasses import dataclass
 
+from ..build import dist_version
 from . import report
 from .timing import Stopwatch, copy_bandwidth, log
 
@@ -31,20 +31,13 @@ class BenchConfig:
                    modes=tuple(modes) or report.FRONT_MODES, samples=3 if quick else 9, quick=quick)
 
 
-def _version(dist: str):
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _meta(cfg: BenchConfig) -> dict:
     import torch
     from cuda.bindings import driver as drv
 
     err, drv_ver = drv.cuDriverGetVersion()
     return dict(report.commit_info(), device=torch.cuda.get_device_name(), driver=drv_ver,
-                torch=torch.__version__, cuda_bindings=_version("cuda-bindings") or _version("cuda-python"),
+                torch=torch.__version__, cuda_bindings=dist_version("cuda-bindings") or dist_version("cuda-python"),
                 torch_cuda=torch.version.cuda, modes=list(cfg.modes), samples=cfg.samples,
                 layers=8, quick=cfg.quick, time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 

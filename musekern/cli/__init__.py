@@ -4,8 +4,6 @@ Results go to stdout (`--json` everywhere), logs and errors to stderr; exit 0 ok
 """
 from __future__ import annotations
 
-import sys
-
 import click
 
 from .. import __version__
@@ -18,17 +16,10 @@ def main():
 
 
 def _register_all():
-    from . import bench_cmd, build_cmds, doctor_cmd
+    from . import bench_cmd, build_cmds, cache_cmds, doctor_cmd
 
-    build_cmds.register(main)
-    doctor_cmd.register(main)
-    bench_cmd.register(main)
-    try:
-        from . import cache_cmds
-    except ImportError as e:  # pragma: no cover - only while the module is being written
-        print(f"musekern: cache commands unavailable: {e}", file=sys.stderr)
-    else:
-        cache_cmds.register(main)
+    for module in (build_cmds, cache_cmds, doctor_cmd, bench_cmd):
+        module.register(main)
 
 
 _register_all()

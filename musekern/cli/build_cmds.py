@@ -116,6 +116,14 @@ def prepare_cmd(model_path, target_names, variant_labels, cache_dir, jobs, shard
     if upload and not remote:
         raise UsageFailure("--upload needs --remote URL (or MUSEKERN_REMOTE)")
     cache = Cache(default_cache_dir(cache_dir))
+    rem = None
+    if remote:
+        from ..remote import RemoteCache, RemoteError
+
+        try:
+            rem = RemoteCache.from_env(remote, upload=upload)
+        except RemoteError as e:
+            raise UsageFailure(f"--remote: {e}") from None
     if not variant_labels and not cache.read_only:
         # the whole plan (also in a shard run): `musekern clean --stale` keeps what some plan needs
         from ..build import dsl_version, key_parts
@@ -124,11 +132,6 @@ def prepare_cmd(model_path, target_names, variant_labels, cache_dir, jobs, shard
                           [key_parts(e.variant, e.arch, dsl_version()).key() for e in entries])
     if sh:
         entries = shard_plan(entries, *sh)
-    rem = None
-    if remote:
-        from ..remote import RemoteCache
-
-        rem = RemoteCache.from_env(remote, upload=upload)
     log(f"musekern prepare: {len(entries)} variant(s) for {', '.join(t.name for t in targets)} -> {cache.root}")
     bar = click.progressbar(length=len(entries), label="prepare", file=sys.stderr, show_pos=True,
                             item_show_func=lambda r: r.label if r else None)

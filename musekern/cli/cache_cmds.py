@@ -41,9 +41,10 @@ def parse_size(text: str) -> int:
 
 def parse_duration(text: str) -> float:
     """'30d', '12h', '90m', '45s', '2w' (or '1d12h') -> seconds."""
-    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([smhdw])", (text or "").strip().lower())
-    if not parts or re.sub(r"[\d.\s]+[smhdw]", "", (text or "").strip().lower()):
+    text = (text or "").strip().lower()
+    if not re.fullmatch(r"(\s*\d+(?:\.\d+)?\s*[smhdw])+", text):
         raise ValueError(f"not a duration: {text!r} (e.g. 30d, 12h, 90m, 2w)")
+    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([smhdw])", text)
     return sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
 
 
@@ -181,7 +182,7 @@ def stats_cmd(cache_dir, as_json):
     if as_json:
         emit_json(s)
         return
-    click.echo(f"cache {s['root']}{' (read-only)' if s['read_only'] else ''}: {s['entries']} entries, "
+    click.echo(f"cache {s['cache_dir']}{' (read-only)' if s['read_only'] else ''}: {s['entries']} entries, "
                f"{_human(s['bytes'])}")
     rows = [["kernel", k, v["entries"], _human(v["bytes"])] for k, v in sorted(s["by_kernel"].items())]
     rows += [["arch", k, v["entries"], _human(v["bytes"])] for k, v in sorted(s["by_arch"].items())]
@@ -218,6 +219,9 @@ def gc_cmd(max_size, older_than, dry_run, cache_dir, as_json):
     now = time.time()
     doomed = cache.gc(max_size=size, older_than=age, now=now, dry_run=dry_run)
     after = cache.stats()
+    if dry_run:  # nothing was removed: report what would be left
+        after = {**after, "entries": after["entries"] - len(doomed),
+                 "bytes": after["bytes"] - sum(e.size_bytes for e in doomed)}
     if as_json:
         emit_json({"cache_dir": str(cache.root), "dry_run": dry_run,
                    "removed": [e.summary() for e in doomed], "entries_left": after["entries"],
@@ -328,7 +332,8 @@ def explain_cmd(what, model_path, target_names, cache_dir, as_json):
                    + ("present" if p["present"] else "MISSING"))
         if not p["present"]:
             click.echo(f"  {p['message']}")
-            click.echo(f"  fix: musekern prepare --target {p['target']}{_cd(cache)}")
+            click.echo(f"  fix: musekern prepare --target {p['target']}"
+                       f"{f' --model {model_path}' if model_path else ''}{_cd(cache)}")
 
 
 def _print_parts(entry) -> None:

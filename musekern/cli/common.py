@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import click
 
 from ..config import ConfigError, load_config
 from ..targets import UnknownTargetError, get_target, local_target
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2  # the exit codes of every command
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 cache_dir_option = click.option(
@@ -34,6 +33,7 @@ class Failure(click.ClickException):
 
 class UsageFailure(click.UsageError):
     """Bad input (config, target, variant label): exit 2 with a message that says how to fix it."""
+    exit_code = EXIT_USAGE
 
     def show(self, file=None):
         click.echo(f"musekern: error: {self.format_message()}", err=True)
@@ -76,6 +76,3 @@ def table(rows: list[list], headers: list[str]) -> str:
     fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()  # noqa: E731
     return "\n".join([fmt(cells[0]), fmt(["-" * w for w in widths])] + [fmt(r) for r in cells[1:]])
 
-
-def isatty_err() -> bool:
-    return sys.stderr.isatty()

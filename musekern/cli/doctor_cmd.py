@@ -1,12 +1,12 @@
 """`musekern doctor`: what is installed, which GPU, which cache, and what the model still misses."""
 from __future__ import annotations
 
-import importlib.metadata
 import platform
 
 import click
 
 from .. import __version__
+from ..build import dist_version
 from ..variants import plan_model
 from .common import (
     cache_dir_option,
@@ -18,13 +18,6 @@ from .common import (
     table,
     target_option,
 )
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _gpus() -> tuple[list[dict], str | None]:
@@ -67,16 +60,17 @@ def doctor_cmd(model_path, target_names, cache_dir, as_json):
     targets = resolve_targets(target_names, model)
     cache = Cache(default_cache_dir(cache_dir))
     gpus, gpu_error = _gpus()
-    missing = []
+    missing = []  # planned variants with no sound entry (a corrupt one counts as missing)
     for e in plan_model(model, targets):
-        if cache.find(key_parts(e.variant, e.arch), any_dsl_version=True) is None:
+        hit = cache.find(key_parts(e.variant, e.arch), any_dsl_version=True)
+        if hit is None or cache.verify_entry(hit):
             missing.append({"target": e.target.name, "variant": e.variant.label})
     report = {
         "musekern": __version__,
         "python": platform.python_version(),
-        "nvidia-cutlass-dsl": _version("nvidia-cutlass-dsl"),
-        "cuda-bindings": _version("cuda-bindings") or _version("cuda-python"),
-        "torch": _version("torch"),
+        "nvidia-cutlass-dsl": dist_version("nvidia-cutlass-dsl"),
+        "cuda-bindings": dist_version("cuda-bindings") or dist_version("cuda-python"),
+        "torch": dist_version("torch"),
         "driver_version": _driver_version(),
         "gpus": gpus,
         "gpu_error": gpu_error,

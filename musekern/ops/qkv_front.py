@@ -318,7 +318,8 @@ def prepare(N: int, rows=MAX_TOKENS, num_kv_heads: int | None = None, device=Non
     elif isinstance(device, int):
         dev = device
     else:
-        dev = torch.device(device).index or 0
+        idx = torch.device(device).index
+        dev = idx if idx is not None else torch.cuda.current_device()
     seen, kernels = set(), []
     for m in ms:
         v = _variant(N, int(m), num_kv_heads, dev)

@@ -213,14 +213,18 @@ def _autobuild_enabled() -> bool:
 
 
 def find_entry(variant, arch: str, cache: Cache):
-    """The cache entry for `variant` on `arch`: exact key when the DSL is installed, else any DSL version."""
+    """The cache entry for `variant` on `arch`.
+
+    Without the DSL (a serving image): an entry built by any DSL version. With it: the exact key
+    first, then any DSL version; under MUSEKERN_AUTOBUILD=1 an exact miss is compiled instead.
+    """
     from ..build import dsl_version, key_parts
 
     ver = dsl_version()
     parts = key_parts(variant, arch, ver)
     entry = cache.find(parts) if ver else None
-    if entry is None:
-        entry = cache.find(parts, any_dsl_version=True)
+    if entry is None and not (ver and _autobuild_enabled()):
+        entry = cache.find(parts, any_dsl_version=True)  # a serving image: any DSL version's build will do
     if entry is None and ver and _autobuild_enabled():
         from ..build import build_variant
 

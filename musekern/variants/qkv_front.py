@@ -57,6 +57,20 @@ class QkvFrontVariant(VariantMixin):
     k_rotate: int = 0
 
     def __post_init__(self):
+        problems = []
+        if not supports_shape(self.n, self.num_kv_heads):
+            problems.append(f"N={self.n} with num_kv_heads={self.num_kv_heads} is not a q|k|v|gate layout")
+        if self.tiles not in (1, MAX_TOKENS // TOKEN_TILE):
+            problems.append(f"tiles must be 1 or {MAX_TOKENS // TOKEN_TILE}, got {self.tiles}")
+        if self.fixed_m not in (0, TOKEN_TILE) or (self.fixed_m and self.tiles != 1):
+            problems.append(f"fixed_m must be 0, or {TOKEN_TILE} with tiles=1, got {self.fixed_m}")
+        if self.splits not in SPLIT_CHOICES:
+            problems.append(f"splits must be one of {SPLIT_CHOICES}, got {self.splits}")
+        elif not MIN_RING_STAGES <= self.stages <= K_TILES // self.splits:
+            problems.append(f"stages must be in {MIN_RING_STAGES}..{K_TILES // self.splits} for splits="
+                            f"{self.splits}, got {self.stages}")
+        if problems:
+            raise ValueError(f"invalid qkv_front variant: {'; '.join(problems)}")
         if self.trigger not in PDL_TRIGGERS:
             raise ValueError(f"qkv_front trigger must be one of {PDL_TRIGGERS}, got {self.trigger!r}")
         if self.k_rotate < 0:
@@ -153,8 +167,7 @@ def ring_stages(split: int, target: Target, tiles: int = 2, n: int | None = None
         # CTAs (TP4, TP2) 4 stages is as fast or faster (h200-sweep-ring5.json).
         top = MAX_RING_STAGES if (n // HEAD_COLS) * split <= target.sm_count else SHALLOW_RING_STAGES
         for st in range(top, MIN_RING_STAGES - 1, -1):
-            probe = QkvFrontVariant(n, 1, tiles, st, split, 0)
-            if CTAS_PER_SM * (smem_bytes(probe) + SMEM_RESERVED_PER_CTA) <= target.smem_per_sm:
+            if CTAS_PER_SM * (ring_smem_bytes(st, tiles) + SMEM_RESERVED_PER_CTA) <= target.smem_per_sm:
                 return min(st, per_cta_tiles)
     fit = (target.max_smem_optin - SMEM_RESERVE_BYTES) // stage_bytes(tiles)
     return max(MIN_RING_STAGES, min(MAX_RING_STAGES, fit, per_cta_tiles))
@@ -213,9 +226,14 @@ def smem_bytes(v: QkvFrontVariant) -> int:
     (8 B each), 16 staged slots (int64), 16 staged cos|sin rows (64 fp32), the owner's receive
     buffer for the S partials (TT x 64 fp32, S x TT/S tokens).
     """
-    tt = padded_tokens(v)
-    ring = v.stages * (W_STAGE_BYTES + tt * K_TILE * 2)
-    small = 8 * (2 * v.stages + 1) + 8 * MAX_OWNED_TOKENS
+    return ring_smem_bytes(v.stages, v.tiles)
+
+
+def ring_smem_bytes(stages: int, tiles: int) -> int:
+    """`smem_bytes` of a variant with this ring depth and tile count (nothing else changes it)."""
+    tt = tiles * TOKEN_TILE
+    ring = stages * (W_STAGE_BYTES + tt * K_TILE * 2)
+    small = 8 * (2 * stages + 1) + 8 * MAX_OWNED_TOKENS
     small = (small + 15) // 16 * 16 + 4 * MAX_OWNED_TOKENS * 64 + 4 * tt * HEAD_COLS
     total = ring + small
     return (total + 1023) // 1024 * 1024  # the struct is padded to its 1024-byte alignment

@@ -68,6 +68,19 @@ def _prepare_one(cache_root: str, variant, arch: str) -> tuple[str, str, float, 
     return parts.key(), BUILT if built else HIT, time.perf_counter() - t0, None
 
 
+def _present(cache: Cache, parts, version: str | None) -> bool:
+    """A sound entry for `parts` is in the cache (sha256 re-checked: a corrupt one is missing).
+
+    Without the DSL (nothing could be rebuilt) an entry built by any DSL version serves, as at run time.
+    """
+    if cache.verified(parts.key()) is not None:
+        return True
+    if version is None:
+        found = cache.find(parts, any_dsl_version=True)
+        return found is not None and not cache.verify_entry(found)
+    return False
+
+
 def prepare(entries, cache: Cache, jobs: int = 1, remote=None, upload: bool = False, on_done=None) -> PrepareReport:
     """Make every PlanEntry in `entries` present in `cache`; `on_done(result)` after each one.
 
@@ -87,7 +100,7 @@ def prepare(entries, cache: Cache, jobs: int = 1, remote=None, upload: bool = Fa
     for e in entries:
         parts = key_parts(e.variant, e.arch, version)
         res = PrepareResult(e.target.name, e.arch, e.variant.label, parts.key(), HIT)
-        if cache.verified(parts.key()) is None and (version is not None or cache.find(parts, True) is None):
+        if not _present(cache, parts, version):
             missing.append((e, parts, res))
         else:
             finish(res)

@@ -16,6 +16,14 @@ def qk_norm_reference(x: torch.Tensor, head_dim: int, eps: float = 1e-5, scale: 
 QKV_HEAD_DIM = 64  # qkv_front's head size: 64 columns of y per head, 32 RoPE pairs
 
 
+def rope_cos_sin_table(max_pos: int, theta: float, device=None) -> torch.Tensor:
+    """The cos_sin_cache qkv_front reads: float32 [max_pos, 64], row p = cos(p f_0..f_31) | sin(p f_0..f_31),
+    f_i = theta^(-2i/64) (computed in float64, rounded once)."""
+    inv = 1.0 / (theta ** (torch.arange(0, QKV_HEAD_DIM, 2, dtype=torch.float64) / QKV_HEAD_DIM))
+    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cat([ang.cos(), ang.sin()], dim=1).float().to(device)
+
+
 def fused_qknorm_rope_kv_insert(y_gemm_bf16: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                                 slot_mapping: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                 num_kv_heads: int, eps: float) -> torch.Tensor:

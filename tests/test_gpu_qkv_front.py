@@ -15,7 +15,7 @@ import torch
 
 from musekern.config import load_config
 from musekern.ops import qkv_front as ops
-from musekern.reference import qkv_front_reference
+from musekern.reference import qkv_front_reference, rope_cos_sin_table
 
 pytestmark = pytest.mark.gpu
 
@@ -26,12 +26,6 @@ SENTINEL = -7.0  # exact in bf16: a cache element that still holds it was never 
 MODEL = load_config()
 SHARDS = {s.tp: s for s in MODEL.shards()}  # TP 1, 2, 4, 8: N = 17408, 8704, 4352, 2176
 ATOL = 1e-3
-
-
-def rope_table(max_pos: int, device="cuda") -> torch.Tensor:
-    inv = 1.0 / (MODEL.rope_theta ** (torch.arange(0, HD, 2, dtype=torch.float64) / HD))
-    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
-    return torch.cat([ang.cos(), ang.sin()], dim=1).float().to(device)
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +58,8 @@ def problem(m, nkv, *, num_blocks=64, block_size=16, layout="vllm", max_pos=4096
     if pad_every:
         slots[::pad_every] = -1
     kc, vc, backing = make_caches(num_blocks, block_size, nkv, layout)
-    return dict(x=x, positions=positions.long(), cos_sin_cache=rope_table(max_pos), slot_mapping=slots.long(),
-                key_cache=kc, value_cache=vc, backing=backing)
+    return dict(x=x, positions=positions.long(), cos_sin_cache=rope_cos_sin_table(max_pos, MODEL.rope_theta, "cuda"),
+                slot_mapping=slots.long(), key_cache=kc, value_cache=vc, backing=backing)
 
 
 def truth64(p, weight, nkv):

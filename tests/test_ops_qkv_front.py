@@ -10,17 +10,21 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from musekern.ops import qkv_front as op  # noqa: E402
-from musekern.reference import fused_qknorm_rope_kv_insert, qkv_front_reference  # noqa: E402
+from musekern.reference import fused_qknorm_rope_kv_insert, qkv_front_reference, rope_cos_sin_table  # noqa: E402
 
 K = 8192
 D = 64
 EPS = 1e-5
 
 
-def rope_cache(max_pos, theta=500000.0):
-    inv = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
-    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
-    return torch.cat((ang.cos(), ang.sin()), dim=1).float()
+def test_rope_cos_sin_table_layout():
+    """Row p = cos(p f_0..f_31) | sin(p f_0..f_31) with f_0 = 1 and f_31 = theta^(-62/64)."""
+    t = rope_cos_sin_table(100, 10000.0)
+    assert t.shape == (100, 64) and t.dtype == torch.float32
+    assert torch.equal(t[0], torch.cat([torch.ones(32), torch.zeros(32)]))
+    assert abs(t[7, 0].item() - math.cos(7)) < 1e-6 and abs(t[7, 32].item() - math.sin(7)) < 1e-6
+    f31 = 10000.0 ** (-62 / 64)
+    assert abs(t[99, 31].item() - math.cos(99 * f31)) < 1e-6 and abs(t[99, 63].item() - math.sin(99 * f31)) < 1e-6
 
 
 def make_case(m=5, nkv=1, layout="vllm", num_blocks=6, block_size=4, max_pos=64, device="cpu", seed=0):
@@ -37,8 +41,8 @@ def make_case(m=5, nkv=1, layout="vllm", num_blocks=6, block_size=4, max_pos=64,
     else:  # flashinfer NHD [blocks, 2, block_size, nkv, 64]
         kv = torch.zeros(num_blocks, 2, block_size, nkv, D, dtype=torch.bfloat16)
         kc, vc = kv[:, 0], kv[:, 1]
-    t = dict(x=x, weight=w, positions=pos, cos_sin_cache=rope_cache(max_pos), slot_mapping=slots, key_cache=kc,
-             value_cache=vc, num_kv_heads=nkv, eps=EPS)
+    t = dict(x=x, weight=w, positions=pos, cos_sin_cache=rope_cos_sin_table(max_pos, 500000.0), slot_mapping=slots,
+             key_cache=kc, value_cache=vc, num_kv_heads=nkv, eps=EPS)
     if device != "cpu":
         kv = kv.to(device)
         kc, vc = (kv[0], kv[1]) if layout == "vllm" else (kv[:, 0], kv[:, 1])

@@ -96,3 +96,15 @@ def test_two_cold_prepares_give_identical_cubins(tmp_path):
     assert [r["key"] for r in a["results"]] == [r["key"] for r in b["results"]]
     sha = lambda d: {e.key: e.manifest["cubin_sha256"] for e in Cache(d).entries()}  # noqa: E731
     assert sha(tmp_path / "a") == sha(tmp_path / "b") and len(sha(tmp_path / "a")) == 3
+
+
+def test_without_the_dsl_a_corrupt_entry_is_missing_not_a_hit(tmp_path, monkeypatch):
+    """No build extra: entries of any DSL version serve, but only if they verify."""
+    prepare(tmp_path / "c", *LABELS)
+    monkeypatch.setattr("musekern.prepare.dsl_version", lambda: None)
+    assert prepare(tmp_path / "c", *LABELS)["counts"]["hit"] == 2
+    e = Cache(tmp_path / "c").entries()[0]
+    os.chmod(e.cubin_path, stat.S_IRUSR | stat.S_IWUSR)
+    e.cubin_path.write_bytes(e.cubin_path.read_bytes()[:-3])
+    r = prepare(tmp_path / "c", *LABELS, code=1)
+    assert "musekern[build]" in r.output

@@ -33,7 +33,8 @@ def per_call_us(fn, batches: int = 7, calls: int = 200) -> float:
 def _inputs(n: int, nkv: int, m: int, eps: float = 1e-6, theta: float = 10000.0):
     import torch
 
-    from .qkv_front import BLOCK_SIZE, MAX_POS, NUM_BLOCKS, rope_table
+    from ..reference import rope_cos_sin_table
+    from .qkv_front import BLOCK_SIZE, MAX_POS, NUM_BLOCKS
 
     g = torch.Generator(device="cuda").manual_seed(5)
     bf = torch.bfloat16
@@ -41,7 +42,7 @@ def _inputs(n: int, nkv: int, m: int, eps: float = 1e-6, theta: float = 10000.0)
     return dict(x=torch.randn(m, 8192, device="cuda", generator=g).to(bf),
                 weight=(torch.randn(n, 8192, device="cuda", generator=g) * 0.02).to(bf),
                 positions=torch.randint(0, MAX_POS, (m,), device="cuda", generator=g),
-                cos_sin_cache=rope_table(MAX_POS, theta),
+                cos_sin_cache=rope_cos_sin_table(MAX_POS, theta, "cuda"),
                 slot_mapping=torch.randperm(NUM_BLOCKS * BLOCK_SIZE, device="cuda", generator=g)[:m],
                 key_cache=kv[0], value_cache=kv[1], num_kv_heads=nkv, eps=eps,
                 out=torch.empty(m, n, dtype=bf, device="cuda"))

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..reference import rope_cos_sin_table
 from . import report
 from .timing import Graph, loops_for, time_graphs
 from .unfused import unfused_front
@@ -25,13 +26,6 @@ LAYERS = 8
 HEAD_DIM = 64
 NUM_BLOCKS, BLOCK_SIZE = 256, 16
 MAX_POS = 4096
-
-
-def rope_table(max_pos: int, theta: float, device="cuda") -> torch.Tensor:
-    """cos | sin rows [max_pos, 64] as the kernel expects (row p = cos(p f_i) | sin(p f_i))."""
-    inv = 1.0 / (theta ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM))
-    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
-    return torch.cat([ang.cos(), ang.sin()], dim=1).float().to(device)
 
 
 @dataclass
@@ -79,7 +73,7 @@ def make_problem(shard: Shard, m: int, modes, seed: int = 1) -> Problem:
     gamma = (1.0 + 0.1 * torch.randn(report.HIDDEN, device=dev, generator=g)).to(bf)
     outs = {mode: torch.empty(LAYERS, m, shard.n, dtype=bf, device=dev) for mode in modes}
     return Problem(m, x, torch.randint(0, MAX_POS, (m,), device=dev, generator=g),
-                   rope_table(MAX_POS, shard.theta), torch.randperm(NUM_BLOCKS * BLOCK_SIZE, device=dev,
+                   rope_cos_sin_table(MAX_POS, shard.theta, dev), torch.randperm(NUM_BLOCKS * BLOCK_SIZE, device=dev,
                                                                      generator=g)[:m],
                    kv[0], kv[1], res, gamma, [torch.empty_like(r) for r in res], outs)
 

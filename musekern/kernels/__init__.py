@@ -8,6 +8,7 @@ Contract for a kernel module `musekern/kernels/<name>.py`:
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import os
@@ -46,8 +47,13 @@ def source_files(kernel: str) -> list[Path]:
     return [f for f in files if f.exists()]
 
 
+@functools.lru_cache(maxsize=None)
 def source_hash(kernel: str) -> str:
-    """sha256 over the kernel's source files (read as bytes: no import, works without cutlass)."""
+    """sha256 over the kernel's source files (read as bytes: no import, works without cutlass).
+
+    Read once per process: every key of every variant of a kernel needs it (prepare, plan recording,
+    each runtime lookup), and the installed sources do not change under a running process.
+    """
     h = hashlib.sha256()
     for f in source_files(kernel):
         h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")

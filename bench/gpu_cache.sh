@@ -27,6 +27,10 @@ for e in plan_model(load_config(), [get_target("h200")]):
     if e.kernel == "qkv_front":  # test_rotated_k_order_is_correct_and_deterministic: k_rotate 0, 1, 3
         for rot in (0, 1, 3):
             print(dataclasses.replace(e.variant, k_rotate=rot).label)
+        # test_other_warp_split_is_correct_deterministic_and_ring_independent: the other split, 2 depths
+        other = dataclasses.replace(e.variant, warp_split="k" if e.variant.warp_split == "rows" else "rows")
+        print(other.label)
+        print(dataclasses.replace(other, stages=3).label)
 PY
 )
 # the ring-depth / k_split sweep of bench/sweep_variants.py (issue 5's levers)

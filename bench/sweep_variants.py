@@ -24,20 +24,21 @@ from musekern.variants import QkvFrontVariant, variant_from_label
 from musekern.variants.qkv_front import HIDDEN, fixed_rows, launch_grid, token_tiles
 
 LAYERS, REPS, LOOPS = 8, 7, 8
-# The default sweep: (N, kv heads, ring depths, cluster sizes), at M = 1 and 16. Levers from the streaming
-# probe: ring depth vs CTAs per SM (TP2: 136 CTAs > 132 SMs), k_split per N (TP8: 34 heads).
-# Rounds 1-3 swept ring depth x k_split x PDL trigger, round 4 the L2 prefetch (bench/NOTES.md).
-# Round 5 rotated each head's k-tile order (k_rotate). Round 6: the deepest ring that still fits two
-# CTAs per SM (5 stages) against the planned 4, where the grid leaves SMs with one CTA (TP8, TP4):
-# (N, kv heads, stages, S, trigger, l2_prefetch, k_rotate).
-GRID = [(n, kv, st, 2, "late", 0, 1) for n, kv in ((2176, 1), (4352, 2)) for st in (4, 5)] \
-    + [(8704, 4, st, 1, "late", 0, 1) for st in (4, 5)]
-SWEEP_MS = (1, 16)
+# The default sweep, at M = 1, 8 and 16 (both tile counts and the M == 8 build). Rounds 1-7 (bench/NOTES.md)
+# swept ring depth x k_split x PDL trigger, the L2 prefetch, the k-tile rotation and a 5-stage ring.
+# Round 8: the consumer warps' split of a k-tile (warp_split "rows" vs "k") at every planned N, and, with
+# "k", a deep ring (one CTA per SM) with the early trigger at TP8 / TP4, where the grid leaves idle SMs on
+# which the next layer's CTAs can prefetch a larger share of their weights.
+# (N, kv heads, stages, S, trigger, l2_prefetch, k_rotate, warp_split)
+PLANNED = ((2176, 1, 5, 2, "late"), (4352, 2, 4, 2, "late"), (8704, 4, 4, 1, "late"), (17408, 8, 8, 1, "early"))
+GRID = [(n, kv, st, sp, trig, 0, 1, ws) for n, kv, st, sp, trig in PLANNED for ws in ("rows", "k")] \
+    + [(2176, 1, st, 2, "early", 0, 1, "k") for st in (8, 10)] + [(4352, 2, 8, 1, "early", 0, 1, "k")]
+SWEEP_MS = (1, 8, 16)
 
 
 def grid_jobs(ms=SWEEP_MS):
-    return [(QkvFrontVariant(n, kv, token_tiles(m), st, sp, fixed_rows(m), trig, pf, rot), m)
-            for n, kv, st, sp, trig, pf, rot in GRID for m in ms]
+    return [(QkvFrontVariant(n, kv, token_tiles(m), st, sp, fixed_rows(m), trig, pf, rot, ws), m)
+            for n, kv, st, sp, trig, pf, rot, ws in GRID for m in ms]
 
 
 def copy_tbps() -> float:
@@ -98,7 +99,7 @@ def run(v: QkvFrontVariant, m: int, weights, bw: float, pred) -> dict:
     args = [launch_args(x, w, pos, cs, slots, kv[0], kv[1], 1e-5, out) for w in weights]
     grid = launch_grid(v)
     row = {"label": v.label, "N": v.n, "M": m, "stages": v.stages, "splits": v.splits, "trigger": v.trigger,
-           "l2_prefetch": v.l2_prefetch, "k_rotate": v.k_rotate, **occupancy(k)}
+           "l2_prefetch": v.l2_prefetch, "k_rotate": v.k_rotate, "warp_split": v.warp_split, **occupancy(k)}
     for mode, pdl in (("chain", True), ("isolated", False)):
         us = time_graph(lambda pdl=pdl: [k.launch(grid, a, pdl=pdl) for a in args])
         row[f"{mode}_us"] = round(us, 2)
@@ -158,13 +159,14 @@ def main(argv=None) -> int:
         print(json.dumps(row), file=sys.stderr)
     json.dump({"copy_TBps": round(bw, 3), "device": torch.cuda.get_device_name(), "rows": rows},
               open(a.out, "w"), indent=1)
-    print(f"{'N':>5} {'S':>2} {'st':>2} {'trig':5} {'pf':>3} {'rot':>3} {'M':>3} {'blk/SM':>6} {'chain us':>9} "
+    print(f"{'N':>5} {'S':>2} {'st':>2} {'trig':5} {'pf':>3} {'rot':>3} {'warps':5} {'M':>3} {'blk/SM':>6} {'chain us':>9} "
           f"{'frac':>6} {'isol us':>8} {'frac':>6} {'added us':>8}")
     for r in rows:
         if "error" in r:
             print(f"{r['label']:72} {r['M']:3} ERROR {r['error'][:60]}")
         else:
             print(f"{r['N']:5} {r['splits']:2} {r['stages']:2} {r['trigger']:5} {r['l2_prefetch']:3} {r['k_rotate']:3} "
+                  f"{r.get('warp_split', 'rows'):5} "
                   f"{r['M']:3} "
                   f"{r['blocks_per_sm']:6} "
                   f"{r['chain_us']:9} {r['chain_frac']:6} {r['isolated_us']:8} {r['isolated_frac']:6} "

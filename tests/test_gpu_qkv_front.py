@@ -206,6 +206,37 @@ def test_rotated_k_order_is_correct_and_deterministic(weights, tp, m, rot):
     assert torch.equal(again, y)
 
 
+# warp_split "rows" vs "k" (how the 4 consumer warps share a k-tile) changes the summation order: the build
+# the planner does not pick, against the fp64 pipeline at every planned N and both tile counts, repeated
+# bitwise, and at a second ring depth bit for bit (gpu_cache.sh builds both).
+@pytest.mark.parametrize("tp,m", [(8, 1), (8, 8), (8, 16), (4, 5), (4, 16), (2, 9), (1, 3), (1, 16)])
+def test_other_warp_split_is_correct_deterministic_and_ring_independent(weights, tp, m):
+    import dataclasses
+
+    from musekern.targets import local_target
+    from musekern.variants.qkv_front import variant
+
+    nkv = SHARDS[tp].num_kv_heads
+    v = other_warp_split(variant(SHARDS[tp].n, m, nkv, local_target()))
+    p = problem(m, nkv, seed=17 + m)
+    y = _launch_variant(v, p, weights[tp], torch.full((m, SHARDS[tp].n), float("nan"), dtype=torch.bfloat16,
+                                                      device="cuda")).clone()
+    torch.cuda.synchronize()
+    check_against_truth(p, weights[tp], nkv, y)
+    again = _launch_variant(v, p, weights[tp], torch.full_like(y, float("nan")))
+    shallow = _launch_variant(dataclasses.replace(v, stages=ALT_STAGES), p, weights[tp],
+                              torch.full_like(y, float("nan")))
+    torch.cuda.synchronize()
+    assert torch.equal(again, y)
+    assert torch.equal(shallow, y), f"{v.label}: ring depth {ALT_STAGES} changed the result"
+
+
+def other_warp_split(v):
+    import dataclasses
+
+    return dataclasses.replace(v, warp_split="k" if v.warp_split == "rows" else "rows")
+
+
 def _launch_variant(v, p, weight, out):
     from musekern.runtime import get_kernel
     from musekern.variants.qkv_front import launch_grid

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import re
@@ -42,8 +43,12 @@ def planned_variants():
 
 
 PLANNED = planned_variants()
-# not planned for the H200, but legal: S = 4 and 8 exercise the multi-owner paths (owned tokens 1..4)
-EXTRA = [QkvFrontVariant(2176, 1, 2, 4, 4, 0), QkvFrontVariant(2176, 1, 1, 8, 8, 8)]
+# not planned for the H200, but legal: S = 4 and 8 exercise the multi-owner paths (owned tokens 1..4), in
+# both warp splits; the planned variants' other warp split at the S = 1 and S = 2 shapes (both tile counts).
+EXTRA = [QkvFrontVariant(2176, 1, 2, 4, 4, 0), QkvFrontVariant(2176, 1, 1, 8, 8, 8),
+         QkvFrontVariant(2176, 1, 2, 4, 4, 0, warp_split="k"), QkvFrontVariant(2176, 1, 1, 8, 8, 8, warp_split="k")] \
+    + [dataclasses.replace(v, warp_split="k" if v.warp_split == "rows" else "rows")
+       for v in PLANNED if v.n in (2176, 8704) and not v.fixed_m]
 ARGS_FIELDS = {"weight", "x", "weight_ptr", "M", "y", "positions", "cos_sin_cache", "slot_mapping", "key_cache",
                "value_cache", "max_pos", "block_size", "num_blocks", "k_block_stride", "v_block_stride", "eps"}
 
@@ -167,14 +172,25 @@ def test_compile_ptx(kmod, v):
         4 * v.stages + (4 if v.stages < K_TILES // v.splits else 0)
     stage_tx = W_STAGE_BYTES + tt * K_TILE * 2
     assert re.search(rf"mov\.b32\s+%r\d+, {stage_tx};\s*\n\s*mbarrier\.arrive\.expect_tx", ptx)
-    # warp MMA: 8 k-steps x (TT / 8) n8 atoms per k-tile, ldmatrix x4 for W, x4 (TT=16) / x2 (TT=8) for x
-    assert _count(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx) == 8 * (tt // 8)
-    assert _count(r"ldmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16", ptx) == 8 + (8 if tt == 16 else 0)
-    assert _count(r"ldmatrix\.sync\.aligned\.m8n8\.x2\.shared\.b16", ptx) == (8 if tt == 8 else 0)
-    # cluster exchange: one st.async per accumulator element, complete_tx on the owner's barrier
+    n_mma = _count(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)
+    n_x4 = _count(r"ldmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16", ptx)
+    n_x2 = _count(r"ldmatrix\.sync\.aligned\.m8n8\.x2\.shared\.b16", ptx)
+    if v.warp_split == "rows":
+        # per k-tile a warp: 8 k-steps x (TT / 8) n8 atoms, ldmatrix x4 for W, x4 (TT=16) / x2 (TT=8) for x
+        assert n_mma == 8 * (tt // 8)
+        assert (n_x4, n_x2) == (8 + (8 if tt == 16 else 0), 8 if tt == 8 else 0)
+        per_thread_sends = 4 * (tt // 8)  # one st.async per accumulator element
+    else:
+        # per k-tile a warp: 2 k-steps x 4 m16 x (TT / 8) n8; the loop is unrolled by two (two register
+        # sets) after a one-tile prologue: 3 load blocks of 2 x (4 W x4 + 1 x ldmatrix), 2 MMA blocks
+        assert n_mma == 2 * 2 * 4 * (tt // 8)
+        assert (n_x4, n_x2) == (3 * 2 * (4 + (1 if tt == 16 else 0)), 3 * 2 if tt == 8 else 0)
+        per_thread_sends = tt * HEAD_COLS // 128  # the 4-warp sums, spread over the 128 consumer threads
+        assert _count(r"bar\.sync\s+3, 128", ptx) == 2  # ring idle / partials written
+    # cluster exchange: complete_tx on the owner's barrier
     n_st = _count(r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.b32", ptx)
     if v.splits > 1:
-        assert n_st == 4 * (tt // 8)
+        assert n_st == per_thread_sends
         recv_tx = tt * HEAD_COLS * 4
         assert re.search(rf"mov\.b32\s+%r\d+, {recv_tx};\s*\n\s*mbarrier\.arrive\.expect_tx", ptx)
         assert _count(r"barrier\.cluster\.wait", ptx) == 2  # after init, before exit

@@ -148,3 +148,15 @@ def test_plan_is_deterministic_across_hash_seeds():
     assert len(outs) == 1
     doc = json.loads(outs.pop())
     assert len(doc["variants"]) == 28
+
+
+# each field of QkvFrontVariant that __post_init__ guards, with a value outside its domain
+@pytest.mark.parametrize("field,value,msg", [("warp_split", "cols", "warp_split"), ("trigger", "now", "trigger"),
+                                             ("k_rotate", -1, "k_rotate"), ("l2_prefetch", 65, "l2_prefetch"),
+                                             ("stages", 33, "stages")])
+def test_qkv_front_variant_rejects_out_of_domain_fields(field, value, msg):
+    import dataclasses
+
+    v = variant(2176, 1, 1, H200)
+    with pytest.raises(ValueError, match=msg):
+        dataclasses.replace(v, **{field: value})

@@ -50,9 +50,11 @@ from ..variants.qkv_front import (
     K_TILE,
     K_TILES,
     MAX_OWNED_TOKENS,
+    RED_STRIDE,
     THREADS,
     TOKEN_TILE,
     W_STAGE_BYTES,
+    WARP_K,
     QkvFrontVariant,
     launch_grid,
     padded_tokens,
@@ -70,6 +72,7 @@ BOX_COLS = 64  # a 128B-swizzle TMA box is 64 bf16 columns wide
 # named barriers (0 is __syncthreads)
 BAR_PARTIALS = 1  # S == 1: consumers wrote their partials to smem with plain stores
 BAR_AUX = 2  # aux warp staged slots and cos|sin rows -> consumer warps (epilogue)
+BAR_RED = 3  # warp_split "k": the consumer warps are done with the ring / wrote their partials
 
 
 @dsl_user_op
@@ -142,9 +145,14 @@ class QkvFrontKernel:
                                                     cute.slice_(sW_layout, (None, None, 0)), (HEAD_COLS, K_TILE))
         tma_x, mX_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX,
                                                     cute.slice_(sX_layout, (None, None, 0)), (self.tt, K_TILE))
-        # 4 warps along M (16 W rows each); every warp covers all TT tokens (tiles n8 atoms)
-        tiled_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)), (CONSUMER_WARPS, 1, 1),
-                                        permutation_mnk=(16 * CONSUMER_WARPS, self.tt, 16))
+        mma_op = warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
+        if cutlass.const_expr(self.v.warp_split == "rows"):
+            # 4 warps along M (16 W rows each); every warp covers all TT tokens (tiles n8 atoms)
+            tiled_mma = cute.make_tiled_mma(mma_op, (CONSUMER_WARPS, 1, 1),
+                                            permutation_mnk=(16 * CONSUMER_WARPS, self.tt, 16))
+        else:
+            # one warp's MMA: sliced by lane; the 64 rows are 4 m16 repeats, the TT tokens 1 or 2 n8 atoms
+            tiled_mma = cute.make_tiled_mma(mma_op, (1, 1, 1), permutation_mnk=(16, self.tt, 16))
         assert self.Smem.size_in_bytes() == self.smem, (self.Smem.size_in_bytes(), self.smem)
         self.kernel(tma_w, mW_tma, tma_x, mX_tma, w_ptr, y_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, max_pos,
                     block_size, num_blocks, k_block_stride, v_block_stride, eps, tiled_mma, sW_layout,
@@ -199,8 +207,12 @@ class QkvFrontKernel:
         elif warp_idx == AUX_WARP:
             self.aux(st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, rank)
         else:
-            acc = self.consumer(tiled_mma, sW, sX, full, empty, tidx)
-            self.send(tiled_mma, acc, st, recv_bar, tidx, rank)
+            if cutlass.const_expr(self.v.warp_split == "rows"):
+                acc = self.consumer(tiled_mma, sW, sX, full, empty, tidx)
+                self.send(tiled_mma, acc, st, recv_bar, tidx, rank)
+            else:
+                acc = self.consumer_k(tiled_mma, sW, sX, full, empty, warp_idx, tidx % 32)
+                self.reduce_send(tiled_mma, acc, st, recv_bar, warp_idx, tidx, rank)
             self.finish(st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
                         v_block_stride, eps, head, rank, warp_idx, tidx)
         if cutlass.const_expr(self.S > 1):
@@ -291,6 +303,87 @@ class QkvFrontKernel:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive(empty + s)
         return acc
+
+    @cute.jit
+    def consumer_k(self, tiled_mma, sW, sX, full, empty, warp_idx, lane):
+        """warp_split "k": this warp's two k16 steps (columns 32w..32w+31) of every stage, all 64 rows.
+
+        Per stage a warp loads 4 A tiles and 1 B tile per k16 step (x is read once per CTA, not once per
+        warp) and releases the stage as soon as its operands are in registers. Software-pipelined over
+        two register sets: the MMAs of stage i-1 are issued after the loads of stage i, so ldmatrix latency
+        overlaps 4 x tiles independent MMA chains (without it ptxas serialises ldmatrix -> mma)."""
+        thr_mma = tiled_mma.get_slice(lane)
+        mine_w = cute.local_tile(sW[None, None, 0], (HEAD_COLS, WARP_K), (0, 0))  # shapes of one warp's slice
+        mine_x = cute.local_tile(sX[None, None, 0], (self.tt, WARP_K), (0, 0))
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((HEAD_COLS, self.tt)), Float32)
+        acc.fill(0.0)
+        cp_a = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), BFloat16), tiled_mma)
+        cp_b = cute.make_tiled_copy_B(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4 if self.tt == 16 else 2), BFloat16), tiled_mma)
+        thr_a = cp_a.get_slice(lane)
+        thr_b = cp_b.get_slice(lane)
+        tAsW = thr_a.partition_S(sW)  # (CPY, 4 m16, 8 k16, stages)
+        tBsX = thr_b.partition_S(sX)  # (CPY, 1, 8 k16, stages)
+        # two register sets (even / odd k-tiles): (MMA, 4 m16, 2 k16) and (MMA, 1, 2 k16) each
+        rA = [thr_mma.make_fragment_A(thr_mma.partition_A(mine_w)) for _ in range(2)]
+        rB = [thr_mma.make_fragment_B(thr_mma.partition_B(mine_x)) for _ in range(2)]
+        self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[0], rB[0], full, empty, warp_idx, Int32(0))
+        for p in cutlass.range(self.ntiles // 2, unroll=1):
+            i = 2 * p + 1
+            self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[1], rB[1], full, empty, warp_idx, i)
+            self._mma_k(tiled_mma, acc, rA[0], rB[0])
+            if i + 1 < self.ntiles:
+                self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[0], rB[0], full, empty, warp_idx, i + 1)
+            self._mma_k(tiled_mma, acc, rA[1], rB[1])
+        return acc
+
+    @cute.jit
+    def _load_k(self, cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA, rB, full, empty, warp_idx, i):
+        """Wait for k-tile i, load this warp's operands of it, release its stage to the producer."""
+        s = i % self.stages
+        cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
+        tArA = thr_a.retile(rA)
+        tBrB = thr_b.retile(rB)
+        for j in cutlass.range_constexpr(WARP_K // 16):
+            kk = warp_idx * (WARP_K // 16) + j
+            cute.copy(cp_a, tAsW[None, None, kk, s], tArA[None, None, j])
+            cute.copy(cp_b, tBsX[None, None, kk, s], tBrB[None, None, j])
+        cute.arch.sync_warp()  # every lane's ldmatrix of stage s is done: the producer may refill it
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive(empty + s)
+
+    @cute.jit
+    def _mma_k(self, tiled_mma, acc, rA, rB):
+        for j in cutlass.range_constexpr(WARP_K // 16):  # k order fixed: j = 0, 1 of each k-tile
+            cute.gemm(tiled_mma, acc, rA[None, None, j], rB[None, None, j], acc)
+
+    @cute.jit
+    def reduce_send(self, tiled_mma, acc, st, recv_bar, warp_idx, tidx, rank):
+        """warp_split "k": sum the 4 warps' partials in warp order 0..3 (in the idle W ring), then each of the
+        128 consumer threads sends TT/2 of the CTA's 64 x TT sums to their owners (as `send` does)."""
+        red = cute.make_tensor(cute.recast_ptr(st.sW.data_ptr(), dtype=Float32),
+                               cute.make_layout(CONSUMER_WARPS * self.tt * RED_STRIDE))
+        recv = st.recv.get_tensor(cute.make_layout(self.tt * HEAD_COLS))
+        thr_mma = tiled_mma.get_slice(tidx % 32)
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((HEAD_COLS, self.tt)))
+        # every consumer warp has read its last stage (and every TMA write has landed: each was waited on)
+        cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            m, n = tCcC[i]
+            red[(warp_idx * self.tt + n) * RED_STRIDE + m] = acc[i]
+        cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
+        for e in cutlass.range_constexpr(self.tt * HEAD_COLS // CONSUMER_THREADS):
+            idx = tidx + e * CONSUMER_THREADS  # consecutive threads: consecutive columns (no bank conflicts)
+            n = idx // HEAD_COLS
+            m = idx % HEAD_COLS
+            total = red[n * RED_STRIDE + m]
+            for w in cutlass.range_constexpr(1, CONSUMER_WARPS):  # fixed warp order: deterministic
+                total = total + red[(w * self.tt + n) * RED_STRIDE + m]
+            if cutlass.const_expr(self.S > 1):
+                off = (rank * self.owned + n // self.S) * HEAD_COLS + m
+                cute.arch.store_async_dsmem(recv.iterator + off, f32_bits(total), recv_bar, n % self.S)
+            else:
+                recv[n * HEAD_COLS + m] = total
 
     @cute.jit
     def send(self, tiled_mma, acc, st, recv_bar, tidx, rank):

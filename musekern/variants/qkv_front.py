@@ -32,6 +32,12 @@ MIN_RING_STAGES = 2
 # Streaming probe (H200): clusters of 3 are not all co-resident with one CTA per SM, so S is a power of two.
 SPLIT_CHOICES = (1, 2, 4, 8)
 PDL_TRIGGERS = ("early", "late")
+# How the consumer warps share a k-tile (bench/NOTES.md round 8): "rows" = warp w owns W rows
+# 16w..16w+15 over all 128 k columns (every warp re-reads the whole x stage from shared memory and runs
+# one dependent MMA chain per token tile); "k" = warp w owns k columns 32w..32w+31 over all 64 rows (x
+# is read from shared memory once per stage, 4 x tiles independent MMA chains per warp, and a fixed-order
+# 4-way reduction in shared memory after the last k-tile).
+WARP_SPLITS = ("rows", "k")
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,9 @@ class QkvFrontVariant(VariantMixin):
     # clusters' reads of the shared x over the L2 instead of every cluster reading the same x tile
     # at once. Changes the summation order (fixed per head: still bitwise reproducible). 0 = off.
     k_rotate: int = 0
+    # WARP_SPLITS: which part of each k-tile a consumer warp computes. Changes the summation order
+    # (fixed: still bitwise reproducible, and independent of stages and trigger).
+    warp_split: str = "rows"
 
     def __post_init__(self):
         problems = []
@@ -73,6 +82,8 @@ class QkvFrontVariant(VariantMixin):
             raise ValueError(f"invalid qkv_front variant: {'; '.join(problems)}")
         if self.trigger not in PDL_TRIGGERS:
             raise ValueError(f"qkv_front trigger must be one of {PDL_TRIGGERS}, got {self.trigger!r}")
+        if self.warp_split not in WARP_SPLITS:
+            raise ValueError(f"qkv_front warp_split must be one of {WARP_SPLITS}, got {self.warp_split!r}")
         if self.k_rotate < 0:
             raise ValueError(f"qkv_front k_rotate must be >= 0, got {self.k_rotate}")
         if not 0 <= self.l2_prefetch <= K_TILES:
@@ -206,6 +217,12 @@ CONSUMER_WARPS = 4  # 4 x 16 W rows = the head's 64 output columns (one m16 MMA 
 AUX_WARPS = 1
 THREADS = 32 * (CONSUMER_WARPS + PRODUCER_WARPS + AUX_WARPS)  # 192: warps 0-3 MMA, 4 TMA, 5 aux
 MAX_OWNED_TOKENS = MAX_TOKENS  # cos|sin and slot rows the aux warp stages (owner tokens <= 16)
+# warp_split="k": each consumer warp takes WARP_K of a k-tile's K_TILE columns (two k16 MMA steps) and
+# leaves its 64 x TT fp32 partial in the (then idle) W ring, rows padded to RED_STRIDE words so the
+# MMA fragment stores hit distinct banks, for the fixed-order 4-way sum.
+WARP_K = K_TILE // CONSUMER_WARPS
+RED_STRIDE = HEAD_COLS + 4
+assert CONSUMER_WARPS * MAX_TOKENS * RED_STRIDE * 4 <= MIN_RING_STAGES * W_STAGE_BYTES
 
 
 def launch_grid(v: QkvFrontVariant) -> tuple[int, int, int]:

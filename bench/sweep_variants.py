@@ -59,7 +59,7 @@ def copy_tbps() -> float:
 def occupancy(k) -> dict:
     L = k.abi.launch
     blocks = drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(k.func, L.block[0], L.dynamic_smem_bytes)[1]
-    cfg = k._config((L.cluster[0] * 132, 1, 1), 0, False)
+    cfg, _ = k._config((L.cluster[0] * 132, 1, 1), 0, False)
     clusters = drv.cuOccupancyMaxActiveClusters(k.func, cfg)[1]
     return {"blocks_per_sm": blocks, "active_clusters": clusters}
 

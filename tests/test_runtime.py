@@ -146,3 +146,40 @@ def test_autobuild_builds_a_missing_variant_on_the_spot(tmp_path, monkeypatch):
     entry, cubin = load_artifact(V, "sm_90a", cache)
     assert entry.manifest["label"] == V.label and cubin[:4] == b"\x7fELF"
     assert [e.key for e in cache.entries()] == [entry.key]
+
+
+def test_ctypes_launch_is_optional(monkeypatch):
+    """The ctypes cuLaunchKernelEx is used when libcuda has it; MUSEKERN_CTYPES_LAUNCH=0 (or no libcuda, as on
+    this CPU machine) falls back to cuda.bindings' wrapper, never to an error."""
+    import ctypes.util
+
+    from musekern.runtime import driver
+
+    driver.c_launch_kernel_ex.cache_clear()
+    monkeypatch.setenv(driver.ENV_CTYPES_LAUNCH, "0")
+    assert driver.c_launch_kernel_ex() is None
+    driver.c_launch_kernel_ex.cache_clear()
+    monkeypatch.delenv(driver.ENV_CTYPES_LAUNCH)
+    fn = driver.c_launch_kernel_ex()
+    driver.c_launch_kernel_ex.cache_clear()
+    if ctypes.util.find_library("cuda") is None:
+        assert fn is None
+    else:
+        assert fn.restype is ctypes.c_int and len(fn.argtypes) == 4
+
+
+def test_launch_config_c_layout():
+    """The C struct behind CUlaunchConfig.getPtr() (what the ctypes launch passes): dims, smem, attributes."""
+    import ctypes
+
+    from musekern.runtime.driver import launch_config
+
+    class Cfg(ctypes.Structure):
+        _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                    ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+    cfg = launch_config((68, 1, 1), (192, 1, 1), 91136, 0, (2, 1, 1), True)
+    c = Cfg.from_address(cfg.getPtr())
+    assert (tuple(c.grid), tuple(c.block), c.smem, c.num_attrs) == ((68, 1, 1), (192, 1, 1), 91136, 2)
+    first = (ctypes.c_uint * 4).from_address(c.attrs)  # CUlaunchAttribute: id, pad, value union
+    assert tuple(first) == (4, 0, 2, 1)  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4, cluster (2, 1, ...)

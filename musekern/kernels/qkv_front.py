@@ -14,7 +14,11 @@ head's 64 W rows and of x through a `stages`-deep shared-memory ring:
     out-of-bounds read) and still counts the full box bytes on the mbarrier.
 Consumer warp w computes W rows [16w, 16w+16) x TT tokens with mma.sync m16n8k16 (W rows = the
 MMA's M, tokens = N, K = 16 per step, FP32 accumulate), operands loaded by ldmatrix from the
-swizzled ring. After the last k-tile each consumer thread sends its FP32 partial of token t to
+swizzled ring (variant warp_split "rows"). With warp_split "k" consumer warp w instead computes all
+64 rows over k columns [32w, 32w+32) of every k-tile (x is read from shared memory once per CTA,
+not once per warp; 4 x tiles independent accumulators) and the four warps' partials are summed in
+warp order in the idle W ring after the last k-tile. After the last k-tile each consumer thread
+sends its FP32 partial of token t to
 the owner CTA, rank t % S, with st.async (DSMEM, completes on the owner's receive mbarrier);
 the owner sums the S partials in rank order 0..S-1 (bitwise deterministic: the order depends
 on neither the ring depth nor timing), rounds to bf16 and runs the epilogue for its tokens:

@@ -233,6 +233,7 @@ def _device_index(t: torch.Tensor) -> int:
 
 def launch_args(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out) -> dict:
     """The `args` of LoadedKernel.launch: every ABI field name (kernels/qkv_front.py::abi_for)."""
+    num_blocks, block_size = key_cache.shape[:2]
     return {
         "weight": weight, "x": x,  # tensor maps (tma_w, tma_x), encoded by the loader
         "weight_ptr": weight.data_ptr(),
@@ -240,7 +241,7 @@ def launch_args(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, va
         "y": out.data_ptr(), "positions": positions.data_ptr(), "cos_sin_cache": cos_sin_cache.data_ptr(),
         "slot_mapping": slot_mapping.data_ptr(), "key_cache": key_cache.data_ptr(),
         "value_cache": value_cache.data_ptr(), "max_pos": cos_sin_cache.shape[0],
-        "block_size": key_cache.shape[1], "num_blocks": key_cache.shape[0],
+        "block_size": block_size, "num_blocks": num_blocks,
         "k_block_stride": key_cache.stride(0), "v_block_stride": value_cache.stride(0), "eps": float(eps),
     }
 

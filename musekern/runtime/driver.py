@@ -1,7 +1,9 @@
 """Thin, checked access to the CUDA driver through cuda.bindings (never cutlass)."""
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 
 from cuda.bindings import driver as drv
 
@@ -78,6 +80,29 @@ def device_info(device_index: int) -> dict:
         "l2_bytes": get(A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
         "driver_version": check(drv.cuDriverGetVersion(), "cuDriverGetVersion"),
     }
+
+
+ENV_CTYPES_LAUNCH = "MUSEKERN_CTYPES_LAUNCH"  # "0": launch through cuda.bindings' wrapper instead
+
+
+@functools.lru_cache(maxsize=None)
+def c_launch_kernel_ex():
+    """libcuda's cuLaunchKernelEx as a ctypes function, or None (then cuda.bindings' wrapper launches).
+
+    Called with the C address of a cached CUlaunchConfig (`CUlaunchConfig.getPtr()`), the CUfunction
+    handle and the kernelParams address, it skips the wrapper's per-call argument conversion: the host
+    cost of an eager `launch` (issue 5: <= 10 us) is almost all Python. Same driver, same context, same
+    stream semantics as the wrapper (the legacy default stream for handle 0).
+    """
+    if os.environ.get(ENV_CTYPES_LAUNCH, "1").lower() in ("0", "false", "no"):
+        return None
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):  # no Linux driver library by that name, or a pre-12.0 driver
+        return None
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def launch_config(grid: tuple, block: tuple, smem: int, stream: int, cluster: tuple = (1, 1, 1),

@@ -17,7 +17,7 @@ from cuda.bindings import driver as drv
 from .. import targets
 from ..cache import Cache, default_cache_dir
 from ..kernels.abi import KernelAbi
-from .driver import check, device_info, ensure_context, launch_config
+from .driver import c_launch_kernel_ex, check, device_info, ensure_context, launch_config
 from .tensormap import TensorMapCache
 
 ENV_AUTOBUILD = "MUSEKERN_AUTOBUILD"
@@ -98,7 +98,9 @@ class LoadedKernel:
         self._block = _ParamBlock(self.abi.params, self.abi.tensormaps)
         self._kp_addr = ctypes.addressof(self._block.pointers)
         self._tmaps = TensorMapCache(lbl)
-        self._configs: dict = {}
+        self._configs: dict = {}  # (grid, stream, pdl) -> (CUlaunchConfig, its C address)
+        self._c_launch = c_launch_kernel_ex()
+        self._func_addr = int(self.func)
         self._lock = threading.Lock()
 
     def _set_attributes(self) -> None:
@@ -118,16 +120,17 @@ class LoadedKernel:
         self.static_smem = static
 
     def _config(self, grid: tuple, hstream: int, pdl: bool):
+        """(CUlaunchConfig, its C address), built once per (grid, stream, pdl); the object owns the memory."""
         key = (grid, hstream, pdl)
-        cfg = self._configs.get(key)
-        if cfg is not None:
-            return cfg
+        got = self._configs.get(key)
+        if got is not None:
+            return got
         L = self.abi.launch
         cfg = launch_config(grid, L.block, L.dynamic_smem_bytes, hstream, L.cluster, pdl)
         if len(self._configs) > 256:
             self._configs.clear()
-        self._configs[key] = cfg
-        return cfg
+        got = self._configs[key] = (cfg, cfg.getPtr())
+        return got
 
     def launch(self, grid: tuple, args: dict, stream: int | None = None, pdl: bool | None = None) -> None:
         """Launch on `stream` (a CUstream handle as int; default: torch's current stream).
@@ -140,7 +143,7 @@ class LoadedKernel:
             stream = _current_stream(self.device_index)
         if len(grid) != 3:
             grid = tuple(grid) + (1,) * (3 - len(grid))
-        cfg = self._config(grid, stream, self.abi.launch.pdl if pdl is None else pdl)
+        cfg, cfg_addr = self._config(grid, stream, self.abi.launch.pdl if pdl is None else pdl)
         blk = self._block
         try:
             values = blk.values(args)
@@ -153,9 +156,12 @@ class LoadedKernel:
                 blk.struct.pack_into(blk.view, 0, *values)
             except struct.error as e:
                 raise TypeError(f"{self.label}: bad launch argument: {e}") from None
-            err = drv.cuLaunchKernelEx(cfg, self.func, self._kp_addr, 0)[0]
-        if err != drv.CUresult.CUDA_SUCCESS:
-            check(err, f"cuLaunchKernelEx(grid={grid}, block={self.abi.launch.block}, "
+            if self._c_launch is not None:
+                err = self._c_launch(cfg_addr, self._func_addr, self._kp_addr, None)
+            else:
+                err = drv.cuLaunchKernelEx(cfg, self.func, self._kp_addr, 0)[0]
+        if err:  # CUDA_SUCCESS is 0 in both paths
+            check(drv.CUresult(err), f"cuLaunchKernelEx(grid={grid}, block={self.abi.launch.block}, "
                        f"cluster={self.abi.launch.cluster}, smem={self.abi.launch.dynamic_smem_bytes})", self.label)
 
 

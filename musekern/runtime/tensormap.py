@@ -56,13 +56,14 @@ class TensorMapCache:
         self._maps: dict = {}
 
     def get(self, spec: TensorMapSpec, t) -> bytes:
-        if t.dim() != 2 or t.stride(1) != 1:
-            raise ValueError(f"{self._kernel}: tensor map for {spec.tensor!r} needs a 2-D row-major tensor, "
-                             f"got shape {tuple(t.shape)} stride {tuple(t.stride())}")
-        rows, cols = t.shape
-        key = (spec.param, t.data_ptr(), rows, cols, t.stride(0))  # one spec per param name per kernel
+        # a hit costs three tensor queries (the launch path's budget); shape and layout are checked on a miss
+        key = (spec.param, t.data_ptr(), t.shape, t.stride())  # one spec per param name per kernel
         raw = self._maps.get(key)
         if raw is None:
+            if t.dim() != 2 or t.stride(1) != 1:
+                raise ValueError(f"{self._kernel}: tensor map for {spec.tensor!r} needs a 2-D row-major tensor, "
+                                 f"got shape {tuple(t.shape)} stride {tuple(t.stride())}")
+            rows, cols = t.shape
             if len(self._maps) >= self._max:
                 self._maps.clear()
             raw = self._maps[key] = encode_2d(spec, t.data_ptr(), rows, cols, t.stride(0), self._kernel)

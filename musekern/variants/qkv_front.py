@@ -133,6 +133,11 @@ def supports_shape(n: int, num_kv_heads: int) -> bool:
 #   (TP4 chain 20.0 vs 20.8 us, TP1 69.5 vs 70.1; h200-sweep-k-rotate.json); an L2 prefetch of the W
 #   rows before griddepcontrol.wait is slower at every depth (TP8 12.7-16.4 vs 12.0 us,
 #   h200-sweep-l2-prefetch.json), so it stays off.
+# - warp_split "k" (each consumer warp owns 32 k columns of a stage, x read once per CTA) against "rows"
+#   (h200-sweep-warp-split.json, chain M=1 / 8 / 16 us): TP1 68.2 / 68.6 / 70.9 vs 70.7 / 70.9 / 79.8 and TP8
+#   11.2 / 12.0 / 11.3 vs 11.2 / 11.3 / 13.3 (a CTA alone on its SM: the consumer was the M=16 bottleneck);
+#   where the grid doubles CTAs up on SMs with the shallow ring, "rows" stays as fast or faster in the chain:
+#   TP2 34.3 / 35.0 / 37.2 vs 34.9 / 36.0 / 38.6, TP4 20.4 / 21.1 / 21.8 vs 20.5 / 21.3 / 22.0.
 CTAS_PER_SM = 2
 MIN_CTA_STREAM_BYTES = 512 * 1024
 SHALLOW_RING_STAGES = 4
@@ -189,6 +194,13 @@ def pdl_trigger(n: int, split: int, target: Target) -> str:
     return "late" if one_wave_at_two_per_sm(n, split, target) else "early"
 
 
+def warp_split(n: int, split: int, target: Target) -> str:
+    """'rows' where the grid doubles CTAs up on SMs with the shallow ring (heads * S > SMs, one wave at two
+    per SM: TP4, TP2), else 'k' (a CTA alone on its SM: TP8, and the deep ring of TP1). Measured, above."""
+    doubled = one_wave_at_two_per_sm(n, split, target) and (n // HEAD_COLS) * split > target.sm_count
+    return "rows" if doubled else "k"
+
+
 def variant(n: int, m: int, num_kv_heads: int, target: Target) -> QkvFrontVariant:
     """The compiled variant a call with weight rows N and M tokens takes on `target`."""
     if not supports_shape(n, num_kv_heads):
@@ -196,7 +208,7 @@ def variant(n: int, m: int, num_kv_heads: int, target: Target) -> QkvFrontVarian
     tiles = token_tiles(m)
     s = k_split(n, target)
     return QkvFrontVariant(n, num_kv_heads, tiles, ring_stages(s, target, tiles, n), s, fixed_rows(m),
-                           pdl_trigger(n, s, target), k_rotate=K_ROTATE)
+                           pdl_trigger(n, s, target), k_rotate=K_ROTATE, warp_split=warp_split(n, s, target))
 
 
 def qkv_front_variants(n: int, num_kv_heads: int, target: Target, max_tokens: int = MAX_TOKENS):

@@ -24,21 +24,21 @@ from musekern.variants import QkvFrontVariant, variant_from_label
 from musekern.variants.qkv_front import HIDDEN, fixed_rows, launch_grid, token_tiles
 
 LAYERS, REPS, LOOPS = 8, 7, 8
-# The default sweep, at M = 1, 8 and 16 (both tile counts and the M == 8 build). Rounds 1-7 (bench/NOTES.md)
-# swept ring depth x k_split x PDL trigger, the L2 prefetch, the k-tile rotation and a 5-stage ring.
-# Round 8: the consumer warps' split of a k-tile (warp_split "rows" vs "k") at every planned N, and, with
-# "k", a deep ring (one CTA per SM) with the early trigger at TP8 / TP4, where the grid leaves idle SMs on
-# which the next layer's CTAs can prefetch a larger share of their weights.
-# (N, kv heads, stages, S, trigger, l2_prefetch, k_rotate, warp_split)
-PLANNED = ((2176, 1, 5, 2, "late"), (4352, 2, 4, 2, "late"), (8704, 4, 4, 1, "late"), (17408, 8, 8, 1, "early"))
-GRID = [(n, kv, st, sp, trig, 0, 1, ws) for n, kv, st, sp, trig in PLANNED for ws in ("rows", "k")] \
-    + [(2176, 1, st, 2, "early", 0, 1, "k") for st in (8, 10)] + [(4352, 2, 8, 1, "early", 0, 1, "k")]
-SWEEP_MS = (1, 8, 16)
+# The default sweep. Rounds 1-7 (bench/NOTES.md) swept ring depth x k_split x PDL trigger, the L2 prefetch,
+# the k-tile rotation and a 5-stage ring; round 8 the consumer warps' split of a k-tile (warp_split) at every
+# planned N (h200-sweep-warp-split.json). Round 9, with --repeat 3: the TP8 A/B of the two warp splits at
+# both tile counts again (round 8 and the bench disagreed on tiles=1), and at TP8 with "k": k_split 4 (136
+# CTAs of 256 KiB, two per SM where needed), and the early trigger with the 5-stage ring; TP4 M=16 A/B.
+# (N, kv heads, stages, S, trigger, l2_prefetch, k_rotate, warp_split, Ms)
+GRID = [(2176, 1, 5, 2, "late", 0, 1, ws, (1, 8, 16)) for ws in ("rows", "k")] \
+    + [(2176, 1, st, 4, "late", 0, 1, ws, (1, 16)) for st, ws in ((4, "k"), (5, "k"), (5, "rows"))] \
+    + [(2176, 1, 5, 2, "early", 0, 1, "k", (1, 16))] \
+    + [(4352, 2, 4, 2, "late", 0, 1, ws, (16,)) for ws in ("rows", "k")]
 
 
-def grid_jobs(ms=SWEEP_MS):
+def grid_jobs():
     return [(QkvFrontVariant(n, kv, token_tiles(m), st, sp, fixed_rows(m), trig, pf, rot, ws), m)
-            for n, kv, st, sp, trig, pf, rot, ws in GRID for m in ms]
+            for n, kv, st, sp, trig, pf, rot, ws, ms in GRID for m in ms]
 
 
 def copy_tbps() -> float:
@@ -114,6 +114,35 @@ def run(v: QkvFrontVariant, m: int, weights, bw: float, pred) -> dict:
     return row
 
 
+TIMED = ("chain_us", "chain_frac", "isolated_us", "isolated_frac", "after_norm_us", "pred_us", "added_us")
+
+
+def merge_repeats(runs: list) -> dict:
+    """One row per job: the median of each timed field over the repeats, every sample under `samples`."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[0]
+    row = dict(ok[0])
+    for f in TIMED:
+        if f in row:
+            row[f] = round(statistics.median(r[f] for r in ok), 3)
+    if len(runs) > 1:
+        row["samples"] = {f: [r[f] for r in ok] for f in ("chain_us", "isolated_us", "added_us") if f in row}
+    return row
+
+
+def build_commit():
+    """The commit the carried cache was built from (bench/gpu_cache.sh writes BUILD_INFO.json)."""
+    import os
+
+    try:
+        info = json.load(open(os.path.join(os.environ.get("MUSEKERN_CACHE_DIR", ".musekern-cache"),
+                                           "BUILD_INFO.json")))
+    except (OSError, ValueError):
+        return None
+    return info["commit"] + ("-dirty" if info.get("dirty") else "")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", nargs="?", help="results JSON")
@@ -124,6 +153,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default="8")
     ap.add_argument("--splits", default="1")
     ap.add_argument("--m", default="1,16")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the whole job list this many times, round-robin (A/B pairs see the same drift); "
+                         "each row reports the medians and keeps every sample")
     a = ap.parse_args(argv)
     if a.print_labels:
         print("\n".join(sorted({v.label for v, _ in grid_jobs()})))
@@ -145,22 +177,25 @@ def main(argv=None) -> int:
         print(f"no predecessor kernel ({e}); after-norm skipped", file=sys.stderr)
         pred = None
     print(f"copy {bw:.3f} TB/s", file=sys.stderr)
-    weights_by_n, rows = {}, []
-    for v, m in jobs:
-        if v.n not in weights_by_n:
-            weights_by_n.clear()  # one N's layers at a time: bounded memory
-            weights_by_n[v.n] = [(torch.randn(v.n, HIDDEN, device="cuda") / 90).to(torch.bfloat16)
-                                 for _ in range(LAYERS)]
-        try:
-            row = run(v, m, weights_by_n[v.n], bw, pred)
-        except Exception as e:  # a variant missing from the cache: report it, go on
-            row = {"label": v.label, "M": m, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-        rows.append(row)
-        print(json.dumps(row), file=sys.stderr)
-    json.dump({"copy_TBps": round(bw, 3), "device": torch.cuda.get_device_name(), "rows": rows},
+    weights_by_n, samples = {}, {}
+    for _ in range(a.repeat):
+        for j, (v, m) in enumerate(jobs):
+            if v.n not in weights_by_n:
+                weights_by_n.clear()  # one N's layers at a time: bounded memory
+                weights_by_n[v.n] = [(torch.randn(v.n, HIDDEN, device="cuda") / 90).to(torch.bfloat16)
+                                     for _ in range(LAYERS)]
+            try:
+                row = run(v, m, weights_by_n[v.n], bw, pred)
+            except Exception as e:  # a variant missing from the cache: report it, go on
+                row = {"label": v.label, "M": m, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            samples.setdefault(j, []).append(row)
+            print(json.dumps(row), file=sys.stderr)
+    rows = [merge_repeats(samples[j]) for j in range(len(jobs))]
+    json.dump({"commit": build_commit(), "command": "python3 bench/sweep_variants.py " + " ".join(sys.argv[1:]),
+               "copy_TBps": round(bw, 3), "device": torch.cuda.get_device_name(), "repeats": a.repeat, "rows": rows},
               open(a.out, "w"), indent=1)
-    print(f"{'N':>5} {'S':>2} {'st':>2} {'trig':5} {'pf':>3} {'rot':>3} {'warps':5} {'M':>3} {'blk/SM':>6} {'chain us':>9} "
-          f"{'frac':>6} {'isol us':>8} {'frac':>6} {'added us':>8}")
+    print(f"{'N':>5} {'S':>2} {'st':>2} {'trig':5} {'pf':>3} {'rot':>3} {'warps':5} {'M':>3} {'blk/SM':>6} "
+          f"{'chain us':>9} {'frac':>6} {'isol us':>8} {'frac':>6} {'added us':>8}")
     for r in rows:
         if "error" in r:
             print(f"{r['label']:72} {r['M']:3} ERROR {r['error'][:60]}")

@@ -153,10 +153,13 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default="8")
     ap.add_argument("--splits", default="1")
     ap.add_argument("--m", default="1,16")
+    ap.add_argument("--loops", type=int, default=LOOPS, help="copies of the 8-layer sequence per graph")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the whole job list this many times, round-robin (A/B pairs see the same drift); "
                          "each row reports the medians and keeps every sample")
     a = ap.parse_args(argv)
+    global LOOPS
+    LOOPS = a.loops
     if a.print_labels:
         print("\n".join(sorted({v.label for v, _ in grid_jobs()})))
         return 0

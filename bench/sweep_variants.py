@@ -24,6 +24,7 @@ from musekern.variants import QkvFrontVariant, variant_from_label
 from musekern.variants.qkv_front import HIDDEN, fixed_rows, launch_grid, token_tiles
 
 LAYERS, REPS, LOOPS = 8, 7, 8
+DISTINCT_OUT = False  # --distinct-out: one y buffer per layer (as musekern bench does) instead of a shared one
 # The default sweep. Rounds 1-7 (bench/NOTES.md) swept ring depth x k_split x PDL trigger, the L2 prefetch,
 # the k-tile rotation and a 5-stage ring; round 8 the consumer warps' split of a k-tile (warp_split) at every
 # planned N (h200-sweep-warp-split.json). Round 9, with --repeat 3: the TP8 A/B of the two warp splits at
@@ -95,8 +96,8 @@ def run(v: QkvFrontVariant, m: int, weights, bw: float, pred) -> dict:
     cs = torch.randn(4096, 64, device="cuda")
     slots = torch.randperm(64 * 16, device="cuda")[:m]
     kv = torch.zeros(2, 64, 16, v.num_kv_heads, 64, dtype=torch.bfloat16, device="cuda")
-    out = torch.empty(m, v.n, dtype=torch.bfloat16, device="cuda")
-    args = [launch_args(x, w, pos, cs, slots, kv[0], kv[1], 1e-5, out) for w in weights]
+    outs = [torch.empty(m, v.n, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS if DISTINCT_OUT else 1)]
+    args = [launch_args(x, w, pos, cs, slots, kv[0], kv[1], 1e-5, outs[j % len(outs)]) for j, w in enumerate(weights)]
     grid = launch_grid(v)
     row = {"label": v.label, "N": v.n, "M": m, "stages": v.stages, "splits": v.splits, "trigger": v.trigger,
            "l2_prefetch": v.l2_prefetch, "k_rotate": v.k_rotate, "warp_split": v.warp_split, **occupancy(k)}
@@ -144,6 +145,7 @@ def build_commit():
 
 
 def main(argv=None) -> int:
+    global LOOPS, DISTINCT_OUT
     ap = argparse.ArgumentParser()
     ap.add_argument("out", nargs="?", help="results JSON")
     ap.add_argument("--print-labels", action="store_true", help="print the default grid's labels (for prepare)")
@@ -153,13 +155,13 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default="8")
     ap.add_argument("--splits", default="1")
     ap.add_argument("--m", default="1,16")
-    ap.add_argument("--loops", type=int, default=LOOPS, help="copies of the 8-layer sequence per graph")
+    ap.add_argument("--loops", type=int, default=8, help="copies of the 8-layer sequence per graph")
+    ap.add_argument("--distinct-out", action="store_true", help="one y buffer per layer (musekern bench's setup)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the whole job list this many times, round-robin (A/B pairs see the same drift); "
                          "each row reports the medians and keeps every sample")
     a = ap.parse_args(argv)
-    global LOOPS
-    LOOPS = a.loops
+    LOOPS, DISTINCT_OUT = a.loops, a.distinct_out
     if a.print_labels:
         print("\n".join(sorted({v.label for v, _ in grid_jobs()})))
         return 0

@@ -49,16 +49,17 @@ def test_k_split(n, target, s):
 
 # Measured rules: a ring that lets two CTAs share an SM (5 stages where a CTA is alone on its SM, else
 # 4) and a late PDL trigger when the grid then fits in one wave; otherwise 8 stages and an early trigger.
-# The consumer warps split each k-tile by k columns unless the grid doubles CTAs up on SMs (shallow ring,
-# heads * S > SMs: TP4 and TP2 on the H200, 8704 on the 78-SM H20).
+# The consumer warps split each k-tile by k columns with the deep ring (TP1) and for two token tiles on a CTA
+# alone on its SM (TP8, M > 8); by rows otherwise (split[0]: M = 1, split[1]: M = 16).
 @pytest.mark.parametrize("n,target,stages,trigger,split", [
-    (2176, "h200", 5, "late", "k"), (4352, "h200", 4, "late", "rows"), (8704, "h200", 4, "late", "rows"),
-    (17408, "h200", 8, "early", "k"), (8704, "h20", 4, "late", "rows"), (17408, "h20", 8, "early", "k")])
+    (2176, "h200", 5, "late", "rows k"), (4352, "h200", 4, "late", "rows rows"),
+    (8704, "h200", 4, "late", "rows rows"), (17408, "h200", 8, "early", "k k"), (8704, "h20", 4, "late", "rows rows"),
+    (17408, "h20", 8, "early", "k k")])
 @pytest.mark.parametrize("m", [1, 16])
 def test_planned_ring_and_trigger(n, target, stages, trigger, split, m):
     t = get_target(target)
     v = variant(n, m, {2176: 1, 4352: 2, 8704: 4, 17408: 8}[n], t)
-    assert (v.stages, v.trigger, v.warp_split) == (stages, trigger, split)
+    assert (v.stages, v.trigger, v.warp_split) == (stages, trigger, split.split()[m > 8])
     if stages < 8:  # two CTAs really fit on one SM
         assert 2 * (smem_bytes(v) + SMEM_RESERVED_PER_CTA) <= t.smem_per_sm
 

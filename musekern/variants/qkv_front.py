@@ -137,7 +137,10 @@ def supports_shape(n: int, num_kv_heads: int) -> bool:
 #   (h200-sweep-warp-split.json, chain M=1 / 8 / 16 us): TP1 68.2 / 68.6 / 70.9 vs 70.7 / 70.9 / 79.8 and TP8
 #   11.2 / 12.0 / 11.3 vs 11.2 / 11.3 / 13.3 (a CTA alone on its SM: the consumer was the M=16 bottleneck);
 #   where the grid doubles CTAs up on SMs with the shallow ring, "rows" stays as fast or faster in the chain:
-#   TP2 34.3 / 35.0 / 37.2 vs 34.9 / 36.0 / 38.6, TP4 20.4 / 21.1 / 21.8 vs 20.5 / 21.3 / 22.0.
+#   TP2 34.3 / 35.0 / 37.2 vs 34.9 / 36.0 / 38.6, TP4 20.4 / 21.1 / 21.8 vs 20.5 / 21.3 / 22.0. At TP8 with one
+#   token tile the chain with "k" is bimodal (10.8-13.9 us over graph sizes and repeats, 12.4-13.1 in the
+#   bench) where "rows" stays at 10.9-11.5 (h200-sweep-round9.json, h200-sweep-graph-size.json): "k" only
+#   where the MMA consumer is the bottleneck, two token tiles (TP8 M=16: 11.2 vs 13.2 us), or the deep ring.
 CTAS_PER_SM = 2
 MIN_CTA_STREAM_BYTES = 512 * 1024
 SHALLOW_RING_STAGES = 4
@@ -194,11 +197,14 @@ def pdl_trigger(n: int, split: int, target: Target) -> str:
     return "late" if one_wave_at_two_per_sm(n, split, target) else "early"
 
 
-def warp_split(n: int, split: int, target: Target) -> str:
-    """'rows' where the grid doubles CTAs up on SMs with the shallow ring (heads * S > SMs, one wave at two
-    per SM: TP4, TP2), else 'k' (a CTA alone on its SM: TP8, and the deep ring of TP1). Measured, above."""
-    doubled = one_wave_at_two_per_sm(n, split, target) and (n // HEAD_COLS) * split > target.sm_count
-    return "rows" if doubled else "k"
+def warp_split(n: int, split: int, target: Target, tiles: int) -> str:
+    """'k' where the MMA consumer limits the stream: the deep ring (one CTA per SM over several waves: TP1),
+    or two token tiles on a CTA that has its SM to itself (heads * S <= SMs: TP8 M > 8); else 'rows'
+    (TP4, TP2, and TP8 with one tile, where "rows" is as fast and steadier in the chain). Measured, above."""
+    if not one_wave_at_two_per_sm(n, split, target):
+        return "k"
+    alone = (n // HEAD_COLS) * split <= target.sm_count
+    return "k" if alone and tiles > 1 else "rows"
 
 
 def variant(n: int, m: int, num_kv_heads: int, target: Target) -> QkvFrontVariant:
@@ -208,7 +214,7 @@ def variant(n: int, m: int, num_kv_heads: int, target: Target) -> QkvFrontVarian
     tiles = token_tiles(m)
     s = k_split(n, target)
     return QkvFrontVariant(n, num_kv_heads, tiles, ring_stages(s, target, tiles, n), s, fixed_rows(m),
-                           pdl_trigger(n, s, target), k_rotate=K_ROTATE, warp_split=warp_split(n, s, target))
+                           pdl_trigger(n, s, target), k_rotate=K_ROTATE, warp_split=warp_split(n, s, target, tiles))
 
 
 def qkv_front_variants(n: int, num_kv_heads: int, target: Target, max_tokens: int = MAX_TOKENS):

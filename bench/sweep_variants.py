@@ -27,14 +27,12 @@ LAYERS, REPS, LOOPS = 8, 7, 8
 DISTINCT_OUT = False  # --distinct-out: one y buffer per layer (as musekern bench does) instead of a shared one
 # The default sweep. Rounds 1-7 (bench/NOTES.md) swept ring depth x k_split x PDL trigger, the L2 prefetch,
 # the k-tile rotation and a 5-stage ring; round 8 the consumer warps' split of a k-tile (warp_split) at every
-# planned N (h200-sweep-warp-split.json). Round 9, with --repeat 3: the TP8 A/B of the two warp splits at
-# both tile counts again (round 8 and the bench disagreed on tiles=1), and at TP8 with "k": k_split 4 (136
-# CTAs of 256 KiB, two per SM where needed), and the early trigger with the 5-stage ring; TP4 M=16 A/B.
+# planned N (h200-sweep-warp-split.json); round 9 the TP8 split A/B with repeats, k_split 4 and the early
+# trigger at TP8 (h200-sweep-round9.json). Round 10 (--repeat 2): the ring depth of TP1's deep ring (one CTA
+# per SM, "k") at 8, 9 and 10 stages, both tile counts; TP2 M=16 "rows" vs "k" once more.
 # (N, kv heads, stages, S, trigger, l2_prefetch, k_rotate, warp_split, Ms)
-GRID = [(2176, 1, 5, 2, "late", 0, 1, ws, (1, 8, 16)) for ws in ("rows", "k")] \
-    + [(2176, 1, st, 4, "late", 0, 1, ws, (1, 16)) for st, ws in ((4, "k"), (5, "k"), (5, "rows"))] \
-    + [(2176, 1, 5, 2, "early", 0, 1, "k", (1, 16))] \
-    + [(4352, 2, 4, 2, "late", 0, 1, ws, (16,)) for ws in ("rows", "k")]
+GRID = [(17408, 8, st, 1, "early", 0, 1, "k", (1, 16)) for st in (8, 9, 10)] \
+    + [(8704, 4, 4, 1, "late", 0, 1, ws, (16,)) for ws in ("rows", "k")]
 
 
 def grid_jobs():

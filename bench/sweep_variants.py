@@ -28,11 +28,14 @@ DISTINCT_OUT = False  # --distinct-out: one y buffer per layer (as musekern benc
 # The default sweep. Rounds 1-7 (bench/NOTES.md) swept ring depth x k_split x PDL trigger, the L2 prefetch,
 # the k-tile rotation and a 5-stage ring; round 8 the consumer warps' split of a k-tile (warp_split) at every
 # planned N (h200-sweep-warp-split.json); round 9 the TP8 split A/B with repeats, k_split 4 and the early
-# trigger at TP8 (h200-sweep-round9.json). Round 10 (--repeat 2): the ring depth of TP1's deep ring (one CTA
-# per SM, "k") at 8, 9 and 10 stages, both tile counts; TP2 M=16 "rows" vs "k" once more.
+# trigger at TP8 (h200-sweep-round9.json); round 10 TP1's deep ring at 8-10 stages (h200-sweep-round10.json).
+# Round 11 (--repeat 2): no explicit PDL trigger ("exit") against "late" where the chain is slower than the
+# isolated launches (TP4) and at TP2 / TP8; TP1's one-tile deep ring at 11 stages against 10.
 # (N, kv heads, stages, S, trigger, l2_prefetch, k_rotate, warp_split, Ms)
-GRID = [(17408, 8, st, 1, "early", 0, 1, "k", (1, 16)) for st in (8, 9, 10)] \
-    + [(8704, 4, 4, 1, "late", 0, 1, ws, (16,)) for ws in ("rows", "k")]
+GRID = [(n, kv, st, 2 if n < 8704 else 1, trig, 0, 1, "rows", (1, 16) if n == 4352 else (1,))
+        for n, kv, st in ((4352, 2, 4), (8704, 4, 4), (2176, 1, 5)) for trig in ("late", "exit")] \
+    + [(2176, 1, 5, 2, trig, 0, 1, "k", (16,)) for trig in ("late", "exit")] \
+    + [(17408, 8, st, 1, "early", 0, 1, "k", (1,)) for st in (10, 11)]
 
 
 def grid_jobs():

@@ -23,7 +23,13 @@ from musekern.variants import (
     variant,
     variant_from_label,
 )
-from musekern.variants.qkv_front import MAX_RING_STAGES, SMEM_RESERVE_BYTES, smem_bytes, stage_bytes
+from musekern.variants.qkv_front import (
+    DEEP_RING_STAGES_ONE_TILE,
+    MAX_RING_STAGES,
+    SMEM_RESERVE_BYTES,
+    smem_bytes,
+    stage_bytes,
+)
 
 H200 = get_target("h200")
 
@@ -50,15 +56,18 @@ def test_k_split(n, target, s):
 # Measured rules: a ring that lets two CTAs share an SM (5 stages where a CTA is alone on its SM, else
 # 4) and a late PDL trigger when the grid then fits in one wave; otherwise 8 stages and an early trigger.
 # The consumer warps split each k-tile by k columns with the deep ring (TP1) and for two token tiles on a CTA
-# alone on its SM (TP8, M > 8); by rows otherwise (split[0]: M = 1, split[1]: M = 16).
+# alone on its SM (TP8, M > 8); by rows otherwise (split[0]: M = 1, split[1]: M = 16). The deep ring is 10
+# stages with one token tile, 8 with two.
 @pytest.mark.parametrize("n,target,stages,trigger,split", [
     (2176, "h200", 5, "late", "rows k"), (4352, "h200", 4, "late", "rows rows"),
-    (8704, "h200", 4, "late", "rows rows"), (17408, "h200", 8, "early", "k k"), (8704, "h20", 4, "late", "rows rows"),
-    (17408, "h20", 8, "early", "k k")])
+    (8704, "h200", 4, "late", "rows rows"), (17408, "h200", "10 8", "early", "k k"),
+    (8704, "h20", 4, "late", "rows rows"), (17408, "h20", "10 8", "early", "k k")])
 @pytest.mark.parametrize("m", [1, 16])
 def test_planned_ring_and_trigger(n, target, stages, trigger, split, m):
     t = get_target(target)
     v = variant(n, m, {2176: 1, 4352: 2, 8704: 4, 17408: 8}[n], t)
+    if isinstance(stages, str):  # the deep ring: stages[0] for M = 1 (one tile), stages[1] for M = 16
+        stages = int(stages.split()[m > 8])
     assert (v.stages, v.trigger, v.warp_split) == (stages, trigger, split.split()[m > 8])
     if stages < 8:  # two CTAs really fit on one SM
         assert 2 * (smem_bytes(v) + SMEM_RESERVED_PER_CTA) <= t.smem_per_sm
@@ -68,7 +77,7 @@ def test_ring_stages_fit_shared_memory():
     for split in (1, 2, 4, 8):
         for tiles in (1, 2):
             st = ring_stages(split, H200, tiles)
-            assert 2 <= st <= MAX_RING_STAGES
+            assert 2 <= st <= (DEEP_RING_STAGES_ONE_TILE if tiles == 1 else MAX_RING_STAGES)
             assert st * stage_bytes(tiles) + SMEM_RESERVE_BYTES <= H200.max_smem_optin
 
 

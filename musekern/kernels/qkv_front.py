@@ -28,7 +28,8 @@ With S == 1 the partials go to the CTA's own shared memory with plain stores.
 PDL: before griddepcontrol.wait the kernel reads only W (the producer prefills the ring with W
 tiles); every thread executes griddepcontrol.wait before it reads x, positions, slots or
 cos|sin and before any global store; griddepcontrol.launch_dependents right after init
-(variant trigger "early") or once the producer has issued its last load ("late"). With
+(variant trigger "early") or once the producer has issued its last load ("late"), or never ("exit":
+a CTA counts as triggered when it exits). With
 l2_prefetch > 0 the producer also asks L2 for its CTA's W rows before the wait (measured slower:
 off in every plan, kept as a lever; bench/NOTES.md round 4).
 

@@ -28,10 +28,14 @@ X_TILE_STAGE_BYTES = TOKEN_TILE * K_TILE * 2  # 2 KiB of bf16 activations per to
 # (fp32, 64 columns x up to 16 tokens per peer), slots, cos|sin rows and the epilogue tile.
 SMEM_RESERVE_BYTES = 24 * 1024
 MAX_RING_STAGES = 8  # streaming probe: 8 x 16 KiB stages reached 77-78% (TP8, S=2) and 90% (TP4, S=1)
+# The deep ring (one CTA per SM, several waves: TP1) with one token tile streams faster the deeper it is:
+# chain M=1 68.2 / 67.6 / 67.1 us at 8 / 9 / 10 stages; with two tiles (the MMA consumer is the limit) 8 stays
+# best, 71.4 / 71.6 / 71.9 (h200-sweep-round10.json).
+DEEP_RING_STAGES_ONE_TILE = 10
 MIN_RING_STAGES = 2
 # Streaming probe (H200): clusters of 3 are not all co-resident with one CTA per SM, so S is a power of two.
 SPLIT_CHOICES = (1, 2, 4, 8)
-PDL_TRIGGERS = ("early", "late")
+PDL_TRIGGERS = ("early", "late", "exit")
 # How the consumer warps share a k-tile (bench/NOTES.md round 8): "rows" = warp w owns W rows
 # 16w..16w+15 over all 128 k columns (every warp re-reads the whole x stage from shared memory and runs
 # one dependent MMA chain per token tile); "k" = warp w owns k columns 32w..32w+31 over all 64 rows (x
@@ -52,7 +56,9 @@ class QkvFrontVariant(VariantMixin):
     fixed_m: int  # 8 for the M == 8 specialisation, else 0 (M is a runtime parameter)
     # Where the front lets the next grid (PDL) launch: "early" right after init (its W prefetch
     # overlaps this whole grid), "late" once this CTA's producer has issued its last load (the
-    # next grid lands while this one drains its ring and runs the epilogue). Never changes a bit.
+    # next grid lands while this one drains its ring and runs the epilogue), "exit" never explicitly
+    # (a CTA counts as triggered when it exits: the next grid lands as this one finishes). Never
+    # changes a bit.
     trigger: str = "early"
     # k-tiles of each of the CTA's W rows prefetched into L2 (cp.async.bulk.prefetch.L2) before
     # griddepcontrol.wait, so HBM keeps streaming while the previous grid finishes; 0 = off.
@@ -174,7 +180,8 @@ def stage_bytes(tiles: int) -> int:
 
 def ring_stages(split: int, target: Target, tiles: int = 2, n: int | None = None) -> int:
     """Ring depth. Shallow (two CTAs per SM) when the grid then fits in one wave, else as deep as one
-    CTA per SM allows, capped at MAX_RING_STAGES; never deeper than a CTA's k-tiles.
+    CTA per SM allows, capped at DEEP_RING_STAGES_ONE_TILE (one tile) or MAX_RING_STAGES (two tiles);
+    never deeper than a CTA's k-tiles.
 
     The result does not depend on it (the GPU tests compare two depths bit for bit). Without `n`
     (the seed's signature) the deep rule applies.
@@ -189,7 +196,8 @@ def ring_stages(split: int, target: Target, tiles: int = 2, n: int | None = None
             if CTAS_PER_SM * (ring_smem_bytes(st, tiles) + SMEM_RESERVED_PER_CTA) <= target.smem_per_sm:
                 return min(st, per_cta_tiles)
     fit = (target.max_smem_optin - SMEM_RESERVE_BYTES) // stage_bytes(tiles)
-    return max(MIN_RING_STAGES, min(MAX_RING_STAGES, fit, per_cta_tiles))
+    cap = DEEP_RING_STAGES_ONE_TILE if tiles == 1 else MAX_RING_STAGES
+    return max(MIN_RING_STAGES, min(cap, fit, per_cta_tiles))
 
 
 def pdl_trigger(n: int, split: int, target: Target) -> str:

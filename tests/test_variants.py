@@ -24,7 +24,7 @@ from musekern.variants import (
     variant_from_label,
 )
 from musekern.variants.qkv_front import (
-    DEEP_RING_STAGES_ONE_TILE,
+    K_TILES,
     MAX_RING_STAGES,
     SMEM_RESERVE_BYTES,
     smem_bytes,
@@ -57,11 +57,12 @@ def test_k_split(n, target, s):
 # 4) and a late PDL trigger when the grid then fits in one wave; otherwise 8 stages and an early trigger.
 # The consumer warps split each k-tile by k columns with the deep ring (TP1) and for two token tiles on a CTA
 # alone on its SM (TP8, M > 8); by rows otherwise (split[0]: M = 1, split[1]: M = 16). The deep ring is 10
-# stages with one token tile, 8 with two.
+# stages (all one CTA may have) with one token tile, 8 with two. No explicit PDL trigger where the shallow ring
+# doubles clusters up on SMs (TP4).
 @pytest.mark.parametrize("n,target,stages,trigger,split", [
-    (2176, "h200", 5, "late", "rows k"), (4352, "h200", 4, "late", "rows rows"),
-    (8704, "h200", 4, "late", "rows rows"), (17408, "h200", "10 8", "early", "k k"),
-    (8704, "h20", 4, "late", "rows rows"), (17408, "h20", "10 8", "early", "k k")])
+    (2176, "h200", 5, "late", "rows k"), (4352, "h200", 4, "exit", "rows rows"),
+    (8704, "h200", 4, "late", "rows rows"), (17408, "h200", "11 8", "early", "k k"),
+    (8704, "h20", 4, "late", "rows rows"), (17408, "h20", "11 8", "early", "k k")])
 @pytest.mark.parametrize("m", [1, 16])
 def test_planned_ring_and_trigger(n, target, stages, trigger, split, m):
     t = get_target(target)
@@ -77,7 +78,7 @@ def test_ring_stages_fit_shared_memory():
     for split in (1, 2, 4, 8):
         for tiles in (1, 2):
             st = ring_stages(split, H200, tiles)
-            assert 2 <= st <= (DEEP_RING_STAGES_ONE_TILE if tiles == 1 else MAX_RING_STAGES)
+            assert 2 <= st <= (K_TILES if tiles == 1 else MAX_RING_STAGES)
             assert st * stage_bytes(tiles) + SMEM_RESERVE_BYTES <= H200.max_smem_optin
 
 

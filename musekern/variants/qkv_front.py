@@ -28,10 +28,10 @@ X_TILE_STAGE_BYTES = TOKEN_TILE * K_TILE * 2  # 2 KiB of bf16 activations per to
 # (fp32, 64 columns x up to 16 tokens per peer), slots, cos|sin rows and the epilogue tile.
 SMEM_RESERVE_BYTES = 24 * 1024
 MAX_RING_STAGES = 8  # streaming probe: 8 x 16 KiB stages reached 77-78% (TP8, S=2) and 90% (TP4, S=1)
-# The deep ring (one CTA per SM, several waves: TP1) with one token tile streams faster the deeper it is:
-# chain M=1 68.2 / 67.6 / 67.1 us at 8 / 9 / 10 stages; with two tiles (the MMA consumer is the limit) 8 stays
-# best, 71.4 / 71.6 / 71.9 (h200-sweep-round10.json).
-DEEP_RING_STAGES_ONE_TILE = 10
+# The deep ring (one CTA per SM, several waves: TP1) with one token tile streams faster the deeper it is, so
+# it takes all the shared memory one CTA may have: chain M=1 68.2 / 67.6 / 67.1 / 66.6 us at 8 / 9 / 10 / 11
+# stages (h200-sweep-round10.json, -round11.json); with two tiles (the MMA consumer is the limit) 8 stays
+# best, 71.4 / 71.6 / 71.9 us at 8 / 9 / 10.
 MIN_RING_STAGES = 2
 # Streaming probe (H200): clusters of 3 are not all co-resident with one CTA per SM, so S is a power of two.
 SPLIT_CHOICES = (1, 2, 4, 8)
@@ -135,6 +135,9 @@ def supports_shape(n: int, num_kv_heads: int) -> bool:
 # - splitting K so far that a CTA streams < 512 KiB of W loses to fixed per-CTA costs (TP8: S=4 13.8 us
 #   vs S=2 11.6 us chain at M=1);
 # - TP1 (272 CTAs > 2 x 132): no single wave either way; the deep ring is faster (71.2 vs 75.2 us chain).
+# - with no explicit trigger ("exit": the next grid launches as this one's CTAs exit) TP4's chain equals its
+#   isolated launches, 19.6 / 21.4 us at M=1 / 16, where "late" made it slower (20.5 / 21.9); at TP2 and TP8
+#   "late" stays better (34.5 vs 35.2, 11.4 vs 12.2 us; h200-sweep-round11.json).
 # - rotating each head's k-tile order by one tile per head (k_rotate=1) is 0-4% faster than lockstep
 #   (TP4 chain 20.0 vs 20.8 us, TP1 69.5 vs 70.1; h200-sweep-k-rotate.json); an L2 prefetch of the W
 #   rows before griddepcontrol.wait is slower at every depth (TP8 12.7-16.4 vs 12.0 us,
@@ -180,8 +183,8 @@ def stage_bytes(tiles: int) -> int:
 
 def ring_stages(split: int, target: Target, tiles: int = 2, n: int | None = None) -> int:
     """Ring depth. Shallow (two CTAs per SM) when the grid then fits in one wave, else as deep as one
-    CTA per SM allows, capped at DEEP_RING_STAGES_ONE_TILE (one tile) or MAX_RING_STAGES (two tiles);
-    never deeper than a CTA's k-tiles.
+    CTA per SM allows (one tile) or that capped at MAX_RING_STAGES (two tiles); never deeper than a
+    CTA's k-tiles.
 
     The result does not depend on it (the GPU tests compare two depths bit for bit). Without `n`
     (the seed's signature) the deep rule applies.
@@ -196,13 +199,17 @@ def ring_stages(split: int, target: Target, tiles: int = 2, n: int | None = None
             if CTAS_PER_SM * (ring_smem_bytes(st, tiles) + SMEM_RESERVED_PER_CTA) <= target.smem_per_sm:
                 return min(st, per_cta_tiles)
     fit = (target.max_smem_optin - SMEM_RESERVE_BYTES) // stage_bytes(tiles)
-    cap = DEEP_RING_STAGES_ONE_TILE if tiles == 1 else MAX_RING_STAGES
+    cap = fit if tiles == 1 else MAX_RING_STAGES
     return max(MIN_RING_STAGES, min(cap, fit, per_cta_tiles))
 
 
 def pdl_trigger(n: int, split: int, target: Target) -> str:
-    """'late' when two CTAs share an SM (the shallow ring), else 'early' (measured, see above)."""
-    return "late" if one_wave_at_two_per_sm(n, split, target) else "early"
+    """'late' when two CTAs share an SM (the shallow ring), else 'early'; 'exit' (no explicit trigger)
+    where the shallow ring doubles clusters up on SMs (heads * S > SMs with S > 1: TP4), where any overlap
+    with the next grid measured slower than none (measured, see above)."""
+    if not one_wave_at_two_per_sm(n, split, target):
+        return "early"
+    return "exit" if split > 1 and (n // HEAD_COLS) * split > target.sm_count else "late"
 
 
 def warp_split(n: int, split: int, target: Target, tiles: int) -> str:

@@ -1,0 +1,264 @@
+#!/usr/bin/env python3
+"""qkv_front's memory skeleton without the math: how fast can the weights stream per layer when the
+consumers need x (written by the previous kernel) from the first k-tile on?
+
+The team's PDL probe (../shared/anchors/pdl-probe) streamed every weight byte BEFORE griddepcontrol.wait
+(its consumers needed the predecessor's output only for the final store) and reached 98% of copy bandwidth
+at TP8 with fronts back to back; issue 5's targets come from it. The real front's MMA needs x from k-tile 0,
+so before the wait a CTA can only fill its ring. This probe runs both dependency modes on the front's
+exact skeleton (clusters of S CTAs per head, `stages` x (16 KiB W + 2 KiB x) TMA ring with 128B swizzle,
+4 consumer warps + 1 producer warp, k_rotate 1), with the math replaced by two smem reads per stage:
+
+  mode "after": W streams with no wait; every thread waits (griddepcontrol.wait) only before the store
+                (the anchor probe's dependency);
+  mode "before": the producer prefills the ring with W, waits, then loads x per stage; the consumers wait
+                before their first stage (the real front's dependency).
+
+Build here (CPU, nvidia-cutlass-dsl):  python bench/probes/skeleton_probe.py build DIR
+Run on the GPU (carry DIR):           python3 bench/probes/skeleton_probe.py run DIR OUT.json
+"""
+# (no `from __future__ import annotations`: @cute.struct reads real annotation objects)
+
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+
+HIDDEN, HEAD_COLS, K_TILE = 8192, 64, 128
+K_TILES = HIDDEN // K_TILE
+TT = 8  # x rows per stage (one token tile)
+W_STAGE, X_STAGE = HEAD_COLS * K_TILE * 2, TT * K_TILE * 2
+THREADS = 160  # warps 0-3 consumers, warp 4 producer
+LAYERS = 8
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    name: str
+    heads: int
+    splits: int
+    stages: int
+    mode: str  # "after" | "before"
+    trigger: str  # "early" | "late" | "exit"
+
+
+# the planned shapes of the default model on the H200 (musekern plan --target h200), both modes
+CONFIGS = [ProbeConfig(f"tp{tp}-{mode}-{trig}", heads, s, st, mode, trig)
+           for tp, heads, s, st, trigs in ((8, 34, 2, 5, ("late", "early")), (4, 68, 2, 4, ("exit", "early")),
+                                           (2, 136, 1, 4, ("late", "early")))
+           for mode in ("after", "before") for trig in trigs]
+
+
+# ---------------------------------------------------------------------------------------------- build (CPU)
+def _kernel_class():
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32, Int64
+    from cutlass.cute.nvgpu import cpasync, warpgroup
+    from cutlass.memory import SmemAllocator
+
+    class SkeletonProbe:
+        def __init__(self, c: ProbeConfig):
+            self.c = c
+            self.ntiles = K_TILES // c.splits
+
+            @cute.struct
+            class Smem:
+                sW: cute.struct.Align[cute.struct.MemRange[BFloat16, HEAD_COLS * K_TILE * c.stages], 1024]
+                sX: cute.struct.Align[cute.struct.MemRange[BFloat16, TT * K_TILE * c.stages], 1024]
+                full: cute.struct.MemRange[Int64, c.stages]
+                empty: cute.struct.MemRange[Int64, c.stages]
+            self.Smem = Smem
+
+        @cute.jit
+        def __call__(self, w_ptr: cute.Pointer, x_ptr: cute.Pointer, o_ptr: cute.Pointer, stream: cuda.CUstream):
+            c = self.c
+            mW = cute.make_tensor(w_ptr, cute.make_layout((c.heads * HEAD_COLS, HIDDEN), stride=(HIDDEN, 1)))
+            mX = cute.make_tensor(x_ptr, cute.make_layout((TT, HIDDEN), stride=(HIDDEN, 1)))
+            mO = cute.make_tensor(o_ptr, cute.make_layout(c.heads * c.splits))
+            atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+            sW_l = cute.tile_to_shape(atom, (HEAD_COLS, K_TILE, c.stages), order=(0, 1, 2))
+            sX_l = cute.tile_to_shape(atom, (TT, K_TILE, c.stages), order=(0, 1, 2))
+            tma_w, mW_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW,
+                                                      cute.slice_(sW_l, (None, None, 0)), (HEAD_COLS, K_TILE))
+            tma_x, mX_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX,
+                                                      cute.slice_(sX_l, (None, None, 0)), (TT, K_TILE))
+            self.kernel(tma_w, mW_t, tma_x, mX_t, mO, sW_l, sX_l).launch(
+                grid=[c.heads * c.splits, 1, 1], block=[THREADS, 1, 1], cluster=[c.splits, 1, 1],
+                smem=self.Smem.size_in_bytes(), stream=stream, use_pdl=True)
+
+        @cute.kernel
+        def kernel(self, tma_w: cute.CopyAtom, mW_t: cute.Tensor, tma_x: cute.CopyAtom, mX_t: cute.Tensor,
+                   mO: cute.Tensor, sW_l: cute.ComposedLayout, sX_l: cute.ComposedLayout):
+            c = self.c
+            tidx = cute.arch.thread_idx()[0]
+            bidx = cute.arch.block_idx()[0]
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            head = bidx // c.splits
+            rank = bidx % c.splits
+            st = SmemAllocator().allocate(self.Smem)
+            sW = st.sW.get_tensor(sW_l.outer, swizzle=sW_l.inner)
+            sX = st.sX.get_tensor(sX_l.outer, swizzle=sX_l.inner)
+            full = st.full.data_ptr()
+            empty = st.empty.data_ptr()
+            tx = W_STAGE + (X_STAGE if cutlass.const_expr(c.mode == "before") else 0)
+            if tidx == 0:
+                for s in cutlass.range_constexpr(c.stages):
+                    cute.arch.mbarrier_init(full + s, 1)
+                    cute.arch.mbarrier_init(empty + s, 4)
+                cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+            if cutlass.const_expr(c.trigger == "early"):
+                cute.arch.griddepcontrol_launch_dependents()
+            rot = (head * 1) % self.ntiles  # k_rotate 1, as planned
+            if warp_idx == 4:
+                gW = cute.local_tile(mW_t, (HEAD_COLS, K_TILE), (head, None))
+                gX = cute.local_tile(mX_t, (TT, K_TILE), (0, None))
+                tWs, tWg = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
+                                                 cute.group_modes(gW, 0, 2))
+                tXs, tXg = cpasync.tma_partition(tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                                                 cute.group_modes(gX, 0, 2))
+                for i in cutlass.range_constexpr(c.stages):
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(full + i, tx)
+                    cute.copy(tma_w, tWg[None, rank + ((i + rot) % self.ntiles) * c.splits], tWs[None, i],
+                              tma_bar_ptr=full + i)
+                if cutlass.const_expr(c.mode == "before"):
+                    cute.arch.griddepcontrol_wait()
+                    for i in cutlass.range_constexpr(c.stages):
+                        cute.copy(tma_x, tXg[None, rank + ((i + rot) % self.ntiles) * c.splits], tXs[None, i],
+                                  tma_bar_ptr=full + i)
+                for i in cutlass.range(c.stages, self.ntiles, unroll=1):
+                    s = i % c.stages
+                    cute.arch.mbarrier_wait(empty + s, ((i // c.stages) - 1) % 2)
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(full + s, tx)
+                    k = rank + ((i + rot) % self.ntiles) * c.splits
+                    cute.copy(tma_w, tWg[None, k], tWs[None, s], tma_bar_ptr=full + s)
+                    if cutlass.const_expr(c.mode == "before"):
+                        cute.copy(tma_x, tXg[None, k], tXs[None, s], tma_bar_ptr=full + s)
+                if cutlass.const_expr(c.trigger == "late"):
+                    cute.arch.griddepcontrol_launch_dependents()
+            else:
+                if cutlass.const_expr(c.mode == "before"):
+                    cute.arch.griddepcontrol_wait()  # the front's MMA needs x from the first k-tile
+                acc = Float32(0.0)
+                for i in cutlass.range(self.ntiles, unroll=1):
+                    s = i % c.stages
+                    cute.arch.mbarrier_wait(full + s, (i // c.stages) % 2)
+                    acc = acc + Float32(sW[tidx % HEAD_COLS, (tidx * 8) % K_TILE, s])
+                    if cutlass.const_expr(c.mode == "before"):
+                        acc = acc + Float32(sX[tidx % TT, (tidx * 8) % K_TILE, s])
+                    cute.arch.sync_warp()
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive(empty + s)
+                if cutlass.const_expr(c.mode == "after"):
+                    cute.arch.griddepcontrol_wait()  # before the store only: the anchor probe's dependency
+                if tidx == 0:
+                    mO[bidx] = acc
+    return SkeletonProbe
+
+
+def build(outdir: str) -> None:
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32
+    from cutlass.cute.runtime import make_ptr
+
+    from musekern.kernels._dsl import compile_to_cubin
+    from musekern.kernels.abi import KernelAbi, LaunchSpec, TensorMapSpec, check_abi_against_ptx, pointer, tensormap
+
+    os.makedirs(outdir, exist_ok=True)
+    cls = _kernel_class()
+    bf = make_ptr(BFloat16, 1 << 20, cute.AddressSpace.gmem, assumed_align=16)
+    f32 = make_ptr(Float32, 1 << 20, cute.AddressSpace.gmem, assumed_align=16)
+    manifest = []
+    from musekern.variants.qkv_front import ring_smem_bytes
+
+    for c in CONFIGS:
+        k = cls(c)
+        # launched with the planned front's dynamic shared memory, so CTAs share SMs exactly as the front's do
+        smem = max(k.Smem.size_in_bytes(), ring_smem_bytes(c.stages, 1))
+        cubin, ptx, symbol = compile_to_cubin(k, bf, bf, f32, cuda.CUstream(0), arch="sm_90a")
+        abi = KernelAbi(params=(tensormap("tma_w"), tensormap("tma_x"), pointer("out")),
+                        launch=LaunchSpec(block=(THREADS, 1, 1), cluster=(c.splits, 1, 1),
+                                          dynamic_smem_bytes=smem, pdl=True,
+                                          grid=f"({c.heads * c.splits}, 1, 1)"),
+                        tensormaps=(TensorMapSpec("tma_w", "weight", "bf16", (64, HEAD_COLS)),
+                                    TensorMapSpec("tma_x", "x", "bf16", (64, TT))))
+        check_abi_against_ptx(abi, ptx, symbol)
+        open(os.path.join(outdir, f"{c.name}.cubin"), "wb").write(cubin)
+        manifest.append({"config": asdict(c), "symbol": symbol, "abi": abi.to_json()})
+        print(f"built {c.name}: {smem} B smem", file=sys.stderr)
+    json.dump(manifest, open(os.path.join(outdir, "manifest.json"), "w"), indent=1)
+    import subprocess
+
+    rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True).stdout.strip())
+    json.dump({"commit": rev, "dirty": dirty}, open(os.path.join(outdir, "BUILD_INFO.json"), "w"))
+
+
+# ---------------------------------------------------------------------------------------------- run (GPU)
+class _Entry:
+    def __init__(self, m):
+        self.key = m["config"]["name"]
+        self.manifest = {"label": self.key, "symbol": m["symbol"], "abi": m["abi"]}
+
+
+def run(outdir: str, out_json: str) -> int:
+    import torch
+
+    from musekern.bench.timing import Graph, copy_bandwidth, loops_for, time_graphs
+    from musekern.runtime.loader import LoadedKernel
+
+    bw = copy_bandwidth()
+    man = json.load(open(os.path.join(outdir, "manifest.json")))
+    x = torch.randn(TT, HIDDEN, device="cuda").to(torch.bfloat16)
+    rows, weights = [], {}
+    for m in man:
+        c = ProbeConfig(**m["config"])
+        if c.heads not in weights:
+            weights.clear()
+            weights[c.heads] = [(torch.randn(c.heads * HEAD_COLS, HIDDEN, device="cuda") / 90).to(torch.bfloat16)
+                                for _ in range(LAYERS)]
+        k = LoadedKernel(_Entry(m), open(os.path.join(outdir, f"{c.name}.cubin"), "rb").read(),
+                         torch.cuda.current_device())
+        out = torch.empty(c.heads * c.splits, device="cuda")
+        grid = (c.heads * c.splits, 1, 1)
+        args = [{"weight": w, "x": x, "out": out.data_ptr()} for w in weights[c.heads]]
+        graphs = [Graph(mode, [lambda a=a, p=pdl: k.launch(grid, a, pdl=p) for a in args],
+                        loops_for(LAYERS * 15e-6), LAYERS) for mode, pdl in (("chain", True), ("isolated", False))]
+        t = time_graphs(graphs, samples=7)
+        wbytes = c.heads * HEAD_COLS * HIDDEN * 2
+        row = {**asdict(c), "floor_us": round(wbytes / (bw * 1e12) * 1e6, 3)}
+        for g in ("chain", "isolated"):
+            row[f"{g}_us"] = round(t[g]["us"], 3)
+            row[f"{g}_frac"] = round(wbytes / (t[g]["us"] * 1e-6) / (bw * 1e12), 3)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+    info = json.load(open(os.path.join(outdir, "BUILD_INFO.json"))) if os.path.exists(
+        os.path.join(outdir, "BUILD_INFO.json")) else {}
+    json.dump({"commit": info.get("commit"), "device": torch.cuda.get_device_name(), "copy_TBps": round(bw, 3),
+               "command": "python3 bench/probes/skeleton_probe.py run " + " ".join(sys.argv[2:]), "rows": rows},
+              open(out_json, "w"), indent=1)
+    print(f"{'config':22} {'floor':>6} {'chain us':>9} {'frac':>6} {'isol us':>8} {'frac':>6}")
+    for r in rows:
+        print(f"{r['name']:22} {r['floor_us']:6.2f} {r['chain_us']:9.2f} {r['chain_frac']:6.3f} {r['isolated_us']:8.2f} "
+              f"{r['isolated_frac']:6.3f}")
+    return 0
+
+
+def main(argv) -> int:
+    if len(argv) >= 2 and argv[0] == "build":
+        build(argv[1])
+        return 0
+    if len(argv) >= 3 and argv[0] == "run":
+        return run(argv[1], argv[2])
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

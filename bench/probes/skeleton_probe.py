@@ -54,7 +54,7 @@ def _kernel_class():
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32, Int64
+    from cutlass import BFloat16, Float32, Int64
     from cutlass.cute.nvgpu import cpasync, warpgroup
     from cutlass.memory import SmemAllocator
 
@@ -228,7 +228,7 @@ def run(outdir: str, out_json: str) -> int:
         out = torch.empty(c.heads * c.splits, device="cuda")
         grid = (c.heads * c.splits, 1, 1)
         args = [{"weight": w, "x": x, "out": out.data_ptr()} for w in weights[c.heads]]
-        graphs = [Graph(mode, [lambda a=a, p=pdl: k.launch(grid, a, pdl=p) for a in args],
+        graphs = [Graph(mode, [lambda a=a, p=pdl, k=k, g=grid: k.launch(g, a, pdl=p) for a in args],
                         loops_for(LAYERS * 15e-6), LAYERS) for mode, pdl in (("chain", True), ("isolated", False))]
         t = time_graphs(graphs, samples=7)
         wbytes = c.heads * HEAD_COLS * HIDDEN * 2
@@ -245,8 +245,8 @@ def run(outdir: str, out_json: str) -> int:
               open(out_json, "w"), indent=1)
     print(f"{'config':22} {'floor':>6} {'chain us':>9} {'frac':>6} {'isol us':>8} {'frac':>6}")
     for r in rows:
-        print(f"{r['name']:22} {r['floor_us']:6.2f} {r['chain_us']:9.2f} {r['chain_frac']:6.3f} {r['isolated_us']:8.2f} "
-              f"{r['isolated_frac']:6.3f}")
+        print(f"{r['name']:22} {r['floor_us']:6.2f} {r['chain_us']:9.2f} {r['chain_frac']:6.3f} "
+              f"{r['isolated_us']:8.2f} {r['isolated_frac']:6.3f}")
     return 0
 
 

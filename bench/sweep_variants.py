@@ -30,12 +30,15 @@ DISTINCT_OUT = False  # --distinct-out: one y buffer per layer (as musekern benc
 # planned N (h200-sweep-warp-split.json); round 9 the TP8 split A/B with repeats, k_split 4 and the early
 # trigger at TP8 (h200-sweep-round9.json); round 10 TP1's deep ring at 8-10 stages (h200-sweep-round10.json).
 # Round 11 (--repeat 2): no explicit PDL trigger ("exit") against "late" where the chain is slower than the
-# isolated launches (TP4) and at TP2 / TP8; TP1's one-tile deep ring at 11 stages against 10.
+# isolated launches (TP4) and at TP2 / TP8; TP1's one-tile deep ring at 11 stages against 10
+# (h200-sweep-round11.json). Round 12: the skeleton probe (h200-skeleton-probe.json) bounds the chain at
+# 79% (TP8) / 94% (TP4) of copy bandwidth while only the ring streams before the wait; can the L2 take the
+# rest? The whole W slice prefetched into L2 before the wait (l2_prefetch 64), with the next grid let in
+# once the wait returned ("wait": at most two layers' weights in flight), against the plan.
 # (N, kv heads, stages, S, trigger, l2_prefetch, k_rotate, warp_split, Ms)
-GRID = [(n, kv, st, 2 if n < 8704 else 1, trig, 0, 1, "rows", (1, 16) if n == 4352 else (1,))
-        for n, kv, st in ((4352, 2, 4), (8704, 4, 4), (2176, 1, 5)) for trig in ("late", "exit")] \
-    + [(2176, 1, 5, 2, trig, 0, 1, "k", (16,)) for trig in ("late", "exit")] \
-    + [(17408, 8, st, 1, "early", 0, 1, "k", (1,)) for st in (10, 11)]
+GRID = [(2176, 1, 5, 2, trig, pf, 1, "rows", (1,)) for trig, pf in
+        (("late", 0), ("wait", 0), ("wait", 32), ("wait", 64), ("late", 64), ("early", 64))] \
+    + [(4352, 2, 4, 2, trig, pf, 1, "rows", (1,)) for trig, pf in (("exit", 0), ("wait", 0), ("wait", 64))]
 
 
 def grid_jobs():

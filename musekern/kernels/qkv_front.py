@@ -28,7 +28,8 @@ With S == 1 the partials go to the CTA's own shared memory with plain stores.
 PDL: before griddepcontrol.wait the kernel reads only W (the producer prefills the ring with W
 tiles); every thread executes griddepcontrol.wait before it reads x, positions, slots or
 cos|sin and before any global store; griddepcontrol.launch_dependents right after init
-(variant trigger "early") or once the producer has issued its last load ("late"), or never ("exit":
+(variant trigger "early"), once the producer's griddepcontrol.wait returned ("wait"), once the producer
+has issued its last load ("late"), or never ("exit":
 a CTA counts as triggered when it exits). With
 l2_prefetch > 0 the producer also asks L2 for its CTA's W rows before the wait (measured slower:
 off in every plan, kept as a lever; bench/NOTES.md round 4).
@@ -256,6 +257,9 @@ class QkvFrontKernel:
                 if r < rows:
                     prefetch_l2(base + Int64(r) * (HIDDEN * 2), Int32(self.v.l2_prefetch * K_TILE * 2))
         cute.arch.griddepcontrol_wait()  # x may be the previous kernel's output
+        if cutlass.const_expr(self.v.trigger == "wait"):
+            # the previous grid is complete: the next one may land (and prefetch) while this one streams
+            cute.arch.griddepcontrol_launch_dependents()
         for i in cutlass.range_constexpr(self.stages):
             cute.copy(tma_x, tXgX[None, self._k_tile(i, rank, rot)], tXsX[None, i], tma_bar_ptr=full + i)
         for i in cutlass.range(self.stages, self.ntiles, unroll=1):

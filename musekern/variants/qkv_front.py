@@ -35,7 +35,7 @@ MAX_RING_STAGES = 8  # streaming probe: 8 x 16 KiB stages reached 77-78% (TP8, S
 MIN_RING_STAGES = 2
 # Streaming probe (H200): clusters of 3 are not all co-resident with one CTA per SM, so S is a power of two.
 SPLIT_CHOICES = (1, 2, 4, 8)
-PDL_TRIGGERS = ("early", "late", "exit")
+PDL_TRIGGERS = ("early", "wait", "late", "exit")
 # How the consumer warps share a k-tile (bench/NOTES.md round 8): "rows" = warp w owns W rows
 # 16w..16w+15 over all 128 k columns (every warp re-reads the whole x stage from shared memory and runs
 # one dependent MMA chain per token tile); "k" = warp w owns k columns 32w..32w+31 over all 64 rows (x
@@ -55,7 +55,8 @@ class QkvFrontVariant(VariantMixin):
     splits: int  # S, CTAs per cluster splitting K
     fixed_m: int  # 8 for the M == 8 specialisation, else 0 (M is a runtime parameter)
     # Where the front lets the next grid (PDL) launch: "early" right after init (its W prefetch
-    # overlaps this whole grid), "late" once this CTA's producer has issued its last load (the
+    # overlaps this whole grid), "wait" once this CTA's griddepcontrol.wait returned (the previous grid
+    # is complete: at most two grids are resident), "late" once this CTA's producer has issued its last load (the
     # next grid lands while this one drains its ring and runs the epilogue), "exit" never explicitly
     # (a CTA counts as triggered when it exits: the next grid lands as this one finishes). Never
     # changes a bit.

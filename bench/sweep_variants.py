@@ -35,10 +35,12 @@ DISTINCT_OUT = False  # --distinct-out: one y buffer per layer (as musekern benc
 # 79% (TP8) / 94% (TP4) of copy bandwidth while only the ring streams before the wait; can the L2 take the
 # rest? The whole W slice prefetched into L2 before the wait (l2_prefetch 64), with the next grid let in
 # once the wait returned ("wait": at most two layers' weights in flight), against the plan.
+# Round 13 (--repeat 3): L2 prefetch and "wait" were slower everywhere (h200-sweep-round12.json). With TP4's
+# dependents now launched at exit, its chain follows its isolated launches, where "k" was faster (round 9):
+# TP4 "rows" vs "k" under "exit", both tile counts; TP2's two-tile build with "k" under "late" and "exit".
 # (N, kv heads, stages, S, trigger, l2_prefetch, k_rotate, warp_split, Ms)
-GRID = [(2176, 1, 5, 2, trig, pf, 1, "rows", (1,)) for trig, pf in
-        (("late", 0), ("wait", 0), ("wait", 32), ("wait", 64), ("late", 64), ("early", 64))] \
-    + [(4352, 2, 4, 2, trig, pf, 1, "rows", (1,)) for trig, pf in (("exit", 0), ("wait", 0), ("wait", 64))]
+GRID = [(4352, 2, 4, 2, "exit", 0, 1, ws, (1, 16)) for ws in ("rows", "k")] \
+    + [(8704, 4, 4, 1, trig, 0, 1, ws, (16,)) for trig, ws in (("late", "rows"), ("late", "k"), ("exit", "k"))]
 
 
 def grid_jobs():

@@ -55,22 +55,21 @@ def test_k_split(n, target, s):
 
 # Measured rules: a ring that lets two CTAs share an SM (5 stages where a CTA is alone on its SM, else
 # 4) and a late PDL trigger when the grid then fits in one wave; otherwise 8 stages and an early trigger.
-# The consumer warps split each k-tile by k columns with the deep ring (TP1) and for two token tiles on a CTA
-# alone on its SM (TP8, M > 8); by rows otherwise (split[0]: M = 1, split[1]: M = 16). The deep ring is 10
-# stages (all one CTA may have) with one token tile, 8 with two. No explicit PDL trigger where the shallow ring
-# doubles clusters up on SMs (TP4).
+# The consumer warps split each k-tile by k columns except for one token tile under the late trigger (TP8 and
+# TP2 at M <= 8); the deep ring is 11 stages (all one CTA may have) with one token tile, 8 with two; no explicit
+# PDL trigger where the shallow ring doubles CTAs up on SMs with clusters (TP4) or two tiles (TP2 M > 8).
+# Each row: (M = 1 value, M = 16 value) of stages, trigger and warp split.
 @pytest.mark.parametrize("n,target,stages,trigger,split", [
-    (2176, "h200", 5, "late", "rows k"), (4352, "h200", 4, "exit", "rows rows"),
-    (8704, "h200", 4, "late", "rows rows"), (17408, "h200", "11 8", "early", "k k"),
-    (8704, "h20", 4, "late", "rows rows"), (17408, "h20", "11 8", "early", "k k")])
+    (2176, "h200", (5, 5), ("late", "late"), ("rows", "k")), (4352, "h200", (4, 4), ("exit", "exit"), ("k", "k")),
+    (8704, "h200", (4, 4), ("late", "exit"), ("rows", "k")), (17408, "h200", (11, 8), ("early", "early"), ("k", "k")),
+    (8704, "h20", (4, 4), ("late", "exit"), ("rows", "k")), (17408, "h20", (11, 8), ("early", "early"), ("k", "k"))])
 @pytest.mark.parametrize("m", [1, 16])
-def test_planned_ring_and_trigger(n, target, stages, trigger, split, m):
+def test_planned_ring_trigger_and_warp_split(n, target, stages, trigger, split, m):
     t = get_target(target)
     v = variant(n, m, {2176: 1, 4352: 2, 8704: 4, 17408: 8}[n], t)
-    if isinstance(stages, str):  # the deep ring: stages[0] for M = 1 (one tile), stages[1] for M = 16
-        stages = int(stages.split()[m > 8])
-    assert (v.stages, v.trigger, v.warp_split) == (stages, trigger, split.split()[m > 8])
-    if stages < 8:  # two CTAs really fit on one SM
+    i = int(m > 8)
+    assert (v.stages, v.trigger, v.warp_split) == (stages[i], trigger[i], split[i])
+    if v.stages < 8:  # two CTAs really fit on one SM
         assert 2 * (smem_bytes(v) + SMEM_RESERVED_PER_CTA) <= t.smem_per_sm
 
 

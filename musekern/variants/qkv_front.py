@@ -139,6 +139,10 @@ def supports_shape(n: int, num_kv_heads: int) -> bool:
 # - with no explicit trigger ("exit": the next grid launches as this one's CTAs exit) TP4's chain equals its
 #   isolated launches, 19.6 / 21.4 us at M=1 / 16, where "late" made it slower (20.5 / 21.9); at TP2 and TP8
 #   "late" stays better (34.5 vs 35.2, 11.4 vs 12.2 us; h200-sweep-round11.json).
+# - under "exit", "k" is as fast or faster than "rows" where CTAs double up (TP4 chain 19.3 / 20.6 vs 19.4 / 21.2
+#   us at M=1 / 16), and TP2's two-tile build is fastest with "k" and "exit" (36.6 us; "rows" + "late" 37.3,
+#   "k" + "late" 38.3; h200-sweep-round13.json). L2 prefetch and a trigger right after the wait ("wait") were
+#   slower at TP8 and TP4 in every combination (h200-sweep-round12.json).
 # - rotating each head's k-tile order by one tile per head (k_rotate=1) is 0-4% faster than lockstep
 #   (TP4 chain 20.0 vs 20.8 us, TP1 69.5 vs 70.1; h200-sweep-k-rotate.json); an L2 prefetch of the W
 #   rows before griddepcontrol.wait is slower at every depth (TP8 12.7-16.4 vs 12.0 us,
@@ -204,23 +208,22 @@ def ring_stages(split: int, target: Target, tiles: int = 2, n: int | None = None
     return max(MIN_RING_STAGES, min(cap, fit, per_cta_tiles))
 
 
-def pdl_trigger(n: int, split: int, target: Target) -> str:
-    """'late' when two CTAs share an SM (the shallow ring), else 'early'; 'exit' (no explicit trigger)
-    where the shallow ring doubles clusters up on SMs (heads * S > SMs with S > 1: TP4), where any overlap
-    with the next grid measured slower than none (measured, see above)."""
+def pdl_trigger(n: int, split: int, target: Target, tiles: int = 1) -> str:
+    """Where the front lets its dependents launch (measured, see above): 'early' with the deep ring (one CTA
+    per SM over several waves); with the shallow ring 'late', except 'exit' (no explicit trigger) where the
+    grid doubles CTAs up on SMs (heads * S > SMs) with clusters (TP4) or with two token tiles (TP2 M > 8):
+    there any overlap with the next grid measured slower than none."""
     if not one_wave_at_two_per_sm(n, split, target):
         return "early"
-    return "exit" if split > 1 and (n // HEAD_COLS) * split > target.sm_count else "late"
+    doubled = (n // HEAD_COLS) * split > target.sm_count
+    return "exit" if doubled and (split > 1 or tiles > 1) else "late"
 
 
 def warp_split(n: int, split: int, target: Target, tiles: int) -> str:
-    """'k' where the MMA consumer limits the stream: the deep ring (one CTA per SM over several waves: TP1),
-    or two token tiles on a CTA that has its SM to itself (heads * S <= SMs: TP8 M > 8); else 'rows'
-    (TP4, TP2, and TP8 with one tile, where "rows" is as fast and steadier in the chain). Measured, above."""
-    if not one_wave_at_two_per_sm(n, split, target):
-        return "k"
-    alone = (n // HEAD_COLS) * split <= target.sm_count
-    return "k" if alone and tiles > 1 else "rows"
+    """'k' everywhere except one token tile under the 'late' trigger (TP8 and TP2 at M <= 8), where "rows"
+    is as fast and steadier in the chain: a "k" CTA drains its ring sooner after its last load, so more of
+    the next grid's prefill lands on its tail (bimodal 10.8-13.9 us at TP8). Measured, above."""
+    return "rows" if tiles == 1 and pdl_trigger(n, split, target, tiles) == "late" else "k"
 
 
 def variant(n: int, m: int, num_kv_heads: int, target: Target) -> QkvFrontVariant:
@@ -230,7 +233,8 @@ def variant(n: int, m: int, num_kv_heads: int, target: Target) -> QkvFrontVarian
     tiles = token_tiles(m)
     s = k_split(n, target)
     return QkvFrontVariant(n, num_kv_heads, tiles, ring_stages(s, target, tiles, n), s, fixed_rows(m),
-                           pdl_trigger(n, s, target), k_rotate=K_ROTATE, warp_split=warp_split(n, s, target, tiles))
+                           pdl_trigger(n, s, target, tiles), k_rotate=K_ROTATE,
+                           warp_split=warp_split(n, s, target, tiles))
 
 
 def qkv_front_variants(n: int, num_kv_heads: int, target: Target, max_tokens: int = MAX_TOKENS):

@@ -13,6 +13,9 @@ Layout (everything under `<root>/v<CACHE_FORMAT>/`, so a future format can live 
                                    never removes a lock someone may hold)
     used/<key>                     last-used stamps for `gc` (mtime only; never in the manifest)
     plans/<name>.json              keys each recorded plan needs (`clean --stale`)
+    index/<family>/<key>           empty markers: the keys committed per family (all key parts but
+                                   dsl_version), so the runtime, which cannot know the DSL version,
+                                   finds its entry without reading every manifest
 
 Why this shape:
 - *Immutable entries*: an entry is staged in `tmp/`, each file fsynced, the manifest written
@@ -167,6 +170,12 @@ class KeyParts:
     def key(self) -> str:
         return sha256_hex(canonical_json(self.to_json()))
 
+    def family(self) -> str:
+        """The key of everything but the DSL version: entries the runtime may take for each other."""
+        d = self.to_json()
+        del d["dsl_version"]
+        return sha256_hex(canonical_json(d))
+
     def differences(self, other: "KeyParts") -> list[str]:
         """Names of the parts that differ from `other`, in PART_NAMES order."""
         return [n for n in PART_NAMES if getattr(self, n) != getattr(other, n)]
@@ -302,6 +311,7 @@ class Cache:
         self.locks_dir = self.base / "locks"
         self.used_dir = self.base / "used"
         self.plans_dir = self.base / "plans"
+        self.index_dir = self.base / "index"
 
     def __repr__(self) -> str:
         return f"Cache({str(self.root)!r})"
@@ -500,7 +510,13 @@ class Cache:
 
     def _parsed_entries(self):
         """(entry, its KeyParts) for every entry whose manifest parses (others are `verify`'s business)."""
-        for cand in self.entries():
+        return self._parsed(self.entries())
+
+    @staticmethod
+    def _parsed(entries):
+        for cand in entries:
+            if cand is None:
+                continue
             try:
                 yield cand, cand.parts
             except CacheError:
@@ -509,17 +525,40 @@ class Cache:
     def find(self, parts: KeyParts, any_dsl_version: bool = False) -> Entry | None:
         """The entry for `parts` (exact key). With `any_dsl_version` (the runtime, which has no
         cutlass to ask its version) an entry whose parts equal `parts` except `dsl_version` is
-        accepted; when several are, the highest DSL version wins (ties: smallest key)."""
+        accepted; when several are, the highest DSL version wins (ties: smallest key). The family
+        index answers that with one directory listing; caches without it (written before the index
+        existed) are scanned."""
         e = self.get(parts.key())
         if e is not None or not any_dsl_version:
             return e
+        try:
+            indexed = [k for k in os.listdir(self.index_dir / parts.family()) if is_key(k)]
+        except OSError:
+            indexed = []
+        best = self._newest_dsl(self._parsed(self.get(k) for k in indexed), parts)
+        if best is None:
+            best = self._newest_dsl(self._parsed_entries(), parts)
+        return best
+
+    @staticmethod
+    def _newest_dsl(entries, parts: KeyParts) -> Entry | None:
         best = None
-        for cand, cp in self._parsed_entries():
+        for cand, cp in entries:
             if cp.differences(parts) in ([], ["dsl_version"]):
                 rank = (version_sort_key(cp.dsl_version), cp.dsl_version)
                 if best is None or rank > best[0] or (rank == best[0] and cand.key < best[1].key):
                     best = (rank, cand)
         return best[1] if best else None
+
+    def _index(self, parts: KeyParts, key: str) -> None:
+        """Mark `key` in its family's index (best effort: without the marker, `find` scans)."""
+        d = self.index_dir / parts.family()
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            with open(d / key, "ab"):
+                pass
+        except OSError:
+            pass
 
     def nearest(self, parts: KeyParts) -> tuple[Entry | None, list[str]]:
         """The present entry closest to `parts` and the names of the parts that differ.
@@ -609,6 +648,7 @@ class Cache:
         e = self.get(key)
         if e is None:
             raise CacheError(f"entry {key} vanished right after it was committed in {self.root}")
+        self._index(parts, key)
         return e
 
     def _discard(self, path: Path) -> None:
@@ -633,6 +673,8 @@ class Cache:
         e = self._sound(key)
         if e is not None:
             self.touch(key)
+            if not self.read_only:
+                self._index(parts, key)  # entries committed before the index existed get their marker
             return e, "local"
         self._require_writable(f"add {parts.label}")
         with self.lock(key):
@@ -671,7 +713,14 @@ class Cache:
         """Delete an entry (and its last-used stamp); a missing entry is not an error."""
         self._require_writable(f"remove entry {key[:16]}")
         with self.lock(key):
+            try:
+                family = self.get(key).parts.family()
+            except (AttributeError, CacheError):  # missing, or a manifest that does not parse
+                family = None
             self._discard(self.entry_path(key))
+            if family is not None:
+                with contextlib.suppress(OSError):
+                    (self.index_dir / family / key).unlink()
             with contextlib.suppress(OSError):
                 (self.used_dir / key).unlink()
 
@@ -818,6 +867,6 @@ class Cache:
         for k in self.entry_keys():
             self.remove(k)
             n += 1
-        for d in (self.plans_dir, self.used_dir, self.tmp_dir):
+        for d in (self.plans_dir, self.used_dir, self.tmp_dir, self.index_dir):
             _rmtree(d)
         return n

@@ -264,6 +264,48 @@ def test_find_any_dsl_version_picks_highest_version(cache):
     assert cache.find(exact, any_dsl_version=True).key == exact.key()
 
 
+def test_find_any_dsl_version_reads_the_family_index_not_every_manifest(cache, monkeypatch):
+    """The runtime's lookup lists one index directory; the scan of every entry is only the fallback."""
+    wanted = fake_parts(dsl="")
+    for v in ("4.9.1", "4.10.0"):
+        q = fake_parts(dsl=v)
+        cache.put(q, fake_cubin(q), fake_manifest(q))
+    for i in range(5):  # unrelated entries the scan would have to read
+        q = fake_parts(i + 1, dsl="4.10.0")
+        cache.put(q, fake_cubin(q), fake_manifest(q))
+    marks = sorted(os.listdir(cache.index_dir / wanted.family()))
+    assert marks == sorted(fake_parts(dsl=v).key() for v in ("4.9.1", "4.10.0"))
+
+    def no_scan(self):
+        raise AssertionError("scanned every entry")
+
+    monkeypatch.setattr(Cache, "_parsed_entries", no_scan)
+    assert cache.find(wanted, any_dsl_version=True).parts.dsl_version == "4.10.0"
+    cache.remove(fake_parts(dsl="4.10.0").key())  # removing an entry drops its marker
+    assert os.listdir(cache.index_dir / wanted.family()) == [fake_parts(dsl="4.9.1").key()]
+    assert cache.find(wanted, any_dsl_version=True).parts.dsl_version == "4.9.1"
+
+
+def test_find_without_index_or_with_a_dangling_marker_falls_back_to_the_scan(cache):
+    """Caches written before the index existed, and markers whose entry vanished, still resolve."""
+    wanted = fake_parts(dsl="")
+    q = fake_parts(dsl="4.8.1")
+    cache.put(q, fake_cubin(q), fake_manifest(q))
+    shutil.rmtree(cache.index_dir)
+    assert cache.find(wanted, any_dsl_version=True).key == q.key()
+    (cache.index_dir / wanted.family()).mkdir(parents=True)
+    (cache.index_dir / wanted.family() / fake_parts(dsl="9.9.9").key()).touch()  # no such entry
+    assert cache.find(wanted, any_dsl_version=True).key == q.key()
+    e, source = cache.obtain(q, lambda: pytest.fail("built"))  # prepare over an old cache adds the marker
+    assert source == "local" and (cache.index_dir / wanted.family() / q.key()).exists()
+
+
+def test_family_ignores_only_the_dsl_version():
+    a = fake_parts(dsl="4.8.1")
+    assert a.family() == fake_parts(dsl="5.0").family() != fake_parts(dsl="4.8.1", arch="sm_100a").family()
+    assert a.family() != a.key()
+
+
 def test_nearest_names_the_differing_part(cache):
     assert cache.nearest(fake_parts()) == (None, list(PART_NAMES))
     have = fake_parts(dsl="4.8.1")

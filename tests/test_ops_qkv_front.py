@@ -9,8 +9,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from musekern.config import load_config  # noqa: E402
 from musekern.ops import qkv_front as op  # noqa: E402
 from musekern.reference import fused_qknorm_rope_kv_insert, qkv_front_reference, rope_cos_sin_table  # noqa: E402
+from musekern.targets import get_target  # noqa: E402
+from musekern.variants import QkvFrontVariant, plan_model  # noqa: E402
 
 K = 8192
 D = 64
@@ -295,3 +298,19 @@ def test_lazy_kernel_class():
 
 # The kernel on the GPU (every M and N, caches, determinism, ring depth, graphs, PDL) is tested in
 # tests/test_gpu_qkv_front.py against an fp64 pipeline with the error bound.
+
+
+# every planned variant (tiles 1 and 2, the M == 8 build) and an S = 4 build: the positional hot path binds
+# LAUNCH_ORDER, which must be the ABI's parameter order as the loader packs it
+@pytest.mark.parametrize("v", [e.variant for e in plan_model(load_config(), [get_target("h200")])
+                               if e.kernel == "qkv_front"] + [QkvFrontVariant(2176, 1, 2, 4, 4, 0)],
+                         ids=lambda v: v.label)
+def test_launch_order_is_the_abi_order(v):
+    pytest.importorskip("cutlass")  # abi_for is pure, but lives in the kernel module
+    from musekern.kernels.qkv_front import abi_for
+    from musekern.ops.qkv_front import LAUNCH_ORDER
+    from musekern.runtime.loader import _ParamBlock
+
+    abi = abi_for(v)
+    names = tuple(_ParamBlock(abi.params, abi.tensormaps).names)
+    assert names == tuple(f for f in LAUNCH_ORDER if f != "M" or not v.fixed_m)

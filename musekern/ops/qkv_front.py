@@ -227,10 +227,6 @@ def _variant(n: int, m: int, num_kv_heads: int, device_index: int) -> QkvFrontVa
     return variant(n, m, num_kv_heads, _target(device_index))
 
 
-def _device_index(t: torch.Tensor) -> int:
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
-
-
 def launch_args(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out) -> dict:
     """The `args` of LoadedKernel.launch: every ABI field name (kernels/qkv_front.py::abi_for)."""
     num_blocks, block_size = key_cache.shape[:2]
@@ -252,19 +248,36 @@ def launch(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_c
     m, n = x.shape[0], weight.shape[0]
     if out is None:
         out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-    kernel, grid = _launch_plan(n, m, num_kv_heads, _device_index(x))
-    kernel.launch(grid, launch_args(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
-                                    eps, out))
+    dev = x.get_device()
+    kernel, grid, with_m = _launch_plan(n, m, num_kv_heads, dev if dev >= 0 else torch.cuda.current_device())
+    kshape = key_cache.shape  # [num_blocks, block_size, heads, 64]
+    # LAUNCH_ORDER (checked against the kernel's ABI once per shape, in _launch_plan)
+    head = [weight, x, m] if with_m else [weight, x]
+    kernel.launch_ordered(grid, head + [
+        weight.data_ptr(), out.data_ptr(), positions.data_ptr(), cos_sin_cache.data_ptr(), slot_mapping.data_ptr(),
+        key_cache.data_ptr(), value_cache.data_ptr(), cos_sin_cache.shape[0], kshape[1], kshape[0],
+        key_cache.stride(0), value_cache.stride(0), float(eps)])
     return out
+
+
+# The launch values in the kernel's ABI order (kernels/qkv_front.py::abi_for; the M == 8 build has no "M"):
+# `launch` binds them positionally, so _launch_plan checks them against each loaded kernel's param_names.
+LAUNCH_ORDER = ("weight", "x", "M", "weight_ptr", "y", "positions", "cos_sin_cache", "slot_mapping", "key_cache",
+                "value_cache", "max_pos", "block_size", "num_blocks", "k_block_stride", "v_block_stride", "eps")
 
 
 @functools.lru_cache(maxsize=None)
 def _launch_plan(n: int, m: int, num_kv_heads: int, device_index: int):
-    """(loaded kernel, grid) of a call shape: resolved once per process (the host cost of `launch`)."""
+    """(loaded kernel, grid, takes M) of a call shape: resolved once per process (the host cost of `launch`)."""
     from ..runtime import get_kernel
 
     v = _variant(n, m, num_kv_heads, device_index)
-    return get_kernel(v, device=device_index), launch_grid(v)
+    kernel = get_kernel(v, device=device_index)
+    names = kernel.param_names
+    if names not in (LAUNCH_ORDER, tuple(f for f in LAUNCH_ORDER if f != "M")):
+        raise RuntimeError(f"qkv_front: the cached kernel {v.label} takes {names}, this musekern launches "
+                           f"{LAUNCH_ORDER}: rebuild the cache with this version (musekern prepare)")
+    return kernel, launch_grid(v), "M" in names
 
 
 def qkv_front(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,

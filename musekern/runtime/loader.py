@@ -132,6 +132,11 @@ class LoadedKernel:
         got = self._configs[key] = (cfg, cfg.getPtr())
         return got
 
+    @property
+    def param_names(self) -> tuple:
+        """The launch values in ABI order: field names, and for tensor-map parameters the tensor's name."""
+        return tuple(self._block.names)
+
     def launch(self, grid: tuple, args: dict, stream: int | None = None, pdl: bool | None = None) -> None:
         """Launch on `stream` (a CUstream handle as int; default: torch's current stream).
 
@@ -139,18 +144,26 @@ class LoadedKernel:
         args[spec.tensor] is the 2-D torch tensor the map describes. `pdl` overrides the
         manifest's programmatic-stream-serialization attribute (False: a plain stream-ordered launch).
         """
+        try:
+            values = self._block.values(args)
+        except KeyError as e:
+            raise TypeError(f"{self.label}: launch argument {e.args[0]!r} missing") from None
+        self.launch_ordered(grid, values, stream, pdl)
+
+    def launch_ordered(self, grid: tuple, values: list, stream: int | None = None, pdl: bool | None = None) -> None:
+        """`launch` with the values already in `param_names` order (a list: tensor maps are filled in place).
+
+        The hot path of an op that checked its binding against `param_names` once (ops/qkv_front.py)."""
         if stream is None:
             stream = _current_stream(self.device_index)
         if len(grid) != 3:
             grid = tuple(grid) + (1,) * (3 - len(grid))
         cfg, cfg_addr = self._config(grid, stream, self.abi.launch.pdl if pdl is None else pdl)
-        blk = self._block
-        try:
-            values = blk.values(args)
-        except KeyError as e:
-            raise TypeError(f"{self.label}: launch argument {e.args[0]!r} missing") from None
+        blk, maps = self._block, self._tmaps.hits
         for i, spec in blk.tmaps:
-            values[i] = self._tmaps.get(spec, values[i])
+            t = values[i]
+            raw = maps.get((spec.param, t.data_ptr(), t.shape, t.stride()))  # TensorMapCache.get's key, inlined
+            values[i] = raw if raw is not None else self._tmaps.get(spec, t)
         with self._lock:  # the host buffer is shared: pack + launch (which copies it) must not interleave
             try:
                 blk.struct.pack_into(blk.view, 0, *values)

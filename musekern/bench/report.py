@@ -229,7 +229,8 @@ def format_table(doc: dict) -> str:
                    f"{_f(r['speedup_vs_cublas'], '7.2f')} {_f(r['speedup_vs_unfused'], '7.2f')}  {st}"
                    + (f" ({miss})" if miss else ""))
     if doc.get("qk_norm"):
-        out.append("qk_norm (strided rows; frac = bytes read + written / time / copy BW):")
+        out.append("qk_norm (M >= 4096: strided rows of 8192 columns; M = 16: the seed's [16, 4096]; "
+                   "frac = bytes read + written / time / copy BW):")
         for q in doc["qk_norm"]:
             miss = _misses(q.get("checks", []))
             out.append(f"  head_dim {q['head_dim']:>3d} M {q['M']:>6d}: {_f(q['us'], '9.2f')} us "

@@ -15,7 +15,7 @@ exact skeleton (clusters of S CTAs per head, `stages` x (16 KiB W + 2 KiB x) TMA
                 before their first stage (the real front's dependency).
 
 Build here (CPU, nvidia-cutlass-dsl):  python bench/probes/skeleton_probe.py build DIR
-Run on the GPU (carry DIR):           python3 bench/probes/skeleton_probe.py run DIR OUT.json
+Run on the GPU (carry DIR):           python3 bench/probes/skeleton_probe.py run DIR OUT.json [NAME-PREFIX]
 """
 # (no `from __future__ import annotations`: @cute.struct reads real annotation objects)
 
@@ -26,8 +26,7 @@ from dataclasses import asdict, dataclass
 
 HIDDEN, HEAD_COLS, K_TILE = 8192, 64, 128
 K_TILES = HIDDEN // K_TILE
-TT = 8  # x rows per stage (one token tile)
-W_STAGE, X_STAGE = HEAD_COLS * K_TILE * 2, TT * K_TILE * 2
+W_STAGE = HEAD_COLS * K_TILE * 2
 THREADS = 160  # warps 0-3 consumers, warp 4 producer
 LAYERS = 8
 
@@ -40,13 +39,18 @@ class ProbeConfig:
     stages: int
     mode: str  # "after" | "before"
     trigger: str  # "early" | "late" | "exit"
+    tt: int = 8  # x rows per stage: 8 (one token tile) or 16 (two)
 
 
-# the planned shapes of the default model on the H200 (musekern plan --target h200), both modes
+# the planned shapes of the default model on the H200 (musekern plan --target h200), both modes; and TP1's
+# deep ring under the real dependency with one and two token tiles of x per stage (is the two-tile builds'
+# 6% at TP1 in the memory structure?)
 CONFIGS = [ProbeConfig(f"tp{tp}-{mode}-{trig}", heads, s, st, mode, trig)
            for tp, heads, s, st, trigs in ((8, 34, 2, 5, ("late", "early")), (4, 68, 2, 4, ("exit", "early")),
                                            (2, 136, 1, 4, ("late", "early")))
-           for mode in ("after", "before") for trig in trigs]
+           for mode in ("after", "before") for trig in trigs] \
+    + [ProbeConfig(f"tp1-before-early-st{st}-tt{tt}", 272, 1, st, "before", "early", tt)
+       for st, tt in ((11, 8), (8, 8), (8, 16))]
 
 
 # ---------------------------------------------------------------------------------------------- build (CPU)
@@ -66,7 +70,7 @@ def _kernel_class():
             @cute.struct
             class Smem:
                 sW: cute.struct.Align[cute.struct.MemRange[BFloat16, HEAD_COLS * K_TILE * c.stages], 1024]
-                sX: cute.struct.Align[cute.struct.MemRange[BFloat16, TT * K_TILE * c.stages], 1024]
+                sX: cute.struct.Align[cute.struct.MemRange[BFloat16, c.tt * K_TILE * c.stages], 1024]
                 full: cute.struct.MemRange[Int64, c.stages]
                 empty: cute.struct.MemRange[Int64, c.stages]
             self.Smem = Smem
@@ -75,15 +79,15 @@ def _kernel_class():
         def __call__(self, w_ptr: cute.Pointer, x_ptr: cute.Pointer, o_ptr: cute.Pointer, stream: cuda.CUstream):
             c = self.c
             mW = cute.make_tensor(w_ptr, cute.make_layout((c.heads * HEAD_COLS, HIDDEN), stride=(HIDDEN, 1)))
-            mX = cute.make_tensor(x_ptr, cute.make_layout((TT, HIDDEN), stride=(HIDDEN, 1)))
+            mX = cute.make_tensor(x_ptr, cute.make_layout((c.tt, HIDDEN), stride=(HIDDEN, 1)))
             mO = cute.make_tensor(o_ptr, cute.make_layout(c.heads * c.splits))
             atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
             sW_l = cute.tile_to_shape(atom, (HEAD_COLS, K_TILE, c.stages), order=(0, 1, 2))
-            sX_l = cute.tile_to_shape(atom, (TT, K_TILE, c.stages), order=(0, 1, 2))
+            sX_l = cute.tile_to_shape(atom, (c.tt, K_TILE, c.stages), order=(0, 1, 2))
             tma_w, mW_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW,
                                                       cute.slice_(sW_l, (None, None, 0)), (HEAD_COLS, K_TILE))
             tma_x, mX_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX,
-                                                      cute.slice_(sX_l, (None, None, 0)), (TT, K_TILE))
+                                                      cute.slice_(sX_l, (None, None, 0)), (c.tt, K_TILE))
             self.kernel(tma_w, mW_t, tma_x, mX_t, mO, sW_l, sX_l).launch(
                 grid=[c.heads * c.splits, 1, 1], block=[THREADS, 1, 1], cluster=[c.splits, 1, 1],
                 smem=self.Smem.size_in_bytes(), stream=stream, use_pdl=True)
@@ -102,7 +106,7 @@ def _kernel_class():
             sX = st.sX.get_tensor(sX_l.outer, swizzle=sX_l.inner)
             full = st.full.data_ptr()
             empty = st.empty.data_ptr()
-            tx = W_STAGE + (X_STAGE if cutlass.const_expr(c.mode == "before") else 0)
+            tx = W_STAGE + (c.tt * K_TILE * 2 if cutlass.const_expr(c.mode == "before") else 0)
             if tidx == 0:
                 for s in cutlass.range_constexpr(c.stages):
                     cute.arch.mbarrier_init(full + s, 1)
@@ -114,7 +118,7 @@ def _kernel_class():
             rot = (head * 1) % self.ntiles  # k_rotate 1, as planned
             if warp_idx == 4:
                 gW = cute.local_tile(mW_t, (HEAD_COLS, K_TILE), (head, None))
-                gX = cute.local_tile(mX_t, (TT, K_TILE), (0, None))
+                gX = cute.local_tile(mX_t, (c.tt, K_TILE), (0, None))
                 tWs, tWg = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
                                                  cute.group_modes(gW, 0, 2))
                 tXs, tXg = cpasync.tma_partition(tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
@@ -149,7 +153,7 @@ def _kernel_class():
                     cute.arch.mbarrier_wait(full + s, (i // c.stages) % 2)
                     acc = acc + Float32(sW[tidx % HEAD_COLS, (tidx * 8) % K_TILE, s])
                     if cutlass.const_expr(c.mode == "before"):
-                        acc = acc + Float32(sX[tidx % TT, (tidx * 8) % K_TILE, s])
+                        acc = acc + Float32(sX[tidx % c.tt, (tidx * 8) % K_TILE, s])
                     cute.arch.sync_warp()
                     with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive(empty + s)
@@ -179,14 +183,14 @@ def build(outdir: str) -> None:
     for c in CONFIGS:
         k = cls(c)
         # launched with the planned front's dynamic shared memory, so CTAs share SMs exactly as the front's do
-        smem = max(k.Smem.size_in_bytes(), ring_smem_bytes(c.stages, 1))
+        smem = max(k.Smem.size_in_bytes(), ring_smem_bytes(c.stages, c.tt // 8))
         cubin, ptx, symbol = compile_to_cubin(k, bf, bf, f32, cuda.CUstream(0), arch="sm_90a")
         abi = KernelAbi(params=(tensormap("tma_w"), tensormap("tma_x"), pointer("out")),
                         launch=LaunchSpec(block=(THREADS, 1, 1), cluster=(c.splits, 1, 1),
                                           dynamic_smem_bytes=smem, pdl=True,
                                           grid=f"({c.heads * c.splits}, 1, 1)"),
                         tensormaps=(TensorMapSpec("tma_w", "weight", "bf16", (64, HEAD_COLS)),
-                                    TensorMapSpec("tma_x", "x", "bf16", (64, TT))))
+                                    TensorMapSpec("tma_x", "x", "bf16", (64, c.tt))))
         check_abi_against_ptx(abi, ptx, symbol)
         open(os.path.join(outdir, f"{c.name}.cubin"), "wb").write(cubin)
         manifest.append({"config": asdict(c), "symbol": symbol, "abi": abi.to_json()})
@@ -207,7 +211,7 @@ class _Entry:
         self.manifest = {"label": self.key, "symbol": m["symbol"], "abi": m["abi"]}
 
 
-def run(outdir: str, out_json: str) -> int:
+def run(outdir: str, out_json: str, only: str = "") -> int:
     import torch
 
     from musekern.bench.timing import Graph, copy_bandwidth, loops_for, time_graphs
@@ -215,10 +219,12 @@ def run(outdir: str, out_json: str) -> int:
 
     bw = copy_bandwidth()
     man = json.load(open(os.path.join(outdir, "manifest.json")))
-    x = torch.randn(TT, HIDDEN, device="cuda").to(torch.bfloat16)
+    xs = {tt: torch.randn(tt, HIDDEN, device="cuda").to(torch.bfloat16) for tt in (8, 16)}
     rows, weights = [], {}
     for m in man:
         c = ProbeConfig(**m["config"])
+        if not c.name.startswith(only):
+            continue
         if c.heads not in weights:
             weights.clear()
             weights[c.heads] = [(torch.randn(c.heads * HEAD_COLS, HIDDEN, device="cuda") / 90).to(torch.bfloat16)
@@ -227,7 +233,7 @@ def run(outdir: str, out_json: str) -> int:
                          torch.cuda.current_device())
         out = torch.empty(c.heads * c.splits, device="cuda")
         grid = (c.heads * c.splits, 1, 1)
-        args = [{"weight": w, "x": x, "out": out.data_ptr()} for w in weights[c.heads]]
+        args = [{"weight": w, "x": xs[c.tt], "out": out.data_ptr()} for w in weights[c.heads]]
         graphs = [Graph(mode, [lambda a=a, p=pdl, k=k, g=grid: k.launch(g, a, pdl=p) for a in args],
                         loops_for(LAYERS * 15e-6), LAYERS) for mode, pdl in (("chain", True), ("isolated", False))]
         t = time_graphs(graphs, samples=7)
@@ -255,7 +261,7 @@ def main(argv) -> int:
         build(argv[1])
         return 0
     if len(argv) >= 3 and argv[0] == "run":
-        return run(argv[1], argv[2])
+        return run(argv[1], argv[2], argv[3] if len(argv) > 3 else "")
     print(__doc__, file=sys.stderr)
     return 2
 

@@ -48,7 +48,8 @@ def main(argv) -> int:
         print(f"  {op:12} {n:8d}  {100 * n / total:5.1f}%")
     print(f"top {top} instructions:")
     for r in sorted(rows, key=samples, reverse=True)[:top]:
-        print(f"  {r.get('Address', '?'):>8} {samples(r):7d} {100 * samples(r) / total:5.1f}%  {(r.get(src_col) or '')[:90]}")
+        text = (r.get(src_col) or "")[:90]
+        print(f"  {r.get('Address', '?'):>8} {samples(r):7d} {100 * samples(r) / total:5.1f}%  {text}")
     return 0
 
 

@@ -237,6 +237,31 @@ def other_warp_split(v):
     return dataclasses.replace(v, warp_split="k" if v.warp_split == "rows" else "rows")
 
 
+# Caches with >= 2^31 slots take a 64-bit slot division, all others a 32-bit one: the same launch with a
+# num_blocks that only moves the bound past 2^31 (the slots stay inside the real cache) must write the same bits.
+@pytest.mark.parametrize("tp,m", [(8, 5), (1, 16)])
+def test_huge_cache_slot_path_matches(weights, tp, m):
+    from musekern.runtime import get_kernel
+    from musekern.targets import local_target
+    from musekern.variants.qkv_front import launch_grid, variant
+
+    nkv = SHARDS[tp].num_kv_heads
+    v = variant(SHARDS[tp].n, m, nkv, local_target())
+    results = []
+    for num_blocks in (None, 2**27 + 64):  # 2^27 blocks x 16 = 2^31 slots
+        p = problem(m, nkv, seed=23)
+        out = torch.full((m, SHARDS[tp].n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        args = ops.launch_args(p["x"], weights[tp], p["positions"], p["cos_sin_cache"], p["slot_mapping"],
+                               p["key_cache"], p["value_cache"], EPS, out)
+        if num_blocks:
+            args["num_blocks"] = num_blocks
+        get_kernel(v).launch(launch_grid(v), args)
+        torch.cuda.synchronize()
+        results.append((out, p["backing"]))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
 def _launch_variant(v, p, weight, out):
     from musekern.runtime import get_kernel
     from musekern.variants.qkv_front import launch_grid

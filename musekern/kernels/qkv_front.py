@@ -412,7 +412,7 @@ class QkvFrontKernel:
     @cute.jit
     def finish(self, st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
                v_block_stride, eps, head, rank, warp_idx, tidx):
-        """Owner epilogue: one warp per owned token, lane l holds columns (2l, 2l+1) = RoPE pair l."""
+        """Owner epilogue: warp w owns tokens w, w + 4, ...; lane l holds columns (2l, 2l+1) = RoPE pair l."""
         lane = tidx % 32
         recv = st.recv.get_tensor(cute.make_layout(self.tt * HEAD_COLS))
         cs = st.cs.get_tensor(cute.make_layout(MAX_OWNED_TOKENS * 64))
@@ -430,46 +430,84 @@ class QkvFrontKernel:
         if is_v:
             kv_head = head - self.nq - self.nkv
         mY = cute.make_tensor(y_ptr, cute.make_layout((self.tt, self.n), stride=(self.n, 1)))
+        rounds = (self.owned + CONSUMER_WARPS - 1) // CONSUMER_WARPS
+        if cutlass.const_expr(self.owned % CONSUMER_WARPS == 0):
+            # Every warp owns `rounds` tokens: all their math first (padded tokens t >= M too: their partials
+            # are the zero-filled x rows; nothing of them is stored), then the stores. The rounds' shuffle
+            # reductions are independent and overlap, instead of one token's latency chain after another
+            # (with 16 owned tokens the epilogue was the CTA's tail on an SM no other CTA can use).
+            vals = []
+            for jj in cutlass.range_constexpr(rounds):
+                vals.append(self._token_values(recv, cs, jj * CONSUMER_WARPS + warp_idx, lane, eps, is_qk))
+            for jj in cutlass.range_constexpr(rounds):
+                j = jj * CONSUMER_WARPS + warp_idx
+                if j * self.S + rank < M:
+                    self._token_store(vals[jj][0], vals[jj][1], mY, slots, kc_ptr, vc_ptr, j, j * self.S + rank,
+                                      lane, head, kv_head, is_k, is_v, block_size, num_blocks, k_block_stride,
+                                      v_block_stride)
+        else:  # fewer owned tokens than warps (S = 4 with one tile, S = 8): idle warps must not read past recv
+            for jj in cutlass.range_constexpr(rounds):
+                j = jj * CONSUMER_WARPS + warp_idx
+                t = j * self.S + rank
+                if j < self.owned and t < M:
+                    ya, yb = self._token_values(recv, cs, j, lane, eps, is_qk)
+                    self._token_store(ya, yb, mY, slots, kc_ptr, vc_ptr, j, t, lane, head, kv_head, is_k, is_v,
+                                      block_size, num_blocks, k_block_stride, v_block_stride)
+
+    @cute.jit
+    def _token_values(self, recv, cs, j, lane, eps, is_qk):
+        """bf16 outputs of owned token j for columns (2 lane, 2 lane + 1): partial sum in rank order, bf16
+        rounding, then (q, k heads: is_qk) RMS norm over the head and interleaved RoPE."""
         c0 = 2 * lane
-        for jj in cutlass.range_constexpr((self.owned + CONSUMER_WARPS - 1) // CONSUMER_WARPS):
-            j = jj * CONSUMER_WARPS + warp_idx
-            t = j * self.S + rank
-            if j < self.owned and t < M:
-                a = Float32(0.0)
-                b = Float32(0.0)
-                for src in cutlass.range_constexpr(self.S):  # fixed rank order: deterministic
-                    a = a + recv[(src * self.owned + j) * HEAD_COLS + c0]
-                    b = b + recv[(src * self.owned + j) * HEAD_COLS + c0 + 1]
-                # the GEMM result is bf16: every later step works on the rounded value
-                a = Float32(BFloat16(a))
-                b = Float32(BFloat16(b))
-                if is_qk:
-                    ss = cute.arch.warp_reduction(a * a + b * b, lambda p, q: p + q)
-                    r = cute.math.rsqrt(ss * Float32(1.0 / HEAD_COLS) + eps)
-                    a = a * r
-                    b = b * r
-                    c = cs[j * 64 + lane]
-                    sn = cs[j * 64 + 32 + lane]
-                    a, b = a * c - b * sn, a * sn + b * c
-                ya = BFloat16(a)
-                yb = BFloat16(b)
-                mY[t, head * HEAD_COLS + c0] = ya
-                mY[t, head * HEAD_COLS + c0 + 1] = yb
-                if is_k or is_v:
-                    slot = slots[j]
-                    limit = Int64(num_blocks) * Int64(block_size)
-                    if slot >= Int64(0) and slot < limit:
-                        blk = slot // Int64(block_size)
-                        off = slot - blk * Int64(block_size)
-                        inner = off * Int64(self.nkv * HEAD_COLS) + Int64(kv_head * HEAD_COLS + c0)
-                        if is_k:
-                            dst = cute.make_tensor(kc_ptr + (blk * k_block_stride + inner), cute.make_layout(2))
-                            dst[0] = ya
-                            dst[1] = yb
-                        else:
-                            dst = cute.make_tensor(vc_ptr + (blk * v_block_stride + inner), cute.make_layout(2))
-                            dst[0] = ya
-                            dst[1] = yb
+        a = Float32(0.0)
+        b = Float32(0.0)
+        for src in cutlass.range_constexpr(self.S):  # fixed rank order: deterministic
+            a = a + recv[(src * self.owned + j) * HEAD_COLS + c0]
+            b = b + recv[(src * self.owned + j) * HEAD_COLS + c0 + 1]
+        # the GEMM result is bf16: every later step works on the rounded value
+        a = Float32(BFloat16(a))
+        b = Float32(BFloat16(b))
+        # Norm and RoPE for every head, then a select (not a branch): the owned tokens' shuffle reductions
+        # stay in one basic block, so ptxas can overlap them; v and gate heads keep the rounded sums.
+        ss = cute.arch.warp_reduction(a * a + b * b, lambda p, q: p + q)
+        r = cute.math.rsqrt(ss * Float32(1.0 / HEAD_COLS) + eps)
+        an = a * r
+        bn = b * r
+        c = cs[j * 64 + lane]
+        sn = cs[j * 64 + 32 + lane]
+        a = Float32(cutlass.select_(is_qk, an * c - bn * sn, a))
+        b = Float32(cutlass.select_(is_qk, an * sn + bn * c, b))
+        return BFloat16(a), BFloat16(b)
+
+    @cute.jit
+    def _token_store(self, ya, yb, mY, slots, kc_ptr, vc_ptr, j, t, lane, head, kv_head, is_k, is_v, block_size,
+                     num_blocks, k_block_stride, v_block_stride):
+        """Token t's two columns to y, and (k, v heads) to its cache slot unless the slot is padding (< 0) or
+        past the cache."""
+        c0 = 2 * lane
+        mY[t, head * HEAD_COLS + c0] = ya
+        mY[t, head * HEAD_COLS + c0 + 1] = yb
+        if is_k or is_v:
+            slot = slots[j]
+            limit = Int64(num_blocks) * Int64(block_size)
+            if slot >= Int64(0) and slot < limit:
+                # a 64-bit division is a long software sequence on the k/v heads' tail; caches of < 2^31
+                # slots (all real ones) divide in 32 bits, with the same result
+                blk = Int64(0)
+                if limit <= Int64(0x7FFFFFFF):
+                    blk = Int64(Int32(slot) // block_size)
+                else:
+                    blk = slot // Int64(block_size)
+                off = slot - blk * Int64(block_size)
+                inner = off * Int64(self.nkv * HEAD_COLS) + Int64(kv_head * HEAD_COLS + c0)
+                if is_k:
+                    dst = cute.make_tensor(kc_ptr + (blk * k_block_stride + inner), cute.make_layout(2))
+                    dst[0] = ya
+                    dst[1] = yb
+                else:
+                    dst = cute.make_tensor(vc_ptr + (blk * v_block_stride + inner), cute.make_layout(2))
+                    dst[0] = ya
+                    dst[1] = yb
 
     @cute.jit
     def aux(self, st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, rank):

@@ -59,8 +59,10 @@ def _kernel_class():
     import cutlass
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int64
-    from cutlass.cute.nvgpu import cpasync, warpgroup
+    from cutlass.cute.nvgpu import cpasync
     from cutlass.memory import SmemAllocator
+
+    from musekern.kernels.qkv_front import ring_tma
 
     class SkeletonProbe:
         def __init__(self, c: ProbeConfig):
@@ -81,13 +83,7 @@ def _kernel_class():
             mW = cute.make_tensor(w_ptr, cute.make_layout((c.heads * HEAD_COLS, HIDDEN), stride=(HIDDEN, 1)))
             mX = cute.make_tensor(x_ptr, cute.make_layout((c.tt, HIDDEN), stride=(HIDDEN, 1)))
             mO = cute.make_tensor(o_ptr, cute.make_layout(c.heads * c.splits))
-            atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
-            sW_l = cute.tile_to_shape(atom, (HEAD_COLS, K_TILE, c.stages), order=(0, 1, 2))
-            sX_l = cute.tile_to_shape(atom, (c.tt, K_TILE, c.stages), order=(0, 1, 2))
-            tma_w, mW_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW,
-                                                      cute.slice_(sW_l, (None, None, 0)), (HEAD_COLS, K_TILE))
-            tma_x, mX_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX,
-                                                      cute.slice_(sX_l, (None, None, 0)), (c.tt, K_TILE))
+            sW_l, sX_l, tma_w, mW_t, tma_x, mX_t = ring_tma(mW, mX, c.stages, c.tt)  # the front's own ring
             self.kernel(tma_w, mW_t, tma_x, mX_t, mO, sW_l, sX_l).launch(
                 grid=[c.heads * c.splits, 1, 1], block=[THREADS, 1, 1], cluster=[c.splits, 1, 1],
                 smem=self.Smem.size_in_bytes(), stream=stream, use_pdl=True)

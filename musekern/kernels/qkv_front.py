@@ -95,6 +95,29 @@ def f32_bits(x, *, loc=None, ip=None):
     return Int32(llvm.bitcast(Int32.mlir_type, Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
+def ring_tma(mW, mX, stages: int, tt: int):
+    """The ring's swizzled shared-memory layouts and the W / x TMA atoms (traced inside a @cute.jit): one
+    stage = W (64 rows x 128 k) and x (tt rows x 128 k), each two 64-column boxes with 128B swizzle.
+    Shared with bench/probes/skeleton_probe.py, whose ring must be this one."""
+    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+    sW_layout = cute.tile_to_shape(atom, (HEAD_COLS, K_TILE, stages), order=(0, 1, 2))
+    sX_layout = cute.tile_to_shape(atom, (tt, K_TILE, stages), order=(0, 1, 2))
+    tma_w, mW_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW,
+                                                cute.slice_(sW_layout, (None, None, 0)), (HEAD_COLS, K_TILE))
+    tma_x, mX_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX,
+                                                cute.slice_(sX_layout, (None, None, 0)), (tt, K_TILE))
+    return sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma
+
+
+def operand_copies(tiled_mma, tt: int, idx):
+    """ldmatrix tiled copies of the MMA operands and their slices for thread (or lane) idx: x4 for W (A);
+    for x (B) per k16 step x4 covers 16 tokens, x2 covers 8."""
+    cp_a = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), BFloat16), tiled_mma)
+    cp_b = cute.make_tiled_copy_B(
+        cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4 if tt == 16 else 2), BFloat16), tiled_mma)
+    return cp_a, cp_b, cp_a.get_slice(idx), cp_b.get_slice(idx)
+
+
 def make_smem_struct(stages: int, tt: int, splits: int):
     @cute.struct
     class Smem:
@@ -144,13 +167,7 @@ class QkvFrontKernel:
             mX = cute.make_tensor(x_ptr, cute.make_layout((self.v.fixed_m, HIDDEN), stride=(HIDDEN, 1)))
         else:
             mX = cute.make_tensor(x_ptr, cute.make_layout((M, HIDDEN), stride=(HIDDEN, 1)))
-        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
-        sW_layout = cute.tile_to_shape(atom, (HEAD_COLS, K_TILE, self.stages), order=(0, 1, 2))
-        sX_layout = cute.tile_to_shape(atom, (self.tt, K_TILE, self.stages), order=(0, 1, 2))
-        tma_w, mW_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW,
-                                                    cute.slice_(sW_layout, (None, None, 0)), (HEAD_COLS, K_TILE))
-        tma_x, mX_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX,
-                                                    cute.slice_(sX_layout, (None, None, 0)), (self.tt, K_TILE))
+        sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma = ring_tma(mW, mX, self.stages, self.tt)
         mma_op = warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
         if cutlass.const_expr(self.v.warp_split == "rows"):
             # 4 warps along M (16 W rows each); every warp covers all TT tokens (tiles n8 atoms)
@@ -289,12 +306,7 @@ class QkvFrontKernel:
         tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sX[None, None, 0]))
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((16 * CONSUMER_WARPS, self.tt)), Float32)
         acc.fill(0.0)
-        cp_a = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), BFloat16), tiled_mma)
-        # B per warp per k-step is TT x 16: x4 covers 16 tokens, x2 covers 8
-        cp_b = cute.make_tiled_copy_B(
-            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4 if self.tt == 16 else 2), BFloat16), tiled_mma)
-        thr_a = cp_a.get_slice(tidx)
-        thr_b = cp_b.get_slice(tidx)
+        cp_a, cp_b, thr_a, thr_b = operand_copies(tiled_mma, self.tt, tidx)
         tAsW = thr_a.partition_S(sW)  # (CPY, 1, 8 k-steps, stages)
         tArA = thr_a.retile(tCrA)
         tBsX = thr_b.partition_S(sX)  # (CPY, TT/8 or 1, 8 k-steps, stages)
@@ -326,11 +338,7 @@ class QkvFrontKernel:
         mine_x = cute.local_tile(sX[None, None, 0], (self.tt, WARP_K), (0, 0))
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((HEAD_COLS, self.tt)), Float32)
         acc.fill(0.0)
-        cp_a = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), BFloat16), tiled_mma)
-        cp_b = cute.make_tiled_copy_B(
-            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4 if self.tt == 16 else 2), BFloat16), tiled_mma)
-        thr_a = cp_a.get_slice(lane)
-        thr_b = cp_b.get_slice(lane)
+        cp_a, cp_b, thr_a, thr_b = operand_copies(tiled_mma, self.tt, lane)
         tAsW = thr_a.partition_S(sW)  # (CPY, 4 m16, 8 k16, stages)
         tBsX = thr_b.partition_S(sX)  # (CPY, 1, 8 k16, stages)
         # two register sets (even / odd k-tiles): (MMA, 4 m16, 2 k16) and (MMA, 1, 2 k16) each

@@ -5,8 +5,9 @@ Usage (GPU machine, cache carried): python3 bench/sweep_variants.py OUT.json [LA
   or  python3 bench/sweep_variants.py OUT.json --n 8704 --kv 4 --stages 3,4,5,8 --splits 1 --m 1,16
 
 Per variant and M: a CUDA graph of 8 launches over 8 distinct weights (streams from HBM, not L2),
-with PDL (chain) and without (isolated); median of 7 replays; us per launch and the fraction of
-copy bandwidth (weight bytes / time / copy bandwidth measured in the same run). Also the
+with PDL (chain) and without (isolated), timed like `musekern bench` (musekern/bench/timing.py: median of
+7 samples; rounds 1-13 of bench/NOTES.md used this script's own replay loop, same graphs); us per launch and
+the fraction of copy bandwidth (weight bytes / time / copy bandwidth measured in the same run). Also the
 occupancy the driver reports (blocks per SM, active clusters), which the planner's rules use.
 """
 import argparse
@@ -18,6 +19,7 @@ import sys
 import torch
 from cuda.bindings import driver as drv
 
+from musekern.bench.timing import Graph, copy_bandwidth, time_graphs
 from musekern.ops.qkv_front import launch_args
 from musekern.runtime import get_kernel
 from musekern.variants import QkvFrontVariant, variant_from_label
@@ -48,21 +50,6 @@ def grid_jobs():
             for n, kv, st, sp, trig, pf, rot, ws, ms in GRID for m in ms]
 
 
-def copy_tbps() -> float:
-    n = 1 << 31
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(10):
-        dst.copy_(src)
-    b.record()
-    torch.cuda.synchronize()
-    return 2 * n * 10 / (a.elapsed_time(b) / 1e3) / 1e12
-
-
 def occupancy(k) -> dict:
     L = k.abi.launch
     blocks = drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(k.func, L.block[0], L.dynamic_smem_bytes)[1]
@@ -71,28 +58,11 @@ def occupancy(k) -> dict:
     return {"blocks_per_sm": blocks, "active_clusters": clusters}
 
 
-def time_graph(launch_all) -> float:
-    """us per launch: graph of LOOPS x LAYERS launches, median of REPS replays."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        launch_all()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            for _ in range(LOOPS):
-                launch_all()
-    torch.cuda.current_stream().wait_stream(s)
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(REPS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / (LOOPS * LAYERS))
-    return statistics.median(ts)
+def time_graph(name: str, closures: list) -> float:
+    """us per layer: musekern bench's graph timing (timing.Graph, LOOPS copies of the closures, REPS samples
+    taken round robin with a lead-in replay each), so sweeps and the bench measure alike."""
+    g = Graph(name, closures, LOOPS, LAYERS)
+    return time_graphs([g], REPS)[name]["us"]
 
 
 def run(v: QkvFrontVariant, m: int, weights, bw: float, pred) -> dict:
@@ -108,14 +78,16 @@ def run(v: QkvFrontVariant, m: int, weights, bw: float, pred) -> dict:
     row = {"label": v.label, "N": v.n, "M": m, "stages": v.stages, "splits": v.splits, "trigger": v.trigger,
            "l2_prefetch": v.l2_prefetch, "k_rotate": v.k_rotate, "warp_split": v.warp_split, **occupancy(k)}
     for mode, pdl in (("chain", True), ("isolated", False)):
-        us = time_graph(lambda pdl=pdl: [k.launch(grid, a, pdl=pdl) for a in args])
+        us = time_graph(mode, [lambda a=a, pdl=pdl: k.launch(grid, a, pdl=pdl) for a in args])
         row[f"{mode}_us"] = round(us, 2)
         row[f"{mode}_frac"] = round(v.n * HIDDEN * 2 / (us * 1e-6) / (bw * 1e12), 3)
     if pred is not None:  # after-norm: a PDL predecessor (writes x, triggers early) before every front
         gamma = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
         res = torch.randn(m, HIDDEN, device="cuda").to(torch.bfloat16)
-        both = time_graph(lambda: [(pred.launch(res, gamma, x, 1e-5), k.launch(grid, a, pdl=True)) for a in args])
-        alone = time_graph(lambda: [pred.launch(res, gamma, x, 1e-5) for _ in args])
+        pred_one = lambda: pred.launch(res, gamma, x, 1e-5)  # noqa: E731
+        both = time_graph("after-norm", [f for a in args
+                                         for f in (pred_one, lambda a=a: k.launch(grid, a, pdl=True))])
+        alone = time_graph("pred", [pred_one] * len(args))
         row["after_norm_us"], row["pred_us"] = round(both, 2), round(alone, 2)
         row["added_us"] = round(both - alone, 2)  # per layer: graph launches pred+front per layer entry
     return row
@@ -179,7 +151,7 @@ def main(argv=None) -> int:
     if a.n:
         for st, sp, m in itertools.product(a.stages.split(","), a.splits.split(","), ms):
             jobs.append((QkvFrontVariant(a.n, a.kv, token_tiles(m), int(st), int(sp), fixed_rows(m)), m))
-    bw = copy_tbps()  # also makes torch's CUDA context current (the predecessor loads into it)
+    bw = copy_bandwidth()  # also makes torch's CUDA context current (the predecessor loads into it)
     try:
         from musekern.bench.pred import PredKernel
 

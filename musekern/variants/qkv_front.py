@@ -153,8 +153,9 @@ def supports_shape(n: int, num_kv_heads: int) -> bool:
 #   where the grid doubles CTAs up on SMs with the shallow ring, "rows" stays as fast or faster in the chain:
 #   TP2 34.3 / 35.0 / 37.2 vs 34.9 / 36.0 / 38.6, TP4 20.4 / 21.1 / 21.8 vs 20.5 / 21.3 / 22.0. At TP8 with one
 #   token tile the chain with "k" is bimodal (10.8-13.9 us over graph sizes and repeats, 12.4-13.1 in the
-#   bench) where "rows" stays at 10.9-11.5 (h200-sweep-round9.json, h200-sweep-graph-size.json): "k" only
-#   where the MMA consumer is the bottleneck, two token tiles (TP8 M=16: 11.2 vs 13.2 us), or the deep ring.
+#   bench) where "rows" stays at 10.9-11.5 (h200-sweep-round9.json, h200-sweep-graph-size.json); with two
+#   token tiles "k" wins there too (TP8 M=16: 11.2 vs 13.2 us). Together with round 13 (below the "exit"
+#   entry): "k" everywhere except one token tile under the late trigger.
 CTAS_PER_SM = 2
 MIN_CTA_STREAM_BYTES = 512 * 1024
 SHALLOW_RING_STAGES = 4

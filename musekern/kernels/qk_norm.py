@@ -15,7 +15,7 @@ Work split (constants from musekern/variants/qk_norm.py, the single source of tr
   vectors), so the sum of squares is reduced with log2(L) butterfly shuffles that stay inside the
   group; a group is either wholly in range or wholly out (V is a multiple of L), and every lane
   runs the shuffles (full mask); a lane past the end loads the last vector (in bounds, so the loads
-  need no branch and all issue back to back) and stores nothing; all math precedes all stores.
+  need no branch and all issue back to back) and stores nothing.
 No shared memory, no atomics; the result depends on nothing but the inputs.
 
 Input contract (the op checks it): x, out 16-byte aligned; ld_x, ld_out multiples of 8 elements;
@@ -89,10 +89,7 @@ def qk_norm_kernel(x: cute.Pointer, out: cute.Pointer, m: Int32, heads: Int32, l
         f = cute.make_rmem_tensor(cute.make_layout(_VEC), x.dtype)
         cute.copy(vec_copy, mX[rows[u], cols[u], None], f)
         frags.append(f)
-    # phase 2: per vector, group sum of squares -> rsqrt -> scale -> one rounding. No branch until every
-    # vector's math is done, so the vectors' shuffle chains overlap (a store under `if live` between them
-    # would split the code into blocks and chain them: latency is all there is at small M).
-    outs = []
+    # phase 2: per vector, group sum of squares -> rsqrt -> scale -> one rounding -> 16-byte store
     for u in cutlass.range_constexpr(_UNROLL):
         xf = frags[u].load().to(Float32)
         ss = Float32(0.0)
@@ -105,11 +102,8 @@ def qk_norm_kernel(x: cute.Pointer, out: cute.Pointer, m: Int32, heads: Int32, l
             rs = rs * scale
         o = cute.make_rmem_tensor(cute.make_layout(_VEC), out.dtype)
         o.store((xf * rs).to(out.dtype))
-        outs.append(o)
-    # phase 3: the 16-byte stores of the live vectors
-    for u in cutlass.range_constexpr(_UNROLL):
         if live[u]:
-            cute.copy(vec_copy, outs[u], mO[rows[u], cols[u], None])
+            cute.copy(vec_copy, o, mO[rows[u], cols[u], None])
 
 
 @cute.jit

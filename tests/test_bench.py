@@ -243,3 +243,38 @@ def test_first_call_script_parses_and_inputs_match_the_ops_signature():
     keys = [k for k in list(inspect.signature(ops.launch).parameters) if f"{k}=" in src]
     order = sorted(keys, key=lambda k: src.index(f"{k}="))
     assert order == list(inspect.signature(ops.launch).parameters)
+
+
+def _sweep_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "sweep_variants.py"
+    spec = importlib.util.spec_from_file_location("sweep_variants", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_sweep_merges_repeats_into_medians_and_keeps_every_sample():
+    sv = _sweep_module()
+    runs = [{"label": "x", "M": 1, "chain_us": c, "chain_frac": 0.7, "isolated_us": i, "isolated_frac": 0.6}
+            for c, i in ((11.0, 12.0), (13.9, 12.2), (11.2, 12.1))]
+    row = sv.merge_repeats(runs + [{"label": "x", "M": 1, "error": "RuntimeError: boom"}])
+    assert (row["chain_us"], row["isolated_us"]) == (11.2, 12.1)
+    assert row["samples"]["chain_us"] == [11.0, 13.9, 11.2]
+    assert sv.merge_repeats([{"label": "x", "M": 1, "error": "e"}])["error"] == "e"
+    assert "samples" not in sv.merge_repeats(runs[:1])
+
+
+def test_sweep_grid_is_buildable_variants():
+    """Every default-grid job is a valid variant whose label parses back (gpu_cache.sh builds them by label)."""
+    from musekern.variants import variant_from_label
+    from musekern.variants.qkv_front import fixed_rows, token_tiles
+
+    sv = _sweep_module()
+    jobs = sv.grid_jobs()
+    assert jobs
+    for v, m in jobs:
+        assert variant_from_label(v.label) == v
+        assert (v.tiles, v.fixed_m) == (token_tiles(m), fixed_rows(m))

@@ -227,19 +227,27 @@ def _variant(n: int, m: int, num_kv_heads: int, device_index: int) -> QkvFrontVa
     return variant(n, m, num_kv_heads, _target(device_index))
 
 
+# The launch values in the kernel's ABI order (kernels/qkv_front.py::abi_for; the M == 8 build has no "M"):
+# `launch` binds them positionally, so _launch_plan checks them against each loaded kernel's param_names.
+LAUNCH_ORDER = ("weight", "x", "M", "weight_ptr", "y", "positions", "cos_sin_cache", "slot_mapping", "key_cache",
+                "value_cache", "max_pos", "block_size", "num_blocks", "k_block_stride", "v_block_stride", "eps")
+
+
+def _launch_values(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out,
+                   with_m: bool = True) -> list:
+    """The values of LAUNCH_ORDER (without "M" for the M == 8 build); tensor maps are given as tensors."""
+    kshape = key_cache.shape  # [num_blocks, block_size, heads, 64]
+    head = [weight, x, x.shape[0]] if with_m else [weight, x]
+    return head + [
+        weight.data_ptr(), out.data_ptr(), positions.data_ptr(), cos_sin_cache.data_ptr(), slot_mapping.data_ptr(),
+        key_cache.data_ptr(), value_cache.data_ptr(), cos_sin_cache.shape[0], kshape[1], kshape[0],
+        key_cache.stride(0), value_cache.stride(0), float(eps)]
+
+
 def launch_args(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out) -> dict:
     """The `args` of LoadedKernel.launch: every ABI field name (kernels/qkv_front.py::abi_for)."""
-    num_blocks, block_size = key_cache.shape[:2]
-    return {
-        "weight": weight, "x": x,  # tensor maps (tma_w, tma_x), encoded by the loader
-        "weight_ptr": weight.data_ptr(),
-        "M": x.shape[0],  # x's TMA coordinate tensor (absent from the M == 8 build's ABI)
-        "y": out.data_ptr(), "positions": positions.data_ptr(), "cos_sin_cache": cos_sin_cache.data_ptr(),
-        "slot_mapping": slot_mapping.data_ptr(), "key_cache": key_cache.data_ptr(),
-        "value_cache": value_cache.data_ptr(), "max_pos": cos_sin_cache.shape[0],
-        "block_size": block_size, "num_blocks": num_blocks,
-        "k_block_stride": key_cache.stride(0), "v_block_stride": value_cache.stride(0), "eps": float(eps),
-    }
+    return dict(zip(LAUNCH_ORDER, _launch_values(x, weight, positions, cos_sin_cache, slot_mapping, key_cache,
+                                                 value_cache, eps, out), strict=True))
 
 
 def launch(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
@@ -250,20 +258,9 @@ def launch(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_c
         out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     dev = x.get_device()
     kernel, grid, with_m = _launch_plan(n, m, num_kv_heads, dev if dev >= 0 else torch.cuda.current_device())
-    kshape = key_cache.shape  # [num_blocks, block_size, heads, 64]
-    # LAUNCH_ORDER (checked against the kernel's ABI once per shape, in _launch_plan)
-    head = [weight, x, m] if with_m else [weight, x]
-    kernel.launch_ordered(grid, head + [
-        weight.data_ptr(), out.data_ptr(), positions.data_ptr(), cos_sin_cache.data_ptr(), slot_mapping.data_ptr(),
-        key_cache.data_ptr(), value_cache.data_ptr(), cos_sin_cache.shape[0], kshape[1], kshape[0],
-        key_cache.stride(0), value_cache.stride(0), float(eps)])
+    kernel.launch_ordered(grid, _launch_values(x, weight, positions, cos_sin_cache, slot_mapping, key_cache,
+                                               value_cache, eps, out, with_m))
     return out
-
-
-# The launch values in the kernel's ABI order (kernels/qkv_front.py::abi_for; the M == 8 build has no "M"):
-# `launch` binds them positionally, so _launch_plan checks them against each loaded kernel's param_names.
-LAUNCH_ORDER = ("weight", "x", "M", "weight_ptr", "y", "positions", "cos_sin_cache", "slot_mapping", "key_cache",
-                "value_cache", "max_pos", "block_size", "num_blocks", "k_block_stride", "v_block_stride", "eps")
 
 
 @functools.lru_cache(maxsize=None)

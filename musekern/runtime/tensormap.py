@@ -55,11 +55,6 @@ class TensorMapCache:
         self._max = max_entries
         self._maps: dict = {}
 
-    @property
-    def hits(self) -> dict:
-        """The encoded maps by key, for a launch path that looks up hits inline (misses go through `get`)."""
-        return self._maps
-
     def get(self, spec: TensorMapSpec, t) -> bytes:
         # a hit costs three tensor queries (the launch path's budget); shape and layout are checked on a miss
         key = (spec.param, t.data_ptr(), t.shape, t.stride())  # one spec per param name per kernel

@@ -396,26 +396,28 @@ class QkvFrontKernel:
             total = red[n * RED_STRIDE + m]
             for w in cutlass.range_constexpr(1, CONSUMER_WARPS):  # fixed warp order: deterministic
                 total = total + red[(w * self.tt + n) * RED_STRIDE + m]
-            if cutlass.const_expr(self.S > 1):
-                off = (rank * self.owned + n // self.S) * HEAD_COLS + m
-                cute.arch.store_async_dsmem(recv.iterator + off, f32_bits(total), recv_bar, n % self.S)
-            else:
-                recv[n * HEAD_COLS + m] = total
+            self._deliver(recv, recv_bar, rank, n, m, total)
 
     @cute.jit
     def send(self, tiled_mma, acc, st, recv_bar, tidx, rank):
-        """Partial of (column m, token n) -> owner n % S at recv[rank][n // S][m]."""
+        """warp_split "rows": every accumulator element is a whole partial of (column m, token n): deliver it."""
         thr_mma = tiled_mma.get_slice(tidx)
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((16 * CONSUMER_WARPS, self.tt)))
         recv = st.recv.get_tensor(cute.make_layout(self.tt * HEAD_COLS))
         for i in cutlass.range_constexpr(cute.size(acc)):
             m, n = tCcC[i]
-            if cutlass.const_expr(self.S > 1):
-                owner = n % self.S
-                off = (rank * self.owned + n // self.S) * HEAD_COLS + m
-                cute.arch.store_async_dsmem(recv.iterator + off, f32_bits(acc[i]), recv_bar, owner)
-            else:
-                recv[n * HEAD_COLS + m] = acc[i]
+            self._deliver(recv, recv_bar, rank, n, m, acc[i])
+
+    @cute.jit
+    def _deliver(self, recv, recv_bar, rank, n, m, value):
+        """This CTA's partial of (column m, token n) to the owner, rank n % S, at recv[rank][n // S][m]:
+        st.async into the owner's shared memory (completes on its receive barrier), or a plain store
+        with S == 1."""
+        if cutlass.const_expr(self.S > 1):
+            off = (rank * self.owned + n // self.S) * HEAD_COLS + m
+            cute.arch.store_async_dsmem(recv.iterator + off, f32_bits(value), recv_bar, n % self.S)
+        else:
+            recv[n * HEAD_COLS + m] = value
 
     @cute.jit
     def finish(self, st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,

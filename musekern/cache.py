@@ -550,8 +550,10 @@ class Cache:
                     best = (rank, cand)
         return best[1] if best else None
 
-    def _index(self, parts: KeyParts, key: str) -> None:
-        """Mark `key` in its family's index (best effort: without the marker, `find` scans)."""
+    def index(self, parts: KeyParts, key: str) -> None:
+        """Mark `key` in its family's index (best effort: without the marker, `find` scans). Every commit
+        does; `prepare` also does for the entries it finds present, so caches written before the index
+        existed get their markers."""
         d = self.index_dir / parts.family()
         try:
             d.mkdir(parents=True, exist_ok=True)
@@ -648,7 +650,7 @@ class Cache:
         e = self.get(key)
         if e is None:
             raise CacheError(f"entry {key} vanished right after it was committed in {self.root}")
-        self._index(parts, key)
+        self.index(parts, key)
         return e
 
     def _discard(self, path: Path) -> None:
@@ -673,8 +675,6 @@ class Cache:
         e = self._sound(key)
         if e is not None:
             self.touch(key)
-            if not self.read_only:
-                self._index(parts, key)  # entries committed before the index existed get their marker
             return e, "local"
         self._require_writable(f"add {parts.label}")
         with self.lock(key):

@@ -68,17 +68,16 @@ def _prepare_one(cache_root: str, variant, arch: str) -> tuple[str, str, float, 
     return parts.key(), BUILT if built else HIT, time.perf_counter() - t0, None
 
 
-def _present(cache: Cache, parts, version: str | None) -> bool:
-    """A sound entry for `parts` is in the cache (sha256 re-checked: a corrupt one is missing).
+def _present(cache: Cache, parts, version: str | None):
+    """The sound entry for `parts` in the cache, else None (sha256 re-checked: a corrupt one is missing).
 
     Without the DSL (nothing could be rebuilt) an entry built by any DSL version serves, as at run time.
     """
-    if cache.verified(parts.key()) is not None:
-        return True
-    if version is None:
-        found = cache.find(parts, any_dsl_version=True)
-        return found is not None and not cache.verify_entry(found)
-    return False
+    entry = cache.verified(parts.key())
+    if entry is not None or version is not None:
+        return entry
+    found = cache.find(parts, any_dsl_version=True)
+    return found if found is not None and not cache.verify_entry(found) else None
 
 
 def prepare(entries, cache: Cache, jobs: int = 1, remote=None, upload: bool = False, on_done=None) -> PrepareReport:
@@ -100,9 +99,12 @@ def prepare(entries, cache: Cache, jobs: int = 1, remote=None, upload: bool = Fa
     for e in entries:
         parts = key_parts(e.variant, e.arch, version)
         res = PrepareResult(e.target.name, e.arch, e.variant.label, parts.key(), HIT)
-        if not _present(cache, parts, version):
+        present = _present(cache, parts, version)
+        if present is None:
             missing.append((e, parts, res))
         else:
+            if not cache.read_only:
+                cache.index(present.parts, present.key)  # entries from before the index get their marker
             finish(res)
     if missing:
         cache.check_writable("prepare")

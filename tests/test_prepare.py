@@ -35,6 +35,21 @@ def test_corrupt_entry_is_rebuilt_not_counted_as_hit(tmp_path):
     assert all(cache.verify_entry(x) == [] for x in cache.entries())
 
 
+def test_prepare_indexes_entries_of_a_cache_from_before_the_index(tmp_path):
+    """A cache without index markers (written before they existed) gets one per present entry."""
+    prepare(tmp_path / "c", *LABELS)
+    cache = Cache(tmp_path / "c")
+    marks = lambda: sorted(k for d in cache.index_dir.iterdir() for k in os.listdir(d))  # noqa: E731
+    before = marks()
+    assert len(before) == 2
+    for d in cache.index_dir.iterdir():
+        for k in os.listdir(d):
+            os.unlink(d / k)
+    assert marks() == []
+    assert prepare(tmp_path / "c", *LABELS)["counts"]["hit"] == 2
+    assert marks() == before
+
+
 def test_read_only_cache_fails_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(Cache, "read_only", property(lambda self: True))
     r = prepare(tmp_path / "ro", *LABELS, code=1)

@@ -14,7 +14,7 @@ exact skeleton (clusters of S CTAs per head, `stages` x (16 KiB W + 2 KiB x) TMA
   mode "before": the producer prefills the ring with W, waits, then loads x per stage; the consumers wait
                 before their first stage (the real front's dependency).
 
-Build here (CPU, nvidia-cutlass-dsl):  python bench/probes/skeleton_probe.py build DIR
+Build here (CPU, nvidia-cutlass-dsl):  python bench/probes/skeleton_probe.py build DIR [planned|stash]
 Run on the GPU (carry DIR):           python3 bench/probes/skeleton_probe.py run DIR OUT.json [NAME-PREFIX]
 """
 # (no `from __future__ import annotations`: @cute.struct reads real annotation objects)
@@ -40,6 +40,21 @@ class ProbeConfig:
     mode: str  # "after" | "before"
     trigger: str  # "early" | "late" | "exit"
     tt: int = 8  # x rows per stage: 8 (one token tile) or 16 (two)
+    # mode "before" only: k-tiles the consumers take before the wait (their W, as a register stash would
+    # hold it) and release, so the producer refills their slots before x exists; their x is loaded after
+    # the wait into a separate area. 0 = the front as built.
+    stash: int = 0
+    # trigger "late" only: trigger after issuing the load of k-tile ntiles - 1 - ahead (0 = the last one);
+    # any point past the ring prefill keeps at most two grids resident (the next one cannot pass its own
+    # trigger before this one completes)
+    ahead: int = 0
+
+    def __post_init__(self):
+        ntiles = K_TILES // self.splits
+        if self.stash and self.mode != "before":
+            raise ValueError(f"{self.name}: stash needs mode 'before'")
+        if self.ahead and not (self.trigger == "late" and self.stages + self.stash <= ntiles - 1 - self.ahead):
+            raise ValueError(f"{self.name}: ahead needs trigger 'late' and a trigger tile past the prefill")
 
 
 # the planned shapes of the default model on the H200 (musekern plan --target h200), both modes; and TP1's
@@ -51,6 +66,18 @@ CONFIGS = [ProbeConfig(f"tp{tp}-{mode}-{trig}", heads, s, st, mode, trig)
            for mode in ("after", "before") for trig in trigs] \
     + [ProbeConfig(f"tp1-before-early-st{st}-tt{tt}", 272, 1, st, "before", "early", tt)
        for st, tt in ((11, 8), (8, 8), (8, 16))]
+
+# round 16: what a register stash (k-tiles taken before x exists) and an earlier late trigger are worth under
+# the real dependency; TP8 also with one CTA per head (S = 1) and the deep ring, where three layers' grids fit
+STASH_CONFIGS = [ProbeConfig(f"tp8-st5-stash{t}", 34, 2, 5, "before", "late", stash=t) for t in (0, 2, 4, 8)] \
+    + [ProbeConfig(f"tp8-st5-ahead{a}", 34, 2, 5, "before", "late", ahead=a) for a in (5, 10, 16)] \
+    + [ProbeConfig("tp8-st5-ahead5-stash4", 34, 2, 5, "before", "late", stash=4, ahead=5)] \
+    + [ProbeConfig(f"tp8-s1-st{st}-{trig}", 34, 1, st, "before", trig) for st, trig in
+       ((11, "early"), (11, "late"), (5, "late"))] \
+    + [ProbeConfig(f"tp4-st4-stash{t}", 68, 2, 4, "before", "exit", stash=t) for t in (0, 2, 4)] \
+    + [ProbeConfig(f"tp4-st4-late-ahead{a}", 68, 2, 4, "before", "late", ahead=a) for a in (0, 4)] \
+    + [ProbeConfig(f"tp2-st4-stash{t}", 136, 1, 4, "before", "late", stash=t) for t in (0, 4)]
+CONFIG_SETS = {"planned": CONFIGS, "stash": STASH_CONFIGS}
 
 
 # ---------------------------------------------------------------------------------------------- build (CPU)
@@ -73,6 +100,8 @@ def _kernel_class():
             class Smem:
                 sW: cute.struct.Align[cute.struct.MemRange[BFloat16, HEAD_COLS * K_TILE * c.stages], 1024]
                 sX: cute.struct.Align[cute.struct.MemRange[BFloat16, c.tt * K_TILE * c.stages], 1024]
+                sXs: cute.struct.Align[cute.struct.MemRange[BFloat16, c.tt * K_TILE * max(c.stash, 1)], 1024]
+                xs_full: cute.struct.MemRange[Int64, 1]
                 full: cute.struct.MemRange[Int64, c.stages]
                 empty: cute.struct.MemRange[Int64, c.stages]
             self.Smem = Smem
@@ -84,13 +113,15 @@ def _kernel_class():
             mX = cute.make_tensor(x_ptr, cute.make_layout((c.tt, HIDDEN), stride=(HIDDEN, 1)))
             mO = cute.make_tensor(o_ptr, cute.make_layout(c.heads * c.splits))
             sW_l, sX_l, tma_w, mW_t, tma_x, mX_t = ring_tma(mW, mX, c.stages, c.tt)  # the front's own ring
-            self.kernel(tma_w, mW_t, tma_x, mX_t, mO, sW_l, sX_l).launch(
+            sXs_l = ring_tma(mW, mX, max(c.stash, 1), c.tt)[1]  # the stashed tiles' x, same boxes
+            self.kernel(tma_w, mW_t, tma_x, mX_t, mO, sW_l, sX_l, sXs_l).launch(
                 grid=[c.heads * c.splits, 1, 1], block=[THREADS, 1, 1], cluster=[c.splits, 1, 1],
                 smem=self.Smem.size_in_bytes(), stream=stream, use_pdl=True)
 
         @cute.kernel
         def kernel(self, tma_w: cute.CopyAtom, mW_t: cute.Tensor, tma_x: cute.CopyAtom, mX_t: cute.Tensor,
-                   mO: cute.Tensor, sW_l: cute.ComposedLayout, sX_l: cute.ComposedLayout):
+                   mO: cute.Tensor, sW_l: cute.ComposedLayout, sX_l: cute.ComposedLayout,
+                   sXs_l: cute.ComposedLayout):
             c = self.c
             tidx = cute.arch.thread_idx()[0]
             bidx = cute.arch.block_idx()[0]
@@ -100,6 +131,8 @@ def _kernel_class():
             st = SmemAllocator().allocate(self.Smem)
             sW = st.sW.get_tensor(sW_l.outer, swizzle=sW_l.inner)
             sX = st.sX.get_tensor(sX_l.outer, swizzle=sX_l.inner)
+            sXs = st.sXs.get_tensor(sXs_l.outer, swizzle=sXs_l.inner)
+            xs_full = st.xs_full.data_ptr()
             full = st.full.data_ptr()
             empty = st.empty.data_ptr()
             tx = W_STAGE + (c.tt * K_TILE * 2 if cutlass.const_expr(c.mode == "before") else 0)
@@ -107,6 +140,7 @@ def _kernel_class():
                 for s in cutlass.range_constexpr(c.stages):
                     cute.arch.mbarrier_init(full + s, 1)
                     cute.arch.mbarrier_init(empty + s, 4)
+                cute.arch.mbarrier_init(xs_full, 1)
                 cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
             if cutlass.const_expr(c.trigger == "early"):
@@ -119,17 +153,31 @@ def _kernel_class():
                                                  cute.group_modes(gW, 0, 2))
                 tXs, tXg = cpasync.tma_partition(tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
                                                  cute.group_modes(gX, 0, 2))
-                for i in cutlass.range_constexpr(c.stages):
+                tXss, _ = cpasync.tma_partition(tma_x, 0, cute.make_layout(1), cute.group_modes(sXs, 0, 2),
+                                                cute.group_modes(gX, 0, 2))
+                # W of the first `pre` k-tiles goes before the wait: the ring, plus the refills of the slots the
+                # consumers free by stashing k-tiles 0..stash-1 (whose full barriers expect W only)
+                pre = c.stages + c.stash
+                for i in cutlass.range_constexpr(pre):
+                    sp = i % c.stages
+                    if cutlass.const_expr(i >= c.stages):
+                        cute.arch.mbarrier_wait(empty + sp, ((i // c.stages) - 1) % 2)
                     with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(full + i, tx)
-                    cute.copy(tma_w, tWg[None, rank + ((i + rot) % self.ntiles) * c.splits], tWs[None, i],
-                              tma_bar_ptr=full + i)
+                        cute.arch.mbarrier_arrive_and_expect_tx(full + sp, W_STAGE if i < c.stash else tx)
+                    cute.copy(tma_w, tWg[None, rank + ((i + rot) % self.ntiles) * c.splits], tWs[None, sp],
+                              tma_bar_ptr=full + sp)
                 if cutlass.const_expr(c.mode == "before"):
                     cute.arch.griddepcontrol_wait()
-                    for i in cutlass.range_constexpr(c.stages):
-                        cute.copy(tma_x, tXg[None, rank + ((i + rot) % self.ntiles) * c.splits], tXs[None, i],
-                                  tma_bar_ptr=full + i)
-                for i in cutlass.range(c.stages, self.ntiles, unroll=1):
+                    if cutlass.const_expr(c.stash > 0):
+                        with cute.arch.elect_one():
+                            cute.arch.mbarrier_arrive_and_expect_tx(xs_full, c.stash * c.tt * K_TILE * 2)
+                        for i in cutlass.range_constexpr(c.stash):
+                            cute.copy(tma_x, tXg[None, rank + ((i + rot) % self.ntiles) * c.splits],
+                                      tXss[None, i], tma_bar_ptr=xs_full)
+                    for i in cutlass.range_constexpr(c.stash, pre):
+                        cute.copy(tma_x, tXg[None, rank + ((i + rot) % self.ntiles) * c.splits],
+                                  tXs[None, i % c.stages], tma_bar_ptr=full + i % c.stages)
+                for i in cutlass.range(pre, self.ntiles, unroll=1):
                     s = i % c.stages
                     cute.arch.mbarrier_wait(empty + s, ((i // c.stages) - 1) % 2)
                     with cute.arch.elect_one():
@@ -138,13 +186,26 @@ def _kernel_class():
                     cute.copy(tma_w, tWg[None, k], tWs[None, s], tma_bar_ptr=full + s)
                     if cutlass.const_expr(c.mode == "before"):
                         cute.copy(tma_x, tXg[None, k], tXs[None, s], tma_bar_ptr=full + s)
-                if cutlass.const_expr(c.trigger == "late"):
+                    if cutlass.const_expr(c.trigger == "late" and c.ahead > 0):
+                        if i == self.ntiles - 1 - c.ahead:
+                            cute.arch.griddepcontrol_launch_dependents()
+                if cutlass.const_expr(c.trigger == "late" and c.ahead == 0):
                     cute.arch.griddepcontrol_launch_dependents()
             else:
+                acc = Float32(0.0)
+                for i in cutlass.range_constexpr(c.stash):  # taken before x exists, as a register stash would
+                    ss = i % c.stages
+                    cute.arch.mbarrier_wait(full + ss, (i // c.stages) % 2)
+                    acc = acc + Float32(sW[tidx % HEAD_COLS, (tidx * 8) % K_TILE, ss])
+                    cute.arch.sync_warp()
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive(empty + ss)
                 if cutlass.const_expr(c.mode == "before"):
                     cute.arch.griddepcontrol_wait()  # the front's MMA needs x from the first k-tile
-                acc = Float32(0.0)
-                for i in cutlass.range(self.ntiles, unroll=1):
+                    if cutlass.const_expr(c.stash > 0):
+                        cute.arch.mbarrier_wait(xs_full, 0)
+                        acc = acc + Float32(sXs[tidx % c.tt, (tidx * 8) % K_TILE, tidx % c.stash])
+                for i in cutlass.range(c.stash, self.ntiles, unroll=1):
                     s = i % c.stages
                     cute.arch.mbarrier_wait(full + s, (i // c.stages) % 2)
                     acc = acc + Float32(sW[tidx % HEAD_COLS, (tidx * 8) % K_TILE, s])
@@ -160,7 +221,7 @@ def _kernel_class():
     return SkeletonProbe
 
 
-def build(outdir: str) -> None:
+def build(outdir: str, config_set: str = "planned") -> None:
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32
@@ -176,7 +237,7 @@ def build(outdir: str) -> None:
     manifest = []
     from musekern.variants.qkv_front import ring_smem_bytes
 
-    for c in CONFIGS:
+    for c in CONFIG_SETS[config_set]:
         k = cls(c)
         # launched with the planned front's dynamic shared memory, so CTAs share SMs exactly as the front's do
         smem = max(k.Smem.size_in_bytes(), ring_smem_bytes(c.stages, c.tt // 8))
@@ -197,7 +258,7 @@ def build(outdir: str) -> None:
     rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                 text=True).stdout.strip())
-    json.dump({"commit": rev, "dirty": dirty}, open(os.path.join(outdir, "BUILD_INFO.json"), "w"))
+    json.dump({"commit": rev, "dirty": dirty, "set": config_set}, open(os.path.join(outdir, "BUILD_INFO.json"), "w"))
 
 
 # ---------------------------------------------------------------------------------------------- run (GPU)
@@ -253,8 +314,8 @@ def run(outdir: str, out_json: str, only: str = "") -> int:
 
 
 def main(argv) -> int:
-    if len(argv) >= 2 and argv[0] == "build":
-        build(argv[1])
+    if len(argv) >= 2 and argv[0] == "build" and (len(argv) == 2 or argv[2] in CONFIG_SETS):
+        build(argv[1], *argv[2:3])
         return 0
     if len(argv) >= 3 and argv[0] == "run":
         return run(argv[1], argv[2], argv[3] if len(argv) > 3 else "")

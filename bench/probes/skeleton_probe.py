@@ -14,7 +14,7 @@ exact skeleton (clusters of S CTAs per head, `stages` x (16 KiB W + 2 KiB x) TMA
   mode "before": the producer prefills the ring with W, waits, then loads x per stage; the consumers wait
                 before their first stage (the real front's dependency).
 
-Build here (CPU, nvidia-cutlass-dsl):  python bench/probes/skeleton_probe.py build DIR [planned|stash]
+Build here (CPU, nvidia-cutlass-dsl):  python bench/probes/skeleton_probe.py build DIR [planned|stash|ahead]
 Run on the GPU (carry DIR):           python3 bench/probes/skeleton_probe.py run DIR OUT.json [NAME-PREFIX]
 """
 # (no `from __future__ import annotations`: @cute.struct reads real annotation objects)
@@ -77,7 +77,17 @@ STASH_CONFIGS = [ProbeConfig(f"tp8-st5-stash{t}", 34, 2, 5, "before", "late", st
     + [ProbeConfig(f"tp4-st4-stash{t}", 68, 2, 4, "before", "exit", stash=t) for t in (0, 2, 4)] \
     + [ProbeConfig(f"tp4-st4-late-ahead{a}", 68, 2, 4, "before", "late", ahead=a) for a in (0, 4)] \
     + [ProbeConfig(f"tp2-st4-stash{t}", 136, 1, 4, "before", "late", stash=t) for t in (0, 4)]
-CONFIG_SETS = {"planned": CONFIGS, "stash": STASH_CONFIGS}
+# round 16b: the two levers that paid at TP8 (stash, ahead) on a finer grid, two token tiles, and TP4 laid out
+# as TP8 is (S = 1: 68 CTAs, one per SM, the other SMs free for the next grid)
+AHEAD_CONFIGS = [ProbeConfig(f"tp8-a{a}-s{t}", 34, 2, 5, "before", "late", stash=t, ahead=a)
+                 for a, t in [(a, 0) for a in (0, 2, 3, 4, 5, 6, 7, 8)] + [(a, t) for a in (3, 4, 5, 6) for t in (1, 2, 4)]] \
+    + [ProbeConfig(f"tp8-tt16-a{a}-s{t}", 34, 2, 5, "before", "late", 16, stash=t, ahead=a)
+       for a, t in ((0, 0), (5, 0), (5, 2), (5, 4))] \
+    + [ProbeConfig(f"tp4-s1-st5-a{a}-s{t}", 68, 1, 5, "before", "late", stash=t, ahead=a)
+       for a, t in ((0, 0), (5, 0), (5, 2), (5, 4), (8, 4))] \
+    + [ProbeConfig("tp4-s1-st11-early", 68, 1, 11, "before", "early"),
+       ProbeConfig("tp4-s2-st4-a2-s2", 68, 2, 4, "before", "late", stash=2, ahead=2)]
+CONFIG_SETS = {"planned": CONFIGS, "stash": STASH_CONFIGS, "ahead": AHEAD_CONFIGS}
 
 
 # ---------------------------------------------------------------------------------------------- build (CPU)
@@ -303,7 +313,7 @@ def run(outdir: str, out_json: str, only: str = "") -> int:
         print(json.dumps(row), file=sys.stderr)
     info = json.load(open(os.path.join(outdir, "BUILD_INFO.json"))) if os.path.exists(
         os.path.join(outdir, "BUILD_INFO.json")) else {}
-    json.dump({"commit": info.get("commit"), "device": torch.cuda.get_device_name(), "copy_TBps": round(bw, 3),
+    json.dump({"commit": info.get("commit"), "dirty": info.get("dirty"), "set": info.get("set"), "device": torch.cuda.get_device_name(), "copy_TBps": round(bw, 3),
                "command": "python3 bench/probes/skeleton_probe.py run " + " ".join(sys.argv[2:]), "rows": rows},
               open(out_json, "w"), indent=1)
     print(f"{'config':22} {'floor':>6} {'chain us':>9} {'frac':>6} {'isol us':>8} {'frac':>6}")

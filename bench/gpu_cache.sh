@@ -11,26 +11,25 @@ labels=()
 for dt in bfloat16 float16; do for hd in 64 128 256; do for sc in False True; do
   labels+=(--variant "qk_norm[dtype=$dt,has_scale=$sc,head_dim=$hd]")
 done; done; done
-# qkv_front builds that differ from the planned ones only in ring depth (3), PDL trigger or L2 prefetch
-# (the GPU tests check that none changes a single bit: tests/test_gpu_qkv_front.py _alternatives), and in
-# k_rotate (a different summation order, checked against fp64).
+# qkv_front builds that differ from the planned ones only in a lever that must not change a bit (ring depth,
+# PDL trigger, L2 prefetch, stash, trigger_ahead: same_bits_alternatives, compared bit for bit by the GPU
+# tests), in k_rotate and in the warp split (different summation orders, checked against fp64).
 while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python - <<'PY'
 import dataclasses
 from musekern.config import load_config
 from musekern.targets import get_target
 from musekern.variants import plan_model
+from musekern.variants.qkv_front import other_warp_split, same_bits_alternatives
 for e in plan_model(load_config(), [get_target("h200")]):
-    if e.kernel == "qkv_front" and e.variant.n in (2176, 4352):  # the bit-identity tests' alternatives
-        print(dataclasses.replace(e.variant, stages=3).label)
-        print(dataclasses.replace(e.variant, trigger="late" if e.variant.trigger == "early" else "early").label)
-        print(dataclasses.replace(e.variant, l2_prefetch=32 if e.variant.l2_prefetch == 0 else 0).label)
-    if e.kernel == "qkv_front":  # test_rotated_k_order_is_correct_and_deterministic: k_rotate 0, 1, 3
-        for rot in (0, 1, 3):
-            print(dataclasses.replace(e.variant, k_rotate=rot).label)
-        # test_other_warp_split_is_correct_deterministic_and_ring_independent: the other split, 2 depths
-        other = dataclasses.replace(e.variant, warp_split="k" if e.variant.warp_split == "rows" else "rows")
-        print(other.label)
-        print(dataclasses.replace(other, stages=3).label)
+    if e.kernel != "qkv_front":
+        continue
+    for alt in same_bits_alternatives(e.variant).values():
+        print(alt.label)
+    for rot in (0, 1, 3):  # test_rotated_k_order_is_correct_and_deterministic
+        print(dataclasses.replace(e.variant, k_rotate=rot).label)
+    other = other_warp_split(e.variant)  # test_other_warp_split_is_correct_deterministic_and_ring_independent
+    print(other.label)
+    print(same_bits_alternatives(other)["stages"].label)
 PY
 )
 # the ring-depth / k_split sweep of bench/sweep_variants.py (issue 5's levers)

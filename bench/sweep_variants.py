@@ -40,14 +40,25 @@ DISTINCT_OUT = False  # --distinct-out: one y buffer per layer (as musekern benc
 # Round 13 (--repeat 3): L2 prefetch and "wait" were slower everywhere (h200-sweep-round12.json). With TP4's
 # dependents now launched at exit, its chain follows its isolated launches, where "k" was faster (round 9):
 # TP4 "rows" vs "k" under "exit", both tile counts; TP2's two-tile build with "k" under "late" and "exit".
-# (N, kv heads, stages, S, trigger, l2_prefetch, k_rotate, warp_split, Ms)
-GRID = [(4352, 2, 4, 2, "exit", 0, 1, ws, (1, 16)) for ws in ("rows", "k")] \
-    + [(8704, 4, 4, 1, trig, 0, 1, ws, (16,)) for trig, ws in (("late", "rows"), ("late", "k"), ("exit", "k"))]
+# Round 16 (--repeat 2): the skeleton probe (h200-skeleton-probe-ahead-r*.json) streams TP8's chain at 92-96% of
+# copy bandwidth when "late" triggers one ring turn before the last load (trigger_ahead) and the consumers stash
+# k-tiles of W in registers before x exists; the front with both, at TP8 (one tile: "rows" with stash; two
+# tiles: "k", trigger_ahead only) and at TP2's "late" one-tile build and two-tile build.
+# Each entry: the variant's fields except tiles and fixed_m (from M), and the Ms to time.
+TP8 = dict(n=2176, num_kv_heads=1, stages=5, splits=2, trigger="late", k_rotate=1)
+TP2 = dict(n=8704, num_kv_heads=4, stages=4, splits=1, k_rotate=1)
+GRID = [(dict(TP8, warp_split="rows", trigger_ahead=a, stash=t), (1, 8))
+        for a, t in ((0, 0), (4, 0), (5, 0), (6, 0), (4, 2), (5, 2), (5, 4), (6, 4), (8, 4))] \
+    + [(dict(TP8, warp_split="k", trigger_ahead=a), (16,)) for a in (0, 4, 5, 6)] \
+    + [(dict(TP2, trigger="late", warp_split="rows", trigger_ahead=a, stash=t), (1,))
+       for a, t in ((0, 0), (4, 0), (4, 4))] \
+    + [(dict(TP2, trigger=trig, warp_split=ws, trigger_ahead=a, stash=t), (16,))
+       for trig, ws, a, t in (("exit", "k", 0, 0), ("late", "k", 4, 0), ("late", "rows", 4, 2))]
 
 
 def grid_jobs():
-    return [(QkvFrontVariant(n, kv, token_tiles(m), st, sp, fixed_rows(m), trig, pf, rot, ws), m)
-            for n, kv, st, sp, trig, pf, rot, ws, ms in GRID for m in ms]
+    return [(QkvFrontVariant(tiles=token_tiles(m), fixed_m=fixed_rows(m), **fields), m)
+            for fields, ms in GRID for m in ms]
 
 
 def occupancy(k) -> dict:
@@ -76,7 +87,8 @@ def run(v: QkvFrontVariant, m: int, weights, bw: float, pred) -> dict:
     args = [launch_args(x, w, pos, cs, slots, kv[0], kv[1], 1e-5, outs[j % len(outs)]) for j, w in enumerate(weights)]
     grid = launch_grid(v)
     row = {"label": v.label, "N": v.n, "M": m, "stages": v.stages, "splits": v.splits, "trigger": v.trigger,
-           "l2_prefetch": v.l2_prefetch, "k_rotate": v.k_rotate, "warp_split": v.warp_split, **occupancy(k)}
+           "l2_prefetch": v.l2_prefetch, "k_rotate": v.k_rotate, "warp_split": v.warp_split,
+           "trigger_ahead": v.trigger_ahead, "stash": v.stash, **occupancy(k)}
     for mode, pdl in (("chain", True), ("isolated", False)):
         us = time_graph(mode, [lambda a=a, pdl=pdl: k.launch(grid, a, pdl=pdl) for a in args])
         row[f"{mode}_us"] = round(us, 2)
@@ -177,13 +189,14 @@ def main(argv=None) -> int:
     json.dump({"commit": build_commit(), "command": "python3 bench/sweep_variants.py " + " ".join(sys.argv[1:]),
                "copy_TBps": round(bw, 3), "device": torch.cuda.get_device_name(), "repeats": a.repeat, "rows": rows},
               open(a.out, "w"), indent=1)
-    print(f"{'N':>5} {'S':>2} {'st':>2} {'trig':5} {'pf':>3} {'rot':>3} {'warps':5} {'M':>3} {'blk/SM':>6} "
+    print(f"{'N':>5} {'S':>2} {'st':>2} {'trig':5} {'ahd':>3} {'sts':>3} {'pf':>3} {'rot':>3} {'warps':5} {'M':>3} {'blk/SM':>6} "
           f"{'chain us':>9} {'frac':>6} {'isol us':>8} {'frac':>6} {'added us':>8}")
     for r in rows:
         if "error" in r:
             print(f"{r['label']:72} {r['M']:3} ERROR {r['error'][:60]}")
         else:
-            print(f"{r['N']:5} {r['splits']:2} {r['stages']:2} {r['trigger']:5} {r['l2_prefetch']:3} {r['k_rotate']:3} "
+            print(f"{r['N']:5} {r['splits']:2} {r['stages']:2} {r['trigger']:5} {r.get('trigger_ahead', 0):3} "
+                  f"{r.get('stash', 0):3} {r['l2_prefetch']:3} {r['k_rotate']:3} "
                   f"{r.get('warp_split', 'rows'):5} "
                   f"{r['M']:3} "
                   f"{r['blocks_per_sm']:6} "

@@ -211,10 +211,8 @@ def test_rotated_k_order_is_correct_and_deterministic(weights, tp, m, rot):
 # bitwise, and at a second ring depth bit for bit (gpu_cache.sh builds both).
 @pytest.mark.parametrize("tp,m", [(8, 1), (8, 8), (8, 16), (4, 5), (4, 16), (2, 9), (1, 3), (1, 16)])
 def test_other_warp_split_is_correct_deterministic_and_ring_independent(weights, tp, m):
-    import dataclasses
-
     from musekern.targets import local_target
-    from musekern.variants.qkv_front import variant
+    from musekern.variants.qkv_front import other_warp_split, same_bits_alternatives, variant
 
     nkv = SHARDS[tp].num_kv_heads
     v = other_warp_split(variant(SHARDS[tp].n, m, nkv, local_target()))
@@ -224,17 +222,11 @@ def test_other_warp_split_is_correct_deterministic_and_ring_independent(weights,
     torch.cuda.synchronize()
     check_against_truth(p, weights[tp], nkv, y)
     again = _launch_variant(v, p, weights[tp], torch.full_like(y, float("nan")))
-    shallow = _launch_variant(dataclasses.replace(v, stages=ALT_STAGES), p, weights[tp],
-                              torch.full_like(y, float("nan")))
+    alt = same_bits_alternatives(v)["stages"]
+    shallow = _launch_variant(alt, p, weights[tp], torch.full_like(y, float("nan")))
     torch.cuda.synchronize()
     assert torch.equal(again, y)
-    assert torch.equal(shallow, y), f"{v.label}: ring depth {ALT_STAGES} changed the result"
-
-
-def other_warp_split(v):
-    import dataclasses
-
-    return dataclasses.replace(v, warp_split="k" if v.warp_split == "rows" else "rows")
+    assert torch.equal(shallow, y), f"{v.label}: ring depth {alt.stages} changed the result"
 
 
 # Caches with >= 2^31 slots take a 64-bit slot division, all others a 32-bit one: the same launch with a
@@ -272,25 +264,27 @@ def _launch_variant(v, p, weight, out):
     return out
 
 
-def _alternatives(v):
-    """The builds that must give the planned variant's bits: another ring depth, the other PDL trigger."""
-    import dataclasses
+# TP8 (one tile "rows" under "late", and two tiles "k"; M = 8 its own build) and TP4 ("k" under "exit"); every
+# lever that applies to the planned build (stash: "rows" only; trigger_ahead: "late" only), and TP2's one-tile
+# "late" build for the two levers that keep weights streaming before x exists.
+BIT_LEVERS = [(tp, m, what) for tp, m in ((8, 3), (8, 8), (8, 12), (4, 16))
+              for what in ("stages", "trigger", "l2_prefetch")] \
+    + [(8, 3, "stash"), (8, 8, "stash"), (8, 3, "trigger_ahead"), (8, 12, "trigger_ahead"), (2, 5, "stash"),
+       (2, 5, "trigger_ahead")]
 
-    return {"stages": dataclasses.replace(v, stages=ALT_STAGES if v.stages != ALT_STAGES else ALT_STAGES + 1),
-            "trigger": dataclasses.replace(v, trigger="late" if v.trigger == "early" else "early"),
-            "l2_prefetch": dataclasses.replace(v, l2_prefetch=ALT_PREFETCH if v.l2_prefetch == 0 else 0)}
 
-
-@pytest.mark.parametrize("what", ["stages", "trigger", "l2_prefetch"])
-@pytest.mark.parametrize("tp,m", [(8, 3), (8, 8), (8, 12), (4, 16)])
+@pytest.mark.parametrize("tp,m,what", BIT_LEVERS)
 def test_ring_stages_and_trigger_do_not_change_a_bit(weights, tp, m, what):
-    """Builds that differ only in ring depth, PDL trigger or L2 prefetch give identical bits (gpu_cache.sh)."""
+    """Builds that differ only in ring depth, PDL trigger, L2 prefetch, stash or trigger_ahead give identical
+    bits (musekern.variants.qkv_front.same_bits_alternatives; gpu_cache.sh builds them)."""
     from musekern.targets import local_target
-    from musekern.variants.qkv_front import variant
+    from musekern.variants.qkv_front import same_bits_alternatives, variant
 
     nkv = SHARDS[tp].num_kv_heads
     v = variant(SHARDS[tp].n, m, nkv, local_target())
-    alt = _alternatives(v)[what]
+    alts = same_bits_alternatives(v)
+    assert what in alts, f"{what} does not apply to {v.label}: fix BIT_LEVERS"
+    alt = alts[what]
     p = problem(m, nkv, seed=5)
     a = _launch_variant(v, p, weights[tp], torch.full((m, SHARDS[tp].n), float("nan"), dtype=torch.bfloat16,
                                                       device="cuda")).clone()
@@ -299,8 +293,6 @@ def test_ring_stages_and_trigger_do_not_change_a_bit(weights, tp, m, what):
     assert torch.equal(a, b), f"{v.label} vs {alt.label} differ"
 
 
-ALT_STAGES = 3  # the second ring depth the GPU cache is built with
-ALT_PREFETCH = 32  # the L2 prefetch (k-tiles per row) of the alternative build
 
 
 @pytest.mark.parametrize("tp,m", [(8, 4), (8, 8), (2, 16)])

@@ -95,13 +95,14 @@ def f32_bits(x, *, loc=None, ip=None):
     return Int32(llvm.bitcast(Int32.mlir_type, Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
-def ring_tma(mW, mX, stages: int, tt: int):
+def ring_tma(mW, mX, stages: int, tt: int, x_stages: int = 0):
     """The ring's swizzled shared-memory layouts and the W / x TMA atoms (traced inside a @cute.jit): one
     stage = W (64 rows x 128 k) and x (tt rows x 128 k), each two 64-column boxes with 128B swizzle.
+    x_stages (default: stages) > stages appends x slots for the stashed k-tiles.
     Shared with bench/probes/skeleton_probe.py, whose ring must be this one."""
     atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
     sW_layout = cute.tile_to_shape(atom, (HEAD_COLS, K_TILE, stages), order=(0, 1, 2))
-    sX_layout = cute.tile_to_shape(atom, (tt, K_TILE, stages), order=(0, 1, 2))
+    sX_layout = cute.tile_to_shape(atom, (tt, K_TILE, x_stages or stages), order=(0, 1, 2))
     tma_w, mW_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW,
                                                 cute.slice_(sW_layout, (None, None, 0)), (HEAD_COLS, K_TILE))
     tma_x, mX_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX,
@@ -118,15 +119,18 @@ def operand_copies(tiled_mma, tt: int, idx):
     return cp_a, cp_b, cp_a.get_slice(idx), cp_b.get_slice(idx)
 
 
-def make_smem_struct(stages: int, tt: int, splits: int):
+def make_smem_struct(stages: int, tt: int, stash: int = 0):
     @cute.struct
     class Smem:
         # ring first: offset 0 of the 1024-aligned dynamic smem, what the 128B swizzle expects
         sW: cute.struct.Align[cute.struct.MemRange[BFloat16, HEAD_COLS * K_TILE * stages], 1024]
-        sX: cute.struct.Align[cute.struct.MemRange[BFloat16, tt * K_TILE * stages], 1024]
+        # x slots 0..stages-1 ring with W; slots stages..stages+stash-1 hold the stashed k-tiles' x
+        sX: cute.struct.Align[cute.struct.MemRange[BFloat16, tt * K_TILE * (stages + stash)], 1024]
         full: cute.struct.MemRange[Int64, stages]  # TMA -> consumers: count 1 + W and x bytes
         empty: cute.struct.MemRange[Int64, stages]  # consumers -> producer: count 4 (one lane a warp)
         recv_bar: cute.struct.MemRange[Int64, 1]  # partials landed (st.async complete_tx bytes)
+        if stash:
+            xs_full: cute.struct.MemRange[Int64, 1]  # the stashed k-tiles' x landed (after the wait)
         slots: cute.struct.MemRange[Int64, MAX_OWNED_TOKENS]  # staged slot of each owned token
         cs: cute.struct.Align[cute.struct.MemRange[Float32, MAX_OWNED_TOKENS * 64], 16]  # cos|sin rows
         recv: cute.struct.Align[cute.struct.MemRange[Float32, tt * HEAD_COLS], 16]  # [src][j][col]
@@ -153,7 +157,9 @@ class QkvFrontKernel:
         assert self.stages <= self.ntiles
         self.stage_tx = W_STAGE_BYTES + self.tt * K_TILE * 2  # bytes landing per stage
         self.recv_tx = self.S * self.owned * HEAD_COLS * 4  # bytes of partials an owner receives
-        self.Smem = make_smem_struct(self.stages, self.tt, self.S)
+        self.stash = v.stash
+        assert self.stash == 0 or (v.warp_split == "rows" and self.stash <= self.stages)
+        self.Smem = make_smem_struct(self.stages, self.tt, self.stash)
         self.smem = smem_bytes(v)
 
     # ------------------------------------------------------------------ host side
@@ -167,7 +173,8 @@ class QkvFrontKernel:
             mX = cute.make_tensor(x_ptr, cute.make_layout((self.v.fixed_m, HIDDEN), stride=(HIDDEN, 1)))
         else:
             mX = cute.make_tensor(x_ptr, cute.make_layout((M, HIDDEN), stride=(HIDDEN, 1)))
-        sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma = ring_tma(mW, mX, self.stages, self.tt)
+        sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma = ring_tma(mW, mX, self.stages, self.tt,
+                                                                      self.stages + self.stash)
         mma_op = warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
         if cutlass.const_expr(self.v.warp_split == "rows"):
             # 4 warps along M (16 W rows each); every warp covers all TT tokens (tiles n8 atoms)
@@ -200,10 +207,13 @@ class QkvFrontKernel:
 
         st = SmemAllocator().allocate(self.Smem)
         sW = st.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)  # (64, 128, stages), swizzled
-        sX = st.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)  # (TT, 128, stages), swizzled
+        sX = st.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)  # (TT, 128, stages + stash), swizzled
         full = st.full.data_ptr()
         empty = st.empty.data_ptr()
         recv_bar = st.recv_bar.data_ptr()
+        xs_full = full  # (unused without a stash)
+        if cutlass.const_expr(self.stash > 0):
+            xs_full = st.xs_full.data_ptr()
 
         if warp_idx == PRODUCER_WARP:
             cpasync.prefetch_descriptor(tma_w)
@@ -213,6 +223,8 @@ class QkvFrontKernel:
                 cute.arch.mbarrier_init(full + s, 1)
                 cute.arch.mbarrier_init(empty + s, CONSUMER_WARPS)
             cute.arch.mbarrier_init(recv_bar, 1)
+            if cutlass.const_expr(self.stash > 0):
+                cute.arch.mbarrier_init(xs_full, 1)
             cute.arch.mbarrier_init_fence()
             if cutlass.const_expr(self.S > 1):
                 # arm the receive barrier before the cluster sync, i.e. before any peer can send
@@ -226,12 +238,12 @@ class QkvFrontKernel:
             cute.arch.griddepcontrol_launch_dependents()  # PDL: the next grid may start its W prefetch
 
         if warp_idx == PRODUCER_WARP:
-            self.producer(tma_w, mW_tma, tma_x, mX_tma, w_ptr, sW, sX, full, empty, head, rank)
+            self.producer(tma_w, mW_tma, tma_x, mX_tma, w_ptr, sW, sX, full, empty, xs_full, head, rank)
         elif warp_idx == AUX_WARP:
             self.aux(st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, rank)
         else:
             if cutlass.const_expr(self.v.warp_split == "rows"):
-                acc = self.consumer(tiled_mma, sW, sX, full, empty, tidx)
+                acc = self.consumer(tiled_mma, sW, sX, full, empty, xs_full, tidx)
                 self.send(tiled_mma, acc, st, recv_bar, tidx, rank)
             else:
                 acc = self.consumer_k(tiled_mma, sW, sX, full, empty, warp_idx, tidx % 32)
@@ -244,7 +256,7 @@ class QkvFrontKernel:
             cute.arch.cluster_wait()
 
     @cute.jit
-    def producer(self, tma_w, mW_tma, tma_x, mX_tma, w_ptr, sW, sX, full, empty, head, rank):
+    def producer(self, tma_w, mW_tma, tma_x, mX_tma, w_ptr, sW, sX, full, empty, xs_full, head, rank):
         gW = cute.local_tile(mW_tma, (HEAD_COLS, K_TILE), (head, None))  # (64, 128, 64 k-tiles)
         gX = cute.local_tile(mX_tma, (self.tt, K_TILE), (0, None))  # (TT, 128, 64 k-tiles)
         tWsW, tWgW = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
@@ -257,12 +269,19 @@ class QkvFrontKernel:
         rot = Int32(0)
         if cutlass.const_expr(self.v.k_rotate > 0):
             rot = (head * self.v.k_rotate) % self.ntiles
-        # Prefill: the ring is fresh, so no empty wait. W only: weights are never written by the
-        # previous grid, so they may stream before griddepcontrol.wait.
-        for i in cutlass.range_constexpr(self.stages):
+        # Prefill: W only: weights are never written by the previous grid, so they may stream before
+        # griddepcontrol.wait. The fresh ring takes k-tiles 0..stages-1 with no empty wait; with a stash the
+        # consumers take k-tiles 0..stash-1 into registers (their full barriers count W only) and free their
+        # slots, which take k-tiles stages..stages+stash-1, still before the wait.
+        pre = self.stages + self.stash
+        for i in cutlass.range_constexpr(pre):
+            sp = i % self.stages
+            if cutlass.const_expr(i >= self.stages):
+                cute.arch.mbarrier_wait(empty + sp, 0)  # the stashed k-tile i - stages left the slot
             with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(full + i, self.stage_tx)  # W + x bytes
-            cute.copy(tma_w, tWgW[None, self._k_tile(i, rank, rot)], tWsW[None, i], tma_bar_ptr=full + i)
+                cute.arch.mbarrier_arrive_and_expect_tx(
+                    full + sp, W_STAGE_BYTES if i < self.stash else self.stage_tx)  # W (+ x bytes)
+            cute.copy(tma_w, tWgW[None, self._k_tile(i, rank, rot)], tWsW[None, sp], tma_bar_ptr=full + sp)
         if cutlass.const_expr(self.v.l2_prefetch > 0):
             # Each CTA of the cluster prefetches 64/S whole rows of the head (the cluster covers the
             # head once), the first l2_prefetch k-tiles of each: HBM streams while this grid waits.
@@ -277,9 +296,16 @@ class QkvFrontKernel:
         if cutlass.const_expr(self.v.trigger == "wait"):
             # the previous grid is complete: the next one may land (and prefetch) while this one streams
             cute.arch.griddepcontrol_launch_dependents()
-        for i in cutlass.range_constexpr(self.stages):
-            cute.copy(tma_x, tXgX[None, self._k_tile(i, rank, rot)], tXsX[None, i], tma_bar_ptr=full + i)
-        for i in cutlass.range(self.stages, self.ntiles, unroll=1):
+        if cutlass.const_expr(self.stash > 0):
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(xs_full, self.stash * (self.stage_tx - W_STAGE_BYTES))
+            for i in cutlass.range_constexpr(self.stash):  # x of the stashed k-tiles: the extra x slots
+                cute.copy(tma_x, tXgX[None, self._k_tile(i, rank, rot)], tXsX[None, self.stages + i],
+                          tma_bar_ptr=xs_full)
+        for i in cutlass.range_constexpr(self.stash, pre):
+            cute.copy(tma_x, tXgX[None, self._k_tile(i, rank, rot)], tXsX[None, i % self.stages],
+                      tma_bar_ptr=full + i % self.stages)
+        for i in cutlass.range(pre, self.ntiles, unroll=1):
             s = i % self.stages
             # use u = i // stages of stage s: wait until the consumers released use u - 1
             cute.arch.mbarrier_wait(empty + s, ((i // self.stages) - 1) % 2)
@@ -288,7 +314,12 @@ class QkvFrontKernel:
             k = self._k_tile(i, rank, rot)
             cute.copy(tma_w, tWgW[None, k], tWsW[None, s], tma_bar_ptr=full + s)
             cute.copy(tma_x, tXgX[None, k], tXsX[None, s], tma_bar_ptr=full + s)
-        if cutlass.const_expr(self.v.trigger == "late"):
+            if cutlass.const_expr(self.v.trigger == "late" and self.v.trigger_ahead > 0):
+                if i == self.ntiles - 1 - self.v.trigger_ahead:
+                    # one ring turn before the last load: the next grid's launch and prefill then overlap
+                    # this grid's last loads instead of following them (bench/NOTES.md round 16)
+                    cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(self.v.trigger == "late" and self.v.trigger_ahead == 0):
             # every load of this CTA is issued: the next grid may land while the ring drains
             # (one thread's trigger counts for the whole CTA, PTX ISA griddepcontrol)
             cute.arch.griddepcontrol_launch_dependents()
@@ -300,7 +331,7 @@ class QkvFrontKernel:
         return rank + i * self.S
 
     @cute.jit
-    def consumer(self, tiled_mma, sW, sX, full, empty, tidx):
+    def consumer(self, tiled_mma, sW, sX, full, empty, xs_full, tidx):
         thr_mma = tiled_mma.get_slice(tidx)
         tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sW[None, None, 0]))
         tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sX[None, None, 0]))
@@ -312,7 +343,25 @@ class QkvFrontKernel:
         tBsX = thr_b.partition_S(sX)  # (CPY, TT/8 or 1, 8 k-steps, stages)
         tBrB = thr_b.retile(tCrB)
         ksteps = cute.size(tAsW, mode=[2])
-        for i in cutlass.range(self.ntiles, unroll=1):
+        if cutlass.const_expr(self.stash > 0):
+            # before x exists: W of k-tiles 0..stash-1 into registers, their slots back to the producer
+            stashed = [thr_mma.make_fragment_A(thr_mma.partition_A(sW[None, None, 0])) for _ in range(self.stash)]
+            for j in cutlass.range_constexpr(self.stash):
+                cute.arch.mbarrier_wait(full + j, 0)
+                tSrA = thr_a.retile(stashed[j])
+                for kk in cutlass.range_constexpr(ksteps):
+                    cute.copy(cp_a, tAsW[None, None, kk, j], tSrA[None, None, kk])
+                cute.arch.sync_warp()
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive(empty + j)
+            # their x (extra x slots stages + j), then their MMAs in k-tile order: the same sums as unstashed
+            cute.arch.mbarrier_wait(xs_full, 0)
+            for j in cutlass.range_constexpr(self.stash):
+                for kk in cutlass.range_constexpr(ksteps):
+                    cute.copy(cp_b, tBsX[None, None, kk, self.stages + j], tBrB[None, None, kk])
+                for kk in cutlass.range_constexpr(ksteps):
+                    cute.gemm(tiled_mma, acc, stashed[j][None, None, kk], tCrB[None, None, kk], acc)
+        for i in cutlass.range(self.stash, self.ntiles, unroll=1):
             s = i % self.stages
             cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
             for kk in cutlass.range_constexpr(ksteps):

@@ -71,6 +71,16 @@ class QkvFrontVariant(VariantMixin):
     # WARP_SPLITS: which part of each k-tile a consumer warp computes. Changes the summation order
     # (fixed: still bitwise reproducible, and independent of stages and trigger).
     warp_split: str = "rows"
+    # trigger "late" only: let the next grid launch once the producer has issued the load of k-tile
+    # ntiles - 1 - trigger_ahead instead of the last one (0). Any point past the ring prefill still keeps
+    # at most two grids resident: the next grid cannot pass its own trigger before this one completes.
+    # Never changes a bit.
+    trigger_ahead: int = 0
+    # warp_split "rows" only: k-tiles 0..stash-1 whose W the consumer warps take into registers before x
+    # exists (before griddepcontrol.wait), freeing their ring slots so the producer streams `stash` more
+    # k-tiles of W before the wait; their x lands in its own shared-memory area after the wait. The MMAs
+    # run in the same order: never changes a bit. <= stages; 32 registers per consumer thread a k-tile.
+    stash: int = 0
 
     def __post_init__(self):
         problems = []
@@ -95,6 +105,15 @@ class QkvFrontVariant(VariantMixin):
             raise ValueError(f"qkv_front k_rotate must be >= 0, got {self.k_rotate}")
         if not 0 <= self.l2_prefetch <= K_TILES:
             raise ValueError(f"qkv_front l2_prefetch must be in 0..{K_TILES} k-tiles, got {self.l2_prefetch}")
+        if self.stash and not (self.warp_split == "rows" and 0 < self.stash <= self.stages):
+            raise ValueError(f"qkv_front stash needs warp_split='rows' and 0..stages ({self.stages}) k-tiles, "
+                             f"got stash={self.stash} with warp_split={self.warp_split!r}")
+        last = K_TILES // self.splits - 1
+        if self.trigger_ahead and not (self.trigger == "late"
+                                       and 0 < self.trigger_ahead <= last - self.stages - self.stash):
+            raise ValueError(f"qkv_front trigger_ahead needs trigger='late' and 0..{last - self.stages - self.stash}"
+                             f" k-tiles (past the prefill of stages + stash), got trigger_ahead="
+                             f"{self.trigger_ahead} with trigger={self.trigger!r}")
 
     @property
     def heads(self) -> int:
@@ -278,18 +297,51 @@ def smem_bytes(v: QkvFrontVariant) -> int:
     """Dynamic shared memory of one CTA; must equal the kernel's `Smem.size_in_bytes()`.
 
     Layout (the kernel's @cute.struct, in order): W ring (stages x 16 KiB, 1024-aligned for the
-    128B swizzle), x ring (stages x TT x 256 B, 1024-aligned), full/empty/recv mbarriers
-    (8 B each), 16 staged slots (int64), 16 staged cos|sin rows (64 fp32), the owner's receive
+    128B swizzle), x ring (stages x TT x 256 B, 1024-aligned), with a stash the stashed k-tiles' x
+    (stash x TT x 256 B, 1024-aligned), full/empty/recv (and stashed-x) mbarriers (8 B each), 16
+    staged slots (int64), 16 staged cos|sin rows (64 fp32), the owner's receive
     buffer for the S partials (TT x 64 fp32, S x TT/S tokens).
     """
-    return ring_smem_bytes(v.stages, v.tiles)
+    return ring_smem_bytes(v.stages, v.tiles, v.stash)
 
 
-def ring_smem_bytes(stages: int, tiles: int) -> int:
-    """`smem_bytes` of a variant with this ring depth and tile count (nothing else changes it)."""
+def ring_smem_bytes(stages: int, tiles: int, stash: int = 0) -> int:
+    """`smem_bytes` of a variant with this ring depth, tile count and stash (nothing else changes it)."""
     tt = tiles * TOKEN_TILE
-    ring = stages * (W_STAGE_BYTES + tt * K_TILE * 2)
-    small = 8 * (2 * stages + 1) + 8 * MAX_OWNED_TOKENS
+    ring = (stages + stash) * tt * K_TILE * 2 + stages * W_STAGE_BYTES  # a stashed k-tile keeps only its x
+    small = 8 * (2 * stages + 1 + (1 if stash else 0)) + 8 * MAX_OWNED_TOKENS
     small = (small + 15) // 16 * 16 + 4 * MAX_OWNED_TOKENS * 64 + 4 * tt * HEAD_COLS
     total = ring + small
     return (total + 1023) // 1024 * 1024  # the struct is padded to its 1024-byte alignment
+
+
+# ---------------------------------------------------------------- builds that must give the same bits
+# The contract: ring depth, PDL trigger (and trigger_ahead), L2 prefetch and the stash never change a bit.
+# The GPU tests (tests/test_gpu_qkv_front.py) compare these builds with the planned ones bit for bit;
+# bench/gpu_cache.sh builds them.
+ALT_STAGES = 3
+ALT_PREFETCH = 32  # k-tiles per row
+ALT_STASH = 2
+ALT_TRIGGER_AHEAD = 4
+
+
+def same_bits_alternatives(v: QkvFrontVariant) -> dict[str, QkvFrontVariant]:
+    """Per lever, a build of `v` with that lever moved (stash and trigger_ahead only where they apply)."""
+    from dataclasses import replace
+
+    stages = ALT_STAGES if v.stages != ALT_STAGES else ALT_STAGES + 1
+    alts = {"stages": replace(v, stages=stages, stash=min(v.stash, stages)),
+            "trigger": replace(v, trigger="late" if v.trigger == "early" else "early", trigger_ahead=0),
+            "l2_prefetch": replace(v, l2_prefetch=ALT_PREFETCH if v.l2_prefetch == 0 else 0)}
+    if v.warp_split == "rows":
+        alts["stash"] = replace(v, stash=0 if v.stash else min(ALT_STASH, v.stages))
+    if v.trigger == "late":
+        alts["trigger_ahead"] = replace(v, trigger_ahead=0 if v.trigger_ahead else ALT_TRIGGER_AHEAD)
+    return alts
+
+
+def other_warp_split(v: QkvFrontVariant) -> QkvFrontVariant:
+    """`v` with the other warp split (a different, fixed summation order); "k" takes no stash."""
+    from dataclasses import replace
+
+    return replace(v, warp_split="k", stash=0) if v.warp_split == "rows" else replace(v, warp_split="rows")

@@ -15,6 +15,7 @@ PORTABLE_MAX_CLUSTER = 8  # without CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_
 SM90_MAX_CLUSTER = 16  # non-portable maximum on sm_90
 MAX_THREADS_PER_BLOCK = 1024
 SM90_SMEM_PER_SM = 228 * KIB  # shared memory of one SM, shared by its resident CTAs
+SM90_REGS_PER_SM = 64 * 1024  # 32-bit registers of one SM, shared by its resident CTAs
 SMEM_RESERVED_PER_CTA = 1 * KIB  # the driver keeps 1 KiB of each CTA's shared memory for itself
 
 

@@ -20,10 +20,11 @@ import time
 
 import pytest
 
-from musekern.targets import TARGETS, get_target
+from musekern.targets import SM90_REGS_PER_SM, TARGETS, get_target
 from musekern.variants.qkv_front import (
     HEAD_COLS,
     K_TILE,
+    CTAS_PER_SM,
     K_TILES,
     THREADS,
     W_STAGE_BYTES,
@@ -48,8 +49,12 @@ PLANNED = planned_variants()
 EXTRA = [QkvFrontVariant(2176, 1, 2, 4, 4, 0), QkvFrontVariant(2176, 1, 1, 8, 8, 8),
          QkvFrontVariant(2176, 1, 2, 4, 4, 0, warp_split="k"), QkvFrontVariant(2176, 1, 1, 8, 8, 8, warp_split="k"),
          QkvFrontVariant(4352, 2, 1, 4, 2, 0, "exit")] \
-    + [dataclasses.replace(v, warp_split="k" if v.warp_split == "rows" else "rows")
+    + [dataclasses.replace(v, warp_split="k" if v.warp_split == "rows" else "rows", stash=0)
        for v in PLANNED if v.n in (2176, 8704) and not v.fixed_m]
+# the stash (a lever no plan takes: bench/NOTES.md round 16b), both tile counts, S = 2 and 1
+STASHED = [QkvFrontVariant(2176, 1, 1, 5, 2, 0, "late", k_rotate=1, trigger_ahead=5, stash=4),
+           QkvFrontVariant(8704, 4, 2, 4, 1, 0, "late", k_rotate=1, trigger_ahead=4, stash=2)]
+EXTRA += STASHED
 ARGS_FIELDS = {"weight", "x", "weight_ptr", "M", "y", "positions", "cos_sin_cache", "slot_mapping", "key_cache",
                "value_cache", "max_pos", "block_size", "num_blocks", "k_block_stride", "v_block_stride", "eps"}
 
@@ -168,18 +173,24 @@ def test_compile_ptx(kmod, v):
     ptx = ck.ptx
     tt = padded_tokens(v)
     assert ".target sm_90a" in ptx and f".reqntid {THREADS}, 1, 1" in ptx
-    # TMA ring: prefill (stages x (2 W + 2 x boxes)) + the steady-state loop body (4 boxes)
+    # TMA ring: prefill ((stages + stash) x (2 W + 2 x boxes)) + the steady-state loop body (4 boxes)
+    pre = v.stages + v.stash
     assert _count(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\.mbarrier::complete_tx", ptx) == \
-        4 * v.stages + (4 if v.stages < K_TILES // v.splits else 0)
+        4 * pre + (4 if pre < K_TILES // v.splits else 0)
     stage_tx = W_STAGE_BYTES + tt * K_TILE * 2
     assert re.search(rf"mov\.b32\s+%r\d+, {stage_tx};\s*\n\s*mbarrier\.arrive\.expect_tx", ptx)
+    if v.stash:  # stashed k-tiles: W only before the wait, their x on one barrier after it
+        for tx in (W_STAGE_BYTES, v.stash * tt * K_TILE * 2):
+            assert re.search(rf"mov\.b32\s+%r\d+, {tx};\s*\n\s*mbarrier\.arrive\.expect_tx", ptx), tx
     n_mma = _count(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)
     n_x4 = _count(r"ldmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16", ptx)
     n_x2 = _count(r"ldmatrix\.sync\.aligned\.m8n8\.x2\.shared\.b16", ptx)
     if v.warp_split == "rows":
         # per k-tile a warp: 8 k-steps x (TT / 8) n8 atoms, ldmatrix x4 for W, x4 (TT=16) / x2 (TT=8) for x
-        assert n_mma == 8 * (tt // 8)
-        assert (n_x4, n_x2) == (8 + (8 if tt == 16 else 0), 8 if tt == 8 else 0)
+        # (and the same once per stashed k-tile, unrolled)
+        per_tile = (8 + (8 if tt == 16 else 0), 8 if tt == 8 else 0)
+        assert n_mma == 8 * (tt // 8) * (1 + v.stash)
+        assert (n_x4, n_x2) == (per_tile[0] * (1 + v.stash), per_tile[1] * (1 + v.stash))
         per_thread_sends = 4 * (tt // 8)  # one st.async per accumulator element
     else:
         # per k-tile a warp: 2 k-steps x 4 m16 x (TT / 8) n8; the loop is unrolled by two (two register
@@ -218,7 +229,7 @@ def _nv_bin(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("v", PLANNED, ids=lambda v: v.label)
+@pytest.mark.parametrize("v", PLANNED + STASHED, ids=lambda v: v.label)
 def test_sass(kmod, v, tmp_path):
     cuobjdump = _nv_bin("cuobjdump")
     if not cuobjdump:
@@ -234,6 +245,9 @@ def test_sass(kmod, v, tmp_path):
     m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", res.stdout, re.S)
     assert m, res.stdout + res.stderr
     assert int(m.group(2)) == 0, "local memory (spills or stack arrays)"
+    if v.stages < 8:  # the shallow ring is planned for two CTAs per SM: the register file must hold them too
+        regs = (int(m.group(1)) + 7) // 8 * 8  # allocated per warp in units of 8 per thread
+        assert CTAS_PER_SM * THREADS * regs <= SM90_REGS_PER_SM, f"{regs} registers: one CTA per SM"
     sass = subprocess.run([cuobjdump, "-sass", str(cub)], capture_output=True, text=True, env=env)
     if "Could not find executable" in sass.stderr:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")

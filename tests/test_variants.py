@@ -58,17 +58,23 @@ def test_k_split(n, target, s):
 # The consumer warps split each k-tile by k columns except for one token tile under the late trigger (TP8 and
 # TP2 at M <= 8); the deep ring is 11 stages (all one CTA may have) with one token tile, 8 with two; no explicit
 # PDL trigger where the shallow ring doubles CTAs up on SMs with clusters (TP4) or two tiles (TP2 M > 8).
-# Each row: (M = 1 value, M = 16 value) of stages, trigger and warp split.
-@pytest.mark.parametrize("n,target,stages,trigger,split", [
-    (2176, "h200", (5, 5), ("late", "late"), ("rows", "k")), (4352, "h200", (4, 4), ("exit", "exit"), ("k", "k")),
-    (8704, "h200", (4, 4), ("late", "exit"), ("rows", "k")), (17408, "h200", (11, 8), ("early", "early"), ("k", "k")),
-    (8704, "h20", (4, 4), ("late", "exit"), ("rows", "k")), (17408, "h20", (11, 8), ("early", "early"), ("k", "k"))])
+# "late" fires one ring turn before the last load where the grid's CTAs are alone on their SMs (TP8), at the
+# last load where SMs hold two (TP2). No plan stashes.
+# Each row: (M = 1 value, M = 16 value) of stages, trigger, warp split and trigger_ahead.
+@pytest.mark.parametrize("n,target,stages,trigger,split,ahead", [
+    (2176, "h200", (5, 5), ("late", "late"), ("rows", "k"), (5, 5)),
+    (4352, "h200", (4, 4), ("exit", "exit"), ("k", "k"), (0, 0)),
+    (8704, "h200", (4, 4), ("late", "exit"), ("rows", "k"), (0, 0)),
+    (17408, "h200", (11, 8), ("early", "early"), ("k", "k"), (0, 0)),
+    (8704, "h20", (4, 4), ("late", "exit"), ("rows", "k"), (0, 0)),
+    (17408, "h20", (11, 8), ("early", "early"), ("k", "k"), (0, 0))])
 @pytest.mark.parametrize("m", [1, 16])
-def test_planned_ring_trigger_and_warp_split(n, target, stages, trigger, split, m):
+def test_planned_ring_trigger_and_warp_split(n, target, stages, trigger, split, ahead, m):
     t = get_target(target)
     v = variant(n, m, {2176: 1, 4352: 2, 8704: 4, 17408: 8}[n], t)
     i = int(m > 8)
-    assert (v.stages, v.trigger, v.warp_split) == (stages[i], trigger[i], split[i])
+    assert (v.stages, v.trigger, v.warp_split, v.trigger_ahead, v.stash) == (stages[i], trigger[i], split[i],
+                                                                            ahead[i], 0)
     if v.stages < 8:  # two CTAs really fit on one SM
         assert 2 * (smem_bytes(v) + SMEM_RESERVED_PER_CTA) <= t.smem_per_sm
 
@@ -165,10 +171,27 @@ def test_plan_is_deterministic_across_hash_seeds():
 # each field of QkvFrontVariant that __post_init__ guards, with a value outside its domain
 @pytest.mark.parametrize("field,value,msg", [("warp_split", "cols", "warp_split"), ("trigger", "now", "trigger"),
                                              ("k_rotate", -1, "k_rotate"), ("l2_prefetch", 65, "l2_prefetch"),
-                                             ("stages", 33, "stages")])
+                                             ("stages", 33, "stages"), ("stash", 6, "stash"),
+                                             ("stash", -1, "stash"), ("trigger_ahead", 27, "trigger_ahead"),
+                                             ("trigger_ahead", -1, "trigger_ahead")])
 def test_qkv_front_variant_rejects_out_of_domain_fields(field, value, msg):
     import dataclasses
 
-    v = variant(2176, 1, 1, H200)
+    v = variant(2176, 1, 1, H200)  # TP8 M=1: "rows", 5 stages, "late" 5 k-tiles ahead (26 at most: 31 - 5)
     with pytest.raises(ValueError, match=msg):
         dataclasses.replace(v, **{field: value})
+
+
+# the levers that apply to one warp split / trigger only, and the largest legal values
+def test_qkv_front_stash_and_trigger_ahead_domains():
+    import dataclasses
+
+    v = variant(2176, 1, 1, H200)
+    assert dataclasses.replace(v, stash=5, trigger_ahead=21).stash == 5  # 31 - 5 - 5
+    with pytest.raises(ValueError, match="trigger_ahead"):
+        dataclasses.replace(v, stash=5, trigger_ahead=22)
+    with pytest.raises(ValueError, match="stash needs warp_split='rows'"):
+        dataclasses.replace(v, stash=2, warp_split="k")
+    with pytest.raises(ValueError, match="trigger_ahead needs trigger='late'"):
+        dataclasses.replace(v, trigger="exit")
+    assert dataclasses.replace(v, trigger="exit", trigger_ahead=0).trigger_ahead == 0

@@ -175,6 +175,14 @@ def supports_shape(n: int, num_kv_heads: int) -> bool:
 #   bench) where "rows" stays at 10.9-11.5 (h200-sweep-round9.json, h200-sweep-graph-size.json); with two
 #   token tiles "k" wins there too (TP8 M=16: 11.2 vs 13.2 us). Together with round 13 (below the "exit"
 #   entry): "k" everywhere except one token tile under the late trigger.
+# - where "late" fires (h200-sweep-round16.json, --repeat 2, chain / after-norm total us per layer, M = 1 / 8 /
+#   16): at TP8 one ring turn before the last load (trigger_ahead = stages = 5) 10.48 / 10.51 / 10.54 and
+#   12.99 / 13.11 / 13.23 against 10.86 / 11.09 / 10.97 and 13.95 / 14.00 / 14.21 at the last load; 4 tiles
+#   ahead is 0.1-0.2 us faster in the chain but slower and unsteady after the norm (12.5-13.4), 6 ahead the
+#   reverse (chain 10.8-11.0). At TP2 (SMs hold two CTAs of one grid) 4 tiles ahead is much slower (38.7 vs
+#   33.9). The skeleton probe put the optimum at 4-6 too (h200-skeleton-probe-ahead-r*.json). A stash of W in
+#   registers before x exists (the probe's best: 8.8 us) gains nothing measurable in the front at trigger_ahead 5
+#   (10.42-10.54 with 2 or 4 k-tiles) and slows the isolated launch 0.1-0.3 us: planned off.
 CTAS_PER_SM = 2
 MIN_CTA_STREAM_BYTES = 512 * 1024
 SHALLOW_RING_STAGES = 4
@@ -239,6 +247,15 @@ def pdl_trigger(n: int, split: int, target: Target, tiles: int = 1) -> str:
     return "exit" if doubled and (split > 1 or tiles > 1) else "late"
 
 
+def trigger_ahead(n: int, split: int, target: Target, tiles: int, stages: int) -> int:
+    """k-tiles before the last load where "late" fires: one ring turn (`stages`) where this grid's CTAs are
+    alone on their SMs (heads * S <= SMs: TP8), so the next grid's launch and prefill overlap this grid's
+    last loads on the free SMs; 0 (the last load) where SMs hold two CTAs of one grid. Measured, above."""
+    if pdl_trigger(n, split, target, tiles) != "late" or (n // HEAD_COLS) * split > target.sm_count:
+        return 0
+    return stages
+
+
 def warp_split(n: int, split: int, target: Target, tiles: int) -> str:
     """'k' everywhere except one token tile under the 'late' trigger (TP8 and TP2 at M <= 8), where "rows"
     is as fast and steadier in the chain: a "k" CTA drains its ring sooner after its last load, so more of
@@ -252,9 +269,10 @@ def variant(n: int, m: int, num_kv_heads: int, target: Target) -> QkvFrontVarian
         raise ValueError(f"qkv_front does not support N={n} with num_kv_heads={num_kv_heads}")
     tiles = token_tiles(m)
     s = k_split(n, target)
-    return QkvFrontVariant(n, num_kv_heads, tiles, ring_stages(s, target, tiles, n), s, fixed_rows(m),
-                           pdl_trigger(n, s, target, tiles), k_rotate=K_ROTATE,
-                           warp_split=warp_split(n, s, target, tiles))
+    stages = ring_stages(s, target, tiles, n)
+    return QkvFrontVariant(n, num_kv_heads, tiles, stages, s, fixed_rows(m), pdl_trigger(n, s, target, tiles),
+                           k_rotate=K_ROTATE, warp_split=warp_split(n, s, target, tiles),
+                           trigger_ahead=trigger_ahead(n, s, target, tiles, stages))
 
 
 def qkv_front_variants(n: int, num_kv_heads: int, target: Target, max_tokens: int = MAX_TOKENS):

@@ -1,0 +1,263 @@
+#!/usr/bin/env python3
+"""Where a qkv_front layer's time goes around the PDL boundary: timestamps inside the real kernel.
+
+The skeleton probe (skeleton_probe.py) bounds the chain by what streams before griddepcontrol.wait; the front
+then runs 0.7-1.1 us slower than its skeleton (bench/NOTES.md round 16b), which was put down to its tail (last
+MMAs, cluster exchange, epilogue) without a measurement. This probe builds the planned kernels with a
+subclass that adds %globaltimer / %clock64 stamps at the warp roles' boundaries (the math, the ABI and the
+launch are the kernel's own) and writes them into rows of y the launch leaves unwritten (rows M..TT-1 of the
+padded token tile: M = 1 with one tile, M = 9 with two). Per CTA, 8 stamps (slot k: globaltimer; 8 + k:
+clock64):
+
+  0 producer start (after init and the cluster sync)    4 consumer warp 0: partials sent (send / reduce_send)
+  1 aux warp: griddepcontrol.wait returned               5 warp 0: all partials of its tokens landed (owner)
+  2 producer: last load issued (and "late" triggered)    6 warp 0: epilogue done (its stores issued)
+  3 consumer warp 0: last k-tile consumed                7 consumer warp 3: last k-tile consumed
+
+Build here (CPU, nvidia-cutlass-dsl):  python bench/probes/tail_trace.py build DIR
+Run on the GPU (carry DIR):           python3 bench/probes/tail_trace.py run DIR OUT.json
+"""
+# (no `from __future__ import annotations`: @cute.kernel reads real annotation objects)
+
+import json
+import os
+import statistics
+import sys
+
+LAYERS = 8
+SLOTS = 16  # per CTA: 8 globaltimer stamps, then the same 8 as clock64
+STAMPS = ("prod_start", "wait_ret", "prod_end", "cons_done", "sent", "recv", "epi_done", "cons3_done")
+# (name, variant label overrides of the planned TP8 / TP4 builds, M)
+CASES = [("tp8-m1-ahead5", dict(n=2176, m=1), {}), ("tp8-m1-last", dict(n=2176, m=1), {"trigger_ahead": 0}),
+         ("tp8-m9-ahead5", dict(n=2176, m=9), {}), ("tp4-m1-exit", dict(n=4352, m=1), {})]
+KV = {2176: 1, 4352: 2}
+
+
+def trace_row(v) -> int:
+    """First y row the launch leaves unwritten: the M the probe runs with (1 with one tile, 9 with two)."""
+    return 1 if v.tiles == 1 else 9
+
+
+def _variant(n, m, overrides):
+    import dataclasses
+
+    from musekern.targets import get_target
+    from musekern.variants.qkv_front import variant
+
+    return dataclasses.replace(variant(n, m, KV[n], get_target("h200")), **overrides)
+
+
+# ---------------------------------------------------------------------------------------------- build (CPU)
+def _traced_class():
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int64
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import dsl_user_op
+
+    from musekern.kernels.qkv_front import QkvFrontKernel
+
+    @dsl_user_op
+    def _read(reg, *, loc=None, ip=None):
+        return Int64(llvm.inline_asm(Int64.mlir_type, [], f"mov.u64 $0, {reg};", "=l", has_side_effects=True,
+                                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+    base = QkvFrontKernel
+
+    class TracedFront(base):
+        @cute.jit
+        def _stamp(self, k: int, cond):
+            tr = self._tr
+            base_slot = cute.arch.block_idx()[0] * SLOTS
+            if cond:
+                tr[base_slot + k] = _read("%globaltimer")
+                tr[base_slot + 8 + k] = _read("%clock64")
+
+        def _instrument(self, y_ptr):
+            self._tr = cute.make_tensor(cute.recast_ptr(y_ptr + trace_row(self.v) * self.n, dtype=Int64),
+                                        cute.make_layout(self.heads * self.S * SLOTS))
+
+        @cute.jit
+        def producer(self, tma_w, mW_tma, tma_x, mX_tma, w_ptr, sW, sX, full, empty, xs_full, head, rank):
+            self._stamp(0, cute.arch.lane_idx() == 0)
+            base.producer(self, tma_w, mW_tma, tma_x, mX_tma, w_ptr, sW, sX, full, empty, xs_full, head, rank)
+            self._stamp(2, cute.arch.lane_idx() == 0)
+
+        @cute.jit
+        def aux(self, st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, rank):
+            cute.arch.griddepcontrol_wait()
+            self._stamp(1, cute.arch.lane_idx() == 0)
+            base.aux(self, st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, rank)
+
+        @cute.jit
+        def consumer(self, tiled_mma, sW, sX, full, empty, xs_full, tidx):
+            acc = base.consumer(self, tiled_mma, sW, sX, full, empty, xs_full, tidx)
+            self._stamp(3, tidx == 0)
+            self._stamp(7, tidx == 96)
+            return acc
+
+        @cute.jit
+        def consumer_k(self, tiled_mma, sW, sX, full, empty, warp_idx, lane):
+            acc = base.consumer_k(self, tiled_mma, sW, sX, full, empty, warp_idx, lane)
+            self._stamp(3, warp_idx == 0 and lane == 0)
+            self._stamp(7, warp_idx == 3 and lane == 0)
+            return acc
+
+        @cute.jit
+        def send(self, tiled_mma, acc, st, recv_bar, tidx, rank):
+            base.send(self, tiled_mma, acc, st, recv_bar, tidx, rank)
+            self._stamp(4, tidx == 0)
+
+        @cute.jit
+        def reduce_send(self, tiled_mma, acc, st, recv_bar, warp_idx, tidx, rank):
+            base.reduce_send(self, tiled_mma, acc, st, recv_bar, warp_idx, tidx, rank)
+            self._stamp(4, tidx == 0)
+
+        @cute.jit
+        def finish(self, st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
+                   v_block_stride, eps, head, rank, warp_idx, tidx):
+            if cutlass.const_expr(self.S > 1):
+                cute.arch.mbarrier_wait(recv_bar, 0)  # what finish waits for first (a second wait returns at once)
+            self._stamp(5, tidx == 0)
+            base.finish(self, st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
+                        v_block_stride, eps, head, rank, warp_idx, tidx)
+            self._stamp(6, tidx == 0)
+
+    return TracedFront
+
+
+def build(outdir: str) -> None:
+    import subprocess
+
+    from musekern.kernels.qkv_front import compile_variant
+
+    os.makedirs(outdir, exist_ok=True)
+    cls = _traced_class()
+    manifest = []
+    for name, shape, overrides in CASES:
+        v = _variant(shape["n"], shape["m"], overrides)
+        ck = compile_variant(v, "sm_90a", kernel_cls=cls)  # checks the PTX .entry against the kernel's ABI
+        open(os.path.join(outdir, f"{name}.cubin"), "wb").write(ck.cubin)
+        manifest.append({"name": name, "label": v.label, "m": trace_row(v), "symbol": ck.symbol,
+                         "abi": ck.abi.to_json()})
+        print(f"built {name}: {v.label}", file=sys.stderr)
+    rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True).stdout.strip())
+    json.dump({"commit": rev, "dirty": dirty, "cases": manifest}, open(os.path.join(outdir, "manifest.json"), "w"),
+              indent=1)
+
+
+# ---------------------------------------------------------------------------------------------- run (GPU)
+class _Entry:
+    def __init__(self, m):
+        self.key = m["name"]
+        self.manifest = {"label": m["label"], "symbol": m["symbol"], "abi": m["abi"]}
+
+
+def _layer_summary(st):
+    """st: [ctas, 16] int64 stamps of one launch -> ns (globaltimer) relative to the first producer start,
+    and per-CTA intra-SM durations in cycles (clock64)."""
+    g = st[:, :8].double()
+    c = st[:, 8:].double()
+    t0 = g[:, 0].min()
+    out = {f"{s}_{f}": round(float(fn(g[:, i]) - t0), 1) for i, s in enumerate(STAMPS)
+           for f, fn in (("min", lambda x: x.min()), ("max", lambda x: x.max()))}
+    owners = c[:, 5] > 0  # CTAs that ran an epilogue stamp (every CTA does: idle owners too)
+    out["cyc_consume_to_sent_med"] = float((c[:, 4] - c[:, 3]).median())
+    out["cyc_sent_to_recv_med"] = float((c[owners, 5] - c[owners, 4]).median())
+    out["cyc_recv_to_epi_med"] = float((c[owners, 6] - c[owners, 5]).median())
+    out["cyc_cons_to_epi_max"] = float((c[:, 6] - c[:, 3]).max())
+    out["_abs"] = {"t0": float(t0), "epi_done_max": float(g[:, 6].max()), "wait_ret_min": float(g[:, 1].min()),
+                   "wait_ret_max": float(g[:, 1].max()), "prod_start_min": float(g[:, 0].min()),
+                   "prod_end_max": float(g[:, 2].max()), "cons_done_max": float(g[:, 3].max())}
+    return out
+
+
+def run(outdir: str, out_json: str) -> int:
+    import torch
+
+    from musekern.bench.timing import Graph, time_graphs
+    from musekern.ops.qkv_front import launch_args
+    from musekern.runtime.loader import LoadedKernel
+    from musekern.variants import variant_from_label
+    from musekern.variants.qkv_front import HIDDEN, launch_grid, padded_tokens
+
+    man = json.load(open(os.path.join(outdir, "manifest.json")))
+    results = []
+    for m in man["cases"]:
+        v = variant_from_label(m["label"])
+        M = m["m"]
+        k = LoadedKernel(_Entry(m), open(os.path.join(outdir, f"{m['name']}.cubin"), "rb").read(),
+                         torch.cuda.current_device())
+        weights = [(torch.randn(v.n, HIDDEN, device="cuda") / 90).to(torch.bfloat16) for _ in range(LAYERS)]
+        x = torch.randn(M, HIDDEN, device="cuda").to(torch.bfloat16)
+        pos = torch.randint(0, 4096, (M,), device="cuda")
+        cs = torch.randn(4096, 64, device="cuda")
+        slots = torch.randperm(64 * 16, device="cuda")[:M]
+        kv = torch.zeros(2, 64, 16, v.num_kv_heads, 64, dtype=torch.bfloat16, device="cuda")
+        ys = [torch.zeros(padded_tokens(v), v.n, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+        grid = launch_grid(v)
+        case = {"name": m["name"], "label": m["label"], "M": M}
+        for mode, pdl in (("chain", True), ("isolated", False)):
+            args = []
+            for w, y in zip(weights, ys, strict=True):
+                a = launch_args(x, w, pos, cs, slots, kv[0], kv[1], 1e-5, y[:M])
+                args.append(a)
+            g = Graph(mode, [lambda a=a: k.launch(grid, a, pdl=pdl) for a in args], 1, LAYERS)
+            us = time_graphs([g], 5)[mode]["us"]
+            g.replay()  # the stamps of this replay are read below
+            torch.cuda.synchronize()
+            ctas = v.heads * v.splits
+            layers = []
+            for y in ys:
+                st = y[M:].contiguous().view(torch.int64).flatten()[: ctas * SLOTS].view(ctas, SLOTS).cpu()
+                layers.append(_layer_summary(st))
+            # across the PDL boundary: from layer i's last epilogue to layer i+1's first wait return / start
+            gaps = [{"next_start_min_minus_epi_done": round(b["_abs"]["prod_start_min"] - a["_abs"]["epi_done_max"], 1),
+                     "next_wait_ret_min_minus_epi_done": round(b["_abs"]["wait_ret_min"] - a["_abs"]["epi_done_max"], 1),
+                     "next_wait_spread": round(b["_abs"]["wait_ret_max"] - b["_abs"]["wait_ret_min"], 1),
+                     "layer_period": round(b["_abs"]["epi_done_max"] - a["_abs"]["epi_done_max"], 1)}
+                    for a, b in zip(layers, layers[1:], strict=False)]
+            case[mode] = {"us_per_layer": round(us, 3), "layers": layers, "gaps": gaps}
+        results.append(case)
+        print(json.dumps({"name": case["name"], "chain_us": case["chain"]["us_per_layer"],
+                          "isolated_us": case["isolated"]["us_per_layer"]}), file=sys.stderr)
+    json.dump({"commit": man["commit"], "dirty": man["dirty"], "device": torch.cuda.get_device_name(),
+               "command": "python3 bench/probes/tail_trace.py run " + " ".join(sys.argv[2:]), "cases": results},
+              open(out_json, "w"), indent=1)
+    _table(results)
+    return 0
+
+
+def _med(xs):
+    return round(statistics.median(xs), 0)
+
+
+def _table(results):
+    """Medians over the layers of one replay (ns from the layer's first producer start; cycles at 1.98 GHz)."""
+    print(f"{'case':16} {'mode':8} {'us/lay':>6} {'wait':>6} {'prodend':>7} {'consdn':>7} {'epidone':>7} "
+          f"{'c->sent':>7} {'s->recv':>7} {'r->epi':>7} {'gap->wait':>9} {'start-epi':>9} {'period':>7}")
+    for c in results:
+        for mode in ("chain", "isolated"):
+            L, G = c[mode]["layers"], c[mode]["gaps"]
+            print(f"{c['name']:16} {mode:8} {c[mode]['us_per_layer']:6.2f} {_med([x['wait_ret_max'] for x in L]):6.0f} "
+                  f"{_med([x['prod_end_max'] for x in L]):7.0f} {_med([x['cons_done_max'] for x in L]):7.0f} "
+                  f"{_med([x['epi_done_max'] for x in L]):7.0f} {_med([x['cyc_consume_to_sent_med'] for x in L]):7.0f} "
+                  f"{_med([x['cyc_sent_to_recv_med'] for x in L]):7.0f} {_med([x['cyc_recv_to_epi_med'] for x in L]):7.0f} "
+                  f"{_med([x['next_wait_ret_min_minus_epi_done'] for x in G]):9.0f} "
+                  f"{_med([x['next_start_min_minus_epi_done'] for x in G]):9.0f} {_med([x['layer_period'] for x in G]):7.0f}")
+
+
+def main(argv) -> int:
+    if len(argv) == 2 and argv[0] == "build":
+        build(argv[1])
+        return 0
+    if len(argv) == 3 and argv[0] == "run":
+        return run(argv[1], argv[2])
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

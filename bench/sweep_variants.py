@@ -43,17 +43,16 @@ DISTINCT_OUT = False  # --distinct-out: one y buffer per layer (as musekern benc
 # Round 16 (--repeat 2): the skeleton probe (h200-skeleton-probe-ahead-r*.json) streams TP8's chain at 92-96% of
 # copy bandwidth when "late" triggers one ring turn before the last load (trigger_ahead) and the consumers stash
 # k-tiles of W in registers before x exists; the front with both, at TP8 (one tile: "rows" with stash; two
-# tiles: "k", trigger_ahead only) and at TP2's "late" one-tile build and two-tile build.
+# tiles: "k", trigger_ahead only) and at TP2's "late" builds (h200-sweep-round16.json).
+# Round 17 (--repeat 3): the trace probe (h200-tail-trace.json) says TP8 streams at ~3 TB/s between x and its last
+# k-tile: 5 stages do not keep enough bytes in flight. With the smem outside the ring sized by owned tokens a
+# 6-stage one-tile ring still fits two CTAs per SM: 5 vs 6 stages x trigger_ahead 4-6 at TP8, and the two-tile
+# build (5 stages, smaller smem now) for reference.
 # Each entry: the variant's fields except tiles and fixed_m (from M), and the Ms to time.
-TP8 = dict(n=2176, num_kv_heads=1, stages=5, splits=2, trigger="late", k_rotate=1)
-TP2 = dict(n=8704, num_kv_heads=4, stages=4, splits=1, k_rotate=1)
-GRID = [(dict(TP8, warp_split="rows", trigger_ahead=a, stash=t), (1, 8))
-        for a, t in ((0, 0), (4, 0), (5, 0), (6, 0), (4, 2), (5, 2), (5, 4), (6, 4), (8, 4))] \
-    + [(dict(TP8, warp_split="k", trigger_ahead=a), (16,)) for a in (0, 4, 5, 6)] \
-    + [(dict(TP2, trigger="late", warp_split="rows", trigger_ahead=a, stash=t), (1,))
-       for a, t in ((0, 0), (4, 0), (4, 4))] \
-    + [(dict(TP2, trigger=trig, warp_split=ws, trigger_ahead=a, stash=t), (16,))
-       for trig, ws, a, t in (("exit", "k", 0, 0), ("late", "k", 4, 0), ("late", "rows", 4, 2))]
+TP8 = dict(n=2176, num_kv_heads=1, splits=2, trigger="late", k_rotate=1)
+GRID = [(dict(TP8, stages=st, warp_split="rows", trigger_ahead=a), (1, 8))
+        for st, a in ((5, 4), (5, 5), (6, 4), (6, 5), (6, 6))] \
+    + [(dict(TP8, stages=5, warp_split="k", trigger_ahead=5), (16,))]
 
 
 def grid_jobs():

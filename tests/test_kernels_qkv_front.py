@@ -83,10 +83,13 @@ def test_launch_grid():
 
 
 def test_smem_bytes_formula():
-    # ring (stages x (16 KiB W + TT x 256 B x)) + 8448 B of barriers/slots/cos|sin + TT x 256 B receive buffer
-    v = QkvFrontVariant(2176, 1, 2, 8, 2, 0)
-    assert smem_bytes(v) == 173056
-    assert smem_bytes(QkvFrontVariant(2176, 1, 1, 8, 2, 0)) == 154624
+    # ring (stages x (16 KiB W + TT x 256 B x)) + barriers (2 x stages + 1) + per owned token (TT / S) an 8 B slot
+    # and a 256 B cos|sin row + the TT x 256 B receive buffer, padded to 1 KiB
+    v = QkvFrontVariant(2176, 1, 2, 8, 2, 0)  # TT 16, 8 owned: 163840 + 208 + 2048 + 4096
+    assert smem_bytes(v) == 171008
+    assert smem_bytes(QkvFrontVariant(2176, 1, 1, 8, 2, 0)) == 151552  # TT 8, 4 owned: 147456 + 176 + 1024 + 2048
+    # the 6-stage one-tile ring at S = 2 fits two CTAs per SM (H200: 228 KiB, 1 KiB reserved per CTA)
+    assert 2 * (smem_bytes(QkvFrontVariant(2176, 1, 1, 6, 2, 0)) + 1024) <= 228 * 1024
 
 
 def test_ops_import_does_not_import_cutlass():

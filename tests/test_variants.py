@@ -53,8 +53,8 @@ def test_k_split(n, target, s):
     assert k_split(n, get_target(target)) == s
 
 
-# Measured rules: a ring that lets two CTAs share an SM (5 stages where a CTA is alone on its SM, else
-# 4) and a late PDL trigger when the grid then fits in one wave; otherwise 8 stages and an early trigger.
+# Measured rules: a ring that lets two CTAs share an SM (the deepest that does where a CTA is alone on its
+# SM: 6 stages with one token tile, 5 with two; else 4) and a late PDL trigger when the grid then fits in one wave; otherwise 8 stages and an early trigger.
 # The consumer warps split each k-tile by k columns except for one token tile under the late trigger (TP8 and
 # TP2 at M <= 8); the deep ring is 11 stages (all one CTA may have) with one token tile, 8 with two; no explicit
 # PDL trigger where the shallow ring doubles CTAs up on SMs with clusters (TP4) or two tiles (TP2 M > 8).
@@ -62,7 +62,7 @@ def test_k_split(n, target, s):
 # last load where SMs hold two (TP2). No plan stashes.
 # Each row: (M = 1 value, M = 16 value) of stages, trigger, warp split and trigger_ahead.
 @pytest.mark.parametrize("n,target,stages,trigger,split,ahead", [
-    (2176, "h200", (5, 5), ("late", "late"), ("rows", "k"), (5, 5)),
+    (2176, "h200", (6, 5), ("late", "late"), ("rows", "k"), (6, 5)),
     (4352, "h200", (4, 4), ("exit", "exit"), ("k", "k"), (0, 0)),
     (8704, "h200", (4, 4), ("late", "exit"), ("rows", "k"), (0, 0)),
     (17408, "h200", (11, 8), ("early", "early"), ("k", "k"), (0, 0)),
@@ -171,13 +171,13 @@ def test_plan_is_deterministic_across_hash_seeds():
 # each field of QkvFrontVariant that __post_init__ guards, with a value outside its domain
 @pytest.mark.parametrize("field,value,msg", [("warp_split", "cols", "warp_split"), ("trigger", "now", "trigger"),
                                              ("k_rotate", -1, "k_rotate"), ("l2_prefetch", 65, "l2_prefetch"),
-                                             ("stages", 33, "stages"), ("stash", 6, "stash"),
-                                             ("stash", -1, "stash"), ("trigger_ahead", 27, "trigger_ahead"),
+                                             ("stages", 33, "stages"), ("stash", 7, "stash"),
+                                             ("stash", -1, "stash"), ("trigger_ahead", 26, "trigger_ahead"),
                                              ("trigger_ahead", -1, "trigger_ahead")])
 def test_qkv_front_variant_rejects_out_of_domain_fields(field, value, msg):
     import dataclasses
 
-    v = variant(2176, 1, 1, H200)  # TP8 M=1: "rows", 5 stages, "late" 5 k-tiles ahead (26 at most: 31 - 5)
+    v = variant(2176, 1, 1, H200)  # TP8 M=1: "rows", 6 stages, "late" 6 k-tiles ahead (25 at most: 31 - 6)
     with pytest.raises(ValueError, match=msg):
         dataclasses.replace(v, **{field: value})
 
@@ -187,9 +187,9 @@ def test_qkv_front_stash_and_trigger_ahead_domains():
     import dataclasses
 
     v = variant(2176, 1, 1, H200)
-    assert dataclasses.replace(v, stash=5, trigger_ahead=21).stash == 5  # 31 - 5 - 5
+    assert dataclasses.replace(v, stash=6, trigger_ahead=19).stash == 6  # 31 - 6 - 6
     with pytest.raises(ValueError, match="trigger_ahead"):
-        dataclasses.replace(v, stash=5, trigger_ahead=22)
+        dataclasses.replace(v, stash=6, trigger_ahead=20)
     with pytest.raises(ValueError, match="stash needs warp_split='rows'"):
         dataclasses.replace(v, stash=2, warp_split="k")
     with pytest.raises(ValueError, match="trigger_ahead needs trigger='late'"):

@@ -250,7 +250,7 @@ def build(outdir: str, config_set: str = "planned") -> None:
     for c in CONFIG_SETS[config_set]:
         k = cls(c)
         # launched with the planned front's dynamic shared memory, so CTAs share SMs exactly as the front's do
-        smem = max(k.Smem.size_in_bytes(), ring_smem_bytes(c.stages, c.tt // 8))
+        smem = max(k.Smem.size_in_bytes(), ring_smem_bytes(c.stages, c.tt // 8, c.splits))
         cubin, ptx, symbol = compile_to_cubin(k, bf, bf, f32, cuda.CUstream(0), arch="sm_90a")
         abi = KernelAbi(params=(tensormap("tma_w"), tensormap("tma_x"), pointer("out")),
                         launch=LaunchSpec(block=(THREADS, 1, 1), cluster=(c.splits, 1, 1),

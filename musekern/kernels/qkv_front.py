@@ -119,7 +119,7 @@ def operand_copies(tiled_mma, tt: int, idx):
     return cp_a, cp_b, cp_a.get_slice(idx), cp_b.get_slice(idx)
 
 
-def make_smem_struct(stages: int, tt: int, stash: int = 0):
+def make_smem_struct(stages: int, tt: int, owned: int, stash: int = 0):
     @cute.struct
     class Smem:
         # ring first: offset 0 of the 1024-aligned dynamic smem, what the 128B swizzle expects
@@ -131,8 +131,10 @@ def make_smem_struct(stages: int, tt: int, stash: int = 0):
         recv_bar: cute.struct.MemRange[Int64, 1]  # partials landed (st.async complete_tx bytes)
         if stash:
             xs_full: cute.struct.MemRange[Int64, 1]  # the stashed k-tiles' x landed (after the wait)
-        slots: cute.struct.MemRange[Int64, MAX_OWNED_TOKENS]  # staged slot of each owned token
-        cs: cute.struct.Align[cute.struct.MemRange[Float32, MAX_OWNED_TOKENS * 64], 16]  # cos|sin rows
+        slots: cute.struct.MemRange[Int64, owned]  # staged slot of each owned token
+        # cos|sin rows of the owned tokens (sized by them: with one tile at S = 2 this is what lets a 6-stage
+        # ring fit two CTAs per SM, bench/NOTES.md round 17)
+        cs: cute.struct.Align[cute.struct.MemRange[Float32, owned * 64], 16]
         recv: cute.struct.Align[cute.struct.MemRange[Float32, tt * HEAD_COLS], 16]  # [src][j][col]
     return Smem
 
@@ -159,7 +161,7 @@ class QkvFrontKernel:
         self.recv_tx = self.S * self.owned * HEAD_COLS * 4  # bytes of partials an owner receives
         self.stash = v.stash
         assert self.stash == 0 or (v.warp_split == "rows" and self.stash <= self.stages)
-        self.Smem = make_smem_struct(self.stages, self.tt, self.stash)
+        self.Smem = make_smem_struct(self.stages, self.tt, self.owned, self.stash)
         self.smem = smem_bytes(v)
 
     # ------------------------------------------------------------------ host side
@@ -479,8 +481,8 @@ class QkvFrontKernel:
         """Owner epilogue: warp w owns tokens w, w + 4, ...; lane l holds columns (2l, 2l+1) = RoPE pair l."""
         lane = tidx % 32
         recv = st.recv.get_tensor(cute.make_layout(self.tt * HEAD_COLS))
-        cs = st.cs.get_tensor(cute.make_layout(MAX_OWNED_TOKENS * 64))
-        slots = st.slots.get_tensor(cute.make_layout(MAX_OWNED_TOKENS))
+        cs = st.cs.get_tensor(cute.make_layout(self.owned * 64))
+        slots = st.slots.get_tensor(cute.make_layout(self.owned))
         if cutlass.const_expr(self.S > 1):
             cute.arch.mbarrier_wait(recv_bar, 0)  # all S partials of my tokens have landed
         else:
@@ -578,8 +580,8 @@ class QkvFrontKernel:
         """Stage the owned tokens' slots and cos|sin rows (clamped position) in smem."""
         cute.arch.griddepcontrol_wait()  # positions/slots/cos|sin may be written by the previous grid
         lane = cute.arch.lane_idx()
-        cs = st.cs.get_tensor(cute.make_layout(MAX_OWNED_TOKENS * 64))
-        slots = st.slots.get_tensor(cute.make_layout(MAX_OWNED_TOKENS))
+        cs = st.cs.get_tensor(cute.make_layout(self.owned * 64))
+        slots = st.slots.get_tensor(cute.make_layout(self.owned))
         mPos = cute.make_tensor(pos_ptr, cute.make_layout(self.tt))
         mSlot = cute.make_tensor(slot_ptr, cute.make_layout(self.tt))
         mCS = cute.make_tensor(cs_ptr, cute.make_layout((max_pos, 64), stride=(64, 1)))

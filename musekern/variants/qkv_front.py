@@ -229,7 +229,7 @@ def ring_stages(split: int, target: Target, tiles: int = 2, n: int | None = None
         # CTAs (TP4, TP2) 4 stages is as fast or faster (h200-sweep-ring5.json).
         top = MAX_RING_STAGES if (n // HEAD_COLS) * split <= target.sm_count else SHALLOW_RING_STAGES
         for st in range(top, MIN_RING_STAGES - 1, -1):
-            if CTAS_PER_SM * (ring_smem_bytes(st, tiles) + SMEM_RESERVED_PER_CTA) <= target.smem_per_sm:
+            if CTAS_PER_SM * (ring_smem_bytes(st, tiles, split) + SMEM_RESERVED_PER_CTA) <= target.smem_per_sm:
                 return min(st, per_cta_tiles)
     fit = (target.max_smem_optin - SMEM_RESERVE_BYTES) // stage_bytes(tiles)
     cap = fit if tiles == 1 else MAX_RING_STAGES
@@ -292,7 +292,7 @@ PRODUCER_WARPS = 1
 CONSUMER_WARPS = 4  # 4 x 16 W rows = the head's 64 output columns (one m16 MMA tile per warp)
 AUX_WARPS = 1
 THREADS = 32 * (CONSUMER_WARPS + PRODUCER_WARPS + AUX_WARPS)  # 192: warps 0-3 MMA, 4 TMA, 5 aux
-MAX_OWNED_TOKENS = MAX_TOKENS  # cos|sin and slot rows the aux warp stages (owner tokens <= 16)
+MAX_OWNED_TOKENS = MAX_TOKENS  # the most tokens one owner CTA holds (TT / S)
 # warp_split="k": each consumer warp takes WARP_K of a k-tile's K_TILE columns (two k16 MMA steps) and
 # leaves its 64 x TT fp32 partial in the (then idle) W ring, rows padded to RED_STRIDE words so the
 # MMA fragment stores hit distinct banks, for the fixed-order 4-way sum.
@@ -316,19 +316,25 @@ def smem_bytes(v: QkvFrontVariant) -> int:
 
     Layout (the kernel's @cute.struct, in order): W ring (stages x 16 KiB, 1024-aligned for the
     128B swizzle), x ring (stages x TT x 256 B, 1024-aligned), with a stash the stashed k-tiles' x
-    (stash x TT x 256 B, 1024-aligned), full/empty/recv (and stashed-x) mbarriers (8 B each), 16
-    staged slots (int64), 16 staged cos|sin rows (64 fp32), the owner's receive
+    (stash x TT x 256 B, 1024-aligned), full/empty/recv (and stashed-x) mbarriers (8 B each), a staged
+    slot (int64) and cos|sin row (64 fp32) per owned token (TT / S), the owner's receive
     buffer for the S partials (TT x 64 fp32, S x TT/S tokens).
     """
-    return ring_smem_bytes(v.stages, v.tiles, v.stash)
+    return ring_smem_bytes(v.stages, v.tiles, v.splits, v.stash)
 
 
-def ring_smem_bytes(stages: int, tiles: int, stash: int = 0) -> int:
-    """`smem_bytes` of a variant with this ring depth, tile count and stash (nothing else changes it)."""
+def owned_tokens(tiles: int, splits: int) -> int:
+    """Tokens one owner CTA runs the epilogue for: token t belongs to rank t % S of the TT padded tokens."""
+    return tiles * TOKEN_TILE // splits
+
+
+def ring_smem_bytes(stages: int, tiles: int, splits: int, stash: int = 0) -> int:
+    """`smem_bytes` of a variant with this ring depth, tile count, S and stash (nothing else changes it)."""
     tt = tiles * TOKEN_TILE
+    owned = owned_tokens(tiles, splits)
     ring = (stages + stash) * tt * K_TILE * 2 + stages * W_STAGE_BYTES  # a stashed k-tile keeps only its x
-    small = 8 * (2 * stages + 1 + (1 if stash else 0)) + 8 * MAX_OWNED_TOKENS
-    small = (small + 15) // 16 * 16 + 4 * MAX_OWNED_TOKENS * 64 + 4 * tt * HEAD_COLS
+    small = 8 * (2 * stages + 1 + (1 if stash else 0)) + 8 * owned
+    small = (small + 15) // 16 * 16 + 4 * owned * 64 + 4 * tt * HEAD_COLS
     total = ring + small
     return (total + 1023) // 1024 * 1024  # the struct is padded to its 1024-byte alignment
 

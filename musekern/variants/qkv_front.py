@@ -182,7 +182,9 @@ def supports_shape(n: int, num_kv_heads: int) -> bool:
 #   reverse (chain 10.8-11.0). At TP2 (SMs hold two CTAs of one grid) 4 tiles ahead is much slower (38.7 vs
 #   33.9). The skeleton probe put the optimum at 4-6 too (h200-skeleton-probe-ahead-r*.json). A stash of W in
 #   registers before x exists (the probe's best: 8.8 us) gains nothing measurable in the front at trigger_ahead 5
-#   (10.42-10.54 with 2 or 4 k-tiles) and slows the isolated launch 0.1-0.3 us: planned off.
+#   (10.42-10.54 with 2 or 4 k-tiles) and slows the isolated launch 0.1-0.3 us: planned off. With the 6-stage
+#   one-tile ring (round 17, --repeat 3) trigger_ahead 4 / 5 / 6: chain 10.07 / 10.14 / 10.45 us, after-norm
+#   total 13.96 (bimodal) / 12.65 / 11.29 at M = 1: ahead = stages stays the steady choice.
 CTAS_PER_SM = 2
 MIN_CTA_STREAM_BYTES = 512 * 1024
 SHALLOW_RING_STAGES = 4
@@ -225,8 +227,11 @@ def ring_stages(split: int, target: Target, tiles: int = 2, n: int | None = None
     per_cta_tiles = (K_TILES + split - 1) // split
     if n is not None and one_wave_at_two_per_sm(n, split, target):
         # A CTA alone on its SM (heads * S <= SMs, TP8) takes the deepest ring that still lets the
-        # next grid's CTA share the SM: 5 stages, 11.4 vs 12.0 us chain at M=1; where SMs hold two
-        # CTAs (TP4, TP2) 4 stages is as fast or faster (h200-sweep-ring5.json).
+        # next grid's CTA share the SM: 5 stages, 11.4 vs 12.0 us chain at M=1 (4 vs 5); with the smem
+        # outside the ring sized by owned tokens, 6 with one tile: chain 10.07-10.45 vs 10.42-10.63 us at
+        # trigger_ahead 4-6 (h200-sweep-ring5.json, h200-sweep-round17.json: 5 stages cannot keep enough
+        # bytes in flight, h200-tail-trace.json); where SMs hold two CTAs (TP4, TP2) 4 stages is as
+        # fast or faster.
         top = MAX_RING_STAGES if (n // HEAD_COLS) * split <= target.sm_count else SHALLOW_RING_STAGES
         for st in range(top, MIN_RING_STAGES - 1, -1):
             if CTAS_PER_SM * (ring_smem_bytes(st, tiles, split) + SMEM_RESERVED_PER_CTA) <= target.smem_per_sm:

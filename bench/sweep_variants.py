@@ -48,11 +48,21 @@ DISTINCT_OUT = False  # --distinct-out: one y buffer per layer (as musekern benc
 # k-tile: 5 stages do not keep enough bytes in flight. With the smem outside the ring sized by owned tokens a
 # 6-stage one-tile ring still fits two CTAs per SM: 5 vs 6 stages x trigger_ahead 4-6 at TP8, and the two-tile
 # build (5 stages, smaller smem now) for reference.
+# Round 18 (--repeat 2): the trace probe shows TP4's "exit" overlapping nothing (the next grid starts 1.5 us after
+# the last epilogue, every layer); the next grid cannot land early because 2 x 136 CTAs exceed 2 x 132 slots.
+# A 3-stage ring fits three CTAs per SM (59 KiB; "k" with one tile: 106 registers): TP4 and TP2 with 3 stages
+# under "exit" and under "late" with trigger_ahead, both tile counts ("rows" where "k"'s registers allow two
+# per SM only).
 # Each entry: the variant's fields except tiles and fixed_m (from M), and the Ms to time.
-TP8 = dict(n=2176, num_kv_heads=1, splits=2, trigger="late", k_rotate=1)
-GRID = [(dict(TP8, stages=st, warp_split="rows", trigger_ahead=a), (1, 8))
-        for st, a in ((5, 4), (5, 5), (6, 4), (6, 5), (6, 6))] \
-    + [(dict(TP8, stages=5, warp_split="k", trigger_ahead=5), (16,))]
+TP4 = dict(n=4352, num_kv_heads=2, splits=2, k_rotate=1)
+TP2 = dict(n=8704, num_kv_heads=4, splits=1, k_rotate=1)
+GRID = [(dict(TP4, stages=4, trigger="exit", warp_split="k"), (1, 16)),
+        (dict(TP4, stages=3, trigger="exit", warp_split="k"), (1,))] \
+    + [(dict(TP4, stages=3, trigger="late", warp_split=ws, trigger_ahead=a), (1,))
+       for ws, a in (("k", 0), ("k", 3), ("k", 6), ("rows", 3))] \
+    + [(dict(TP4, stages=3, trigger="late", warp_split=ws, trigger_ahead=3), (16,)) for ws in ("rows", "k")] \
+    + [(dict(TP2, stages=4, trigger="exit", warp_split="k"), (16,))] \
+    + [(dict(TP2, stages=3, trigger="late", warp_split="rows", trigger_ahead=a), (1, 16)) for a in (0, 3)]
 
 
 def grid_jobs():

@@ -185,6 +185,9 @@ def supports_shape(n: int, num_kv_heads: int) -> bool:
 #   (10.42-10.54 with 2 or 4 k-tiles) and slows the isolated launch 0.1-0.3 us: planned off. With the 6-stage
 #   one-tile ring (round 17, --repeat 3) trigger_ahead 4 / 5 / 6: chain 10.07 / 10.14 / 10.45 us, after-norm
 #   total 13.96 (bimodal) / 12.65 / 11.29 at M = 1: ahead = stages stays the steady choice.
+# - TP4 / TP2 with a 3-stage ring (three CTAs per SM where registers allow, so the next grid can land whole):
+#   "late" with or without trigger_ahead 2.7-8 us slower than the plan, "exit" 0.6 us slower
+#   (h200-sweep-round18.json): the plan keeps 4 stages there.
 CTAS_PER_SM = 2
 MIN_CTA_STREAM_BYTES = 512 * 1024
 SHALLOW_RING_STAGES = 4

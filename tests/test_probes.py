@@ -1,0 +1,62 @@
+"""bench/probes: the GPU-free halves of the probes (their configs, and that they still build against the kernel).
+
+The probes are bench scripts, run on the GPU machine from a build made here; the trace probe subclasses the
+front's warp roles with their exact signatures, so a kernel change that breaks it must fail here, not on the
+device.
+"""
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+PROBES = Path(__file__).resolve().parents[1] / "bench" / "probes"
+
+
+def _probe(name):
+    spec = importlib.util.spec_from_file_location(name, PROBES / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_skeleton_probe_config_sets_are_valid_and_named_uniquely():
+    sp = _probe("skeleton_probe")
+    for configs in sp.CONFIG_SETS.values():
+        names = [c.name for c in configs]
+        assert len(names) == len(set(names))
+    with pytest.raises(ValueError, match="stash needs mode 'before'"):
+        sp.ProbeConfig("x", 34, 2, 5, "after", "late", stash=2)
+    with pytest.raises(ValueError, match="ahead needs trigger 'late'"):
+        sp.ProbeConfig("x", 34, 2, 5, "before", "exit", ahead=4)
+    with pytest.raises(ValueError, match="past the prefill"):
+        sp.ProbeConfig("x", 34, 2, 5, "before", "late", stash=4, ahead=23)  # 31 - 5 - 4 = 22 at most
+
+
+def test_tail_trace_cases_are_planned_variants_with_room_for_the_stamps():
+    from musekern.variants.qkv_front import padded_tokens
+
+    tt = _probe("tail_trace")
+    for name, shape, overrides in tt.CASES:
+        v = tt._variant(shape["n"], shape["m"], overrides)
+        row = tt.trace_row(v)
+        assert row == shape["m"]  # the probe runs with M = the first unwritten row
+        # rows M..TT-1 of y hold every CTA's stamps
+        assert (padded_tokens(v) - row) * v.n * 2 >= v.heads * v.splits * tt.SLOTS * 8, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [0, 2], ids=["one-tile-rows", "two-tile-k"])
+def test_tail_trace_builds_against_the_kernel(case):
+    """The traced subclass compiles with the kernel's ABI (compile_variant checks the PTX .entry) and stamps
+    at its 8 sites: producer start / end, aux after the wait, consumer done (warps 0 and 3), sent, partials
+    landed, epilogue done."""
+    pytest.importorskip("cutlass")
+    from musekern.kernels.qkv_front import compile_variant
+
+    tt = _probe("tail_trace")
+    name, shape, overrides = tt.CASES[case]
+    v = tt._variant(shape["n"], shape["m"], overrides)
+    ck = compile_variant(v, "sm_90a", kernel_cls=tt._traced_class())
+    assert len(re.findall(r"mov\.u64\s+%rd\d+, %globaltimer;", ck.ptx)) == 8
+    assert len(re.findall(r"mov\.u64\s+%rd\d+, %clock64;", ck.ptx)) == 8

@@ -59,9 +59,12 @@ DISTINCT_OUT = False  # --distinct-out: one y buffer per layer (as musekern benc
 # at TP8 was measured with the early trigger (grids stacking up), never with trigger_ahead.
 # Each entry: the variant's fields except tiles and fixed_m (from M), and the Ms to time.
 TP8 = dict(n=2176, num_kv_heads=1, splits=2, trigger="late", k_rotate=1)
+# Round 19b (--repeat 3): 11 stages with trigger_ahead 6 streamed the chain at 91-92% (9.2-9.3 us) but after the
+# norm added 12.2-12.9 us (the 6-stage plan 11.3); 11 ahead 11 the reverse (chain 11.7-12.1, added 9.9-11.2):
+# the trigger point around both, 10 stages, and the two-tile build's deepest ring (10 stages of 20 KiB).
 GRID = [(dict(TP8, stages=st, warp_split="rows", trigger_ahead=a), (1, 8))
-        for st, a in ((6, 6), (8, 8), (8, 6), (11, 11), (11, 8), (11, 6))] \
-    + [(dict(TP8, stages=st, warp_split="k", trigger_ahead=a), (16,)) for st, a in ((5, 5), (8, 8), (8, 5))]
+        for st, a in ((6, 6), (11, 4), (11, 5), (11, 6), (11, 7), (11, 9), (11, 10), (10, 5), (10, 6), (10, 10))] \
+    + [(dict(TP8, stages=st, warp_split="k", trigger_ahead=a), (16,)) for st, a in ((5, 5), (10, 5), (10, 6), (10, 10))]
 
 
 def grid_jobs():

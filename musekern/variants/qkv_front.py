@@ -188,6 +188,10 @@ def supports_shape(n: int, num_kv_heads: int) -> bool:
 # - TP4 / TP2 with a 3-stage ring (three CTAs per SM where registers allow, so the next grid can land whole):
 #   "late" with or without trigger_ahead 2.7-8 us slower than the plan, "exit" 0.6 us slower
 #   (h200-sweep-round18.json): the plan keeps 4 stages there.
+# - TP8 with the deep ring (one CTA per SM, 11 stages) and the trigger 5-6 k-tiles ahead: chain 9.15-9.38 us
+#   (90-91% of copy bandwidth), but after the norm 12.0-13.0 us added (vs 11.3) and isolated 12.5-12.8 (vs
+#   12.0-12.2); no trigger point of the deep ring is good in both PDL modes (h200-sweep-round19b.json). A decode
+#   step runs the front after a norm, never back to back: the plan keeps the shared 6-stage ring.
 CTAS_PER_SM = 2
 MIN_CTA_STREAM_BYTES = 512 * 1024
 SHALLOW_RING_STAGES = 4

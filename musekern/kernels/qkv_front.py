@@ -29,8 +29,10 @@ PDL: before griddepcontrol.wait the kernel reads only W (the producer prefills t
 tiles); every thread executes griddepcontrol.wait before it reads x, positions, slots or
 cos|sin and before any global store; griddepcontrol.launch_dependents right after init
 (variant trigger "early"), once the producer's griddepcontrol.wait returned ("wait"), once the producer
-has issued its last load ("late"), or never ("exit":
-a CTA counts as triggered when it exits). With
+has issued its last load ("late"; with trigger_ahead > 0, its load that many k-tiles before the last), or
+never ("exit": a CTA counts as triggered when it exits). With stash > 0 ("rows" only) the consumer warps
+take the W of k-tiles 0..stash-1 into registers before the wait and free their slots, so the producer
+streams `stash` more k-tiles before x exists; those k-tiles' x lands in extra x slots after the wait. With
 l2_prefetch > 0 the producer also asks L2 for its CTA's W rows before the wait (measured slower:
 off in every plan, kept as a lever; bench/NOTES.md round 4).
 

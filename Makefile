@@ -31,8 +31,10 @@ endif
 prepare: install
 	$(VENV)/bin/musekern prepare
 
+# every run also leaves its per-test record (tracebacks of failures included) in .pytest-last.xml, so a rare
+# failure whose console output was lost can still be read
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --junitxml=.pytest-last.xml -o junit_family=xunit1 $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check musekern tests bench

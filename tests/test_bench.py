@@ -136,6 +136,25 @@ def test_table_format():
     assert any(ln.startswith("qk_norm") for ln in lines) and any(ln.startswith("host:") for ln in lines)
 
 
+def test_table_shows_the_launch_floor_next_to_qk_norm_m16():
+    doc = _doc()
+    doc["qk_norm"] = [dict(report.qk_norm_row(64, 16, 4096, 1.7, COPY), launch_floor_us=1.52)]
+    line = [ln for ln in report.format_table(doc).splitlines() if "M     16" in ln][0]
+    assert "1.70 us" in line and "launch floor 1.52 us" in line
+
+
+def test_empty_kernel_and_predecessor_build_here():
+    """The bench's NVRTC / nvcc builds (the after-norm predecessor and the launch-floor kernel) need no GPU."""
+    from musekern.bench import pred
+
+    try:
+        cubins = [pred.compile_cubin("sm_90a")[0], pred.compile_cubin("sm_90a", pred.EMPTY_SOURCE, "e.cu")[0]]
+    except RuntimeError as e:
+        pytest.skip(f"neither NVRTC nor nvcc here: {e}")
+    for cubin, symbol in zip(cubins, (pred.SYMBOL, pred.EMPTY_SYMBOL), strict=True):
+        assert cubin[:4] == b"\x7fELF" and symbol.encode() in cubin
+
+
 def test_commit_info_reads_build_info(tmp_path):
     (tmp_path / "BUILD_INFO.json").write_text(json.dumps({"commit": "deadbeef", "dirty": False}))
     assert report.commit_info(cache_dir=str(tmp_path))["commit"] == "deadbeef"

@@ -74,7 +74,13 @@ extern "C" __global__ void __launch_bounds__(256) pred_rmsnorm(const uint4* __re
 """
 
 
-def _nvrtc_cubin(arch: str) -> bytes:
+# The launch floor: a kernel that does nothing, launched like every other kernel of the bench (graph replay),
+# against which a latency-bound kernel (qk_norm at M = 16) is read.
+EMPTY_SYMBOL = "empty_kernel"
+EMPTY_SOURCE = 'extern "C" __global__ void empty_kernel() {}\n'
+
+
+def _nvrtc_cubin(arch: str, source: str = SOURCE, name: str = "pred_rmsnorm.cu") -> bytes:
     from cuda.bindings import nvrtc
 
     def ok(res, what):
@@ -83,7 +89,7 @@ def _nvrtc_cubin(arch: str) -> bytes:
             raise RuntimeError(f"{what}: {err!r}")
         return res[1] if isinstance(res, tuple) and len(res) > 1 else None
 
-    prog = ok(nvrtc.nvrtcCreateProgram(SOURCE.encode(), b"pred_rmsnorm.cu", 0, [], []), "nvrtcCreateProgram")
+    prog = ok(nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []), "nvrtcCreateProgram")
     try:
         opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
         res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
@@ -100,7 +106,7 @@ def _nvrtc_cubin(arch: str) -> bytes:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-def _nvcc_cubin(arch: str) -> bytes:
+def _nvcc_cubin(arch: str, source: str = SOURCE) -> bytes:
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     if not os.path.exists(nvcc):
         raise RuntimeError("nvcc not found")
@@ -108,23 +114,23 @@ def _nvcc_cubin(arch: str) -> bytes:
     with tempfile.TemporaryDirectory() as d:
         src, out = os.path.join(d, "pred.cu"), os.path.join(d, "pred.cubin")
         with open(src, "w") as f:
-            f.write(SOURCE)
+            f.write(source)
         subprocess.run([nvcc, "-cubin", f"-gencode=arch=compute_{num},code={arch}", "-o", out, src], check=True,
                        capture_output=True, text=True, timeout=120)
         with open(out, "rb") as f:
             return f.read()
 
 
-def compile_cubin(arch: str = "sm_90a") -> tuple[bytes, str]:
+def compile_cubin(arch: str = "sm_90a", source: str = SOURCE, name: str = "pred_rmsnorm.cu") -> tuple[bytes, str]:
     """(cubin, how): NVRTC first, `nvcc -cubin` if NVRTC is missing or fails (the error of both if neither)."""
     try:
-        return _nvrtc_cubin(arch), "nvrtc"
+        return _nvrtc_cubin(arch, source, name), "nvrtc"
     except Exception as e1:
         try:
-            return _nvcc_cubin(arch), f"nvcc (nvrtc failed: {str(e1)[:200]})"
+            return _nvcc_cubin(arch, source), f"nvcc (nvrtc failed: {str(e1)[:200]})"
         except Exception as e2:
             detail = getattr(e2, "stderr", "") or ""
-            raise RuntimeError(f"cannot build the PDL predecessor: nvrtc: {e1}; nvcc: {e2} {detail}") from None
+            raise RuntimeError(f"cannot build {name}: nvrtc: {e1}; nvcc: {e2} {detail}") from None
 
 
 class PredKernel:
@@ -163,6 +169,30 @@ class PredKernel:
         ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
         self._check(self._drv.cuLaunchKernelEx(self._config(m, stream, pdl), self.func, ctypes.addressof(ptrs), 0),
                     "cuLaunchKernelEx(pred)")
+
+
+class EmptyKernel:
+    """The launch floor: `launch()` puts one empty 1-CTA, 32-thread kernel on torch's current stream (no PDL)."""
+
+    def __init__(self, arch: str = "sm_90a"):
+        from cuda.bindings import driver as drv
+
+        from ..runtime.driver import check, launch_config
+
+        self._drv, self._check, self._launch_config = drv, check, launch_config
+        cubin, self.built_with = compile_cubin(arch, EMPTY_SOURCE, "empty_kernel.cu")
+        self.module = check(drv.cuModuleLoadData(cubin), "cuModuleLoadData(empty)")
+        self.func = check(drv.cuModuleGetFunction(self.module, EMPTY_SYMBOL.encode()), "cuModuleGetFunction(empty)")
+        self._configs: dict = {}
+
+    def launch(self) -> None:
+        import torch
+
+        stream = torch.cuda.current_stream().cuda_stream
+        cfg = self._configs.get(stream)
+        if cfg is None:
+            cfg = self._configs[stream] = self._launch_config((1, 1, 1), (32, 1, 1), 0, stream)
+        self._check(self._drv.cuLaunchKernelEx(cfg, self.func, 0, 0), "cuLaunchKernelEx(empty)")
 
 
 def rmsnorm_reference(res, gamma, eps: float):

@@ -50,6 +50,21 @@ def measure(copy_tbps: float, ms=(16, 4096, 16384), head_dims=(64, 128), samples
             row = report.qk_norm_row(hd, m, width, us, copy_tbps)
             row["row_stride"] = stride
             row["output_ok"] = bool(ok)
+            if m == SEED_SHAPE_M:
+                row["launch_floor_us"] = launch_floor_us(g.loops * nb, samples)
             rows.append(row)
             del g, base, xs, outs
     return rows
+
+
+def launch_floor_us(loops: int, samples: int) -> float | None:
+    """us per launch of an empty kernel in the same graph replay: what a latency-bound call cannot go below
+    (qk_norm at M = 16 is read against it; None when no empty kernel can be built)."""
+    try:
+        from .pred import EmptyKernel
+
+        k = EmptyKernel()
+    except Exception:
+        return None
+    g = Graph("empty_kernel", [k.launch], loops, 1)
+    return time_graphs([g], samples)[g.name]["us"]

@@ -233,9 +233,10 @@ def format_table(doc: dict) -> str:
                    "frac = bytes read + written / time / copy BW):")
         for q in doc["qk_norm"]:
             miss = _misses(q.get("checks", []))
+            floor = f" (empty-kernel launch floor {q['launch_floor_us']:.2f} us)" if q.get("launch_floor_us") else ""
             out.append(f"  head_dim {q['head_dim']:>3d} M {q['M']:>6d}: {_f(q['us'], '9.2f')} us "
                        f"{_f(q['tbps'], '6.2f')} TB/s frac {_f(q['frac_of_copy_bw'], '.3f')}  {q['status']}"
-                       + (f" ({miss})" if miss else ""))
+                       + (f" ({miss})" if miss else "") + floor)
     h = doc.get("host") or {}
     if h:
         fc = h.get("first_call") or {}

@@ -6,11 +6,12 @@ cd "$(dirname "$0")/.."
 CACHE=${1:-.musekern-cache}
 MK=".venv/bin/python -m musekern"
 $MK prepare --target h200 --cache-dir "$CACHE" -j 2 >&2
-# qk_norm variants beyond the model's (head_dim 64): the GPU tests cover head_dim 128/256 and fp16.
+# qk_norm variants beyond the model's (head_dim 64): the GPU tests cover head_dim 128/256 and fp16, with one and
+# four vectors per thread.
 labels=()
-for dt in bfloat16 float16; do for hd in 64 128 256; do for sc in False True; do
-  labels+=(--variant "qk_norm[dtype=$dt,has_scale=$sc,head_dim=$hd]")
-done; done; done
+for dt in bfloat16 float16; do for hd in 64 128 256; do for sc in False True; do for vpt in 1 4; do
+  labels+=(--variant "qk_norm[dtype=$dt,has_scale=$sc,head_dim=$hd,vecs_per_thread=$vpt]")
+done; done; done; done
 # qkv_front builds that differ from the planned ones only in a lever that must not change a bit (ring depth,
 # PDL trigger, L2 prefetch, stash, trigger_ahead: same_bits_alternatives, compared bit for bit by the GPU
 # tests), in k_rotate and in the warp split (different summation orders, checked against fp64).

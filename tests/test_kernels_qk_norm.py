@@ -19,14 +19,16 @@ from musekern.variants.qk_norm import (
     QK_NORM_TILE,
     QK_NORM_VEC_ELEMS,
     QK_NORM_VECS_PER_THREAD,
+    QK_NORM_VPT_CHOICES,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
     QkNormVariant,
     launch_grid,
 )
 
-ALL_VARIANTS = [QkNormVariant(dt, hd, sc)
-                for dt, hd, sc in itertools.product(SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, (False, True))]
+# every dtype x head_dim x scale, in both work splits (4 vectors per thread for large inputs, 1 for small)
+ALL_VARIANTS = [QkNormVariant(dt, hd, sc, vpt) for dt, hd, sc, vpt in
+                itertools.product(SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, (False, True), QK_NORM_VPT_CHOICES)]
 PARAM_NAMES = ["x", "out", "m", "heads", "ld_x", "ld_out", "eps", "scale"]
 
 
@@ -52,8 +54,11 @@ def test_launch_constants_consistent():
     (64, 32768, 64, (16384, 1, 1)),
 ])
 def test_launch_grid(hd, m, heads, want):
+    """want: the 4-vector build's grid (1024 vectors a CTA); the 1-vector build walks 256 a CTA."""
+    vectors = m * heads * hd // QK_NORM_VEC_ELEMS
     for dt, sc in itertools.product(SUPPORTED_DTYPES, (False, True)):
         assert launch_grid(QkNormVariant(dt, hd, sc), m, heads) == want
+        assert launch_grid(QkNormVariant(dt, hd, sc, 1), m, heads) == (-(-vectors // QK_NORM_BLOCK), 1, 1)
 
 
 def test_launch_grid_limits():
@@ -69,7 +74,7 @@ def test_launch_grid_limits():
 
 
 # ---------------------------------------------------------------- the intended math, on CPU
-def _simulate(x_flat, m, heads, hd, ld_x, ld_out, eps, scale, out_len, dtype):
+def _simulate(x_flat, m, heads, hd, ld_x, ld_out, eps, scale, out_len, dtype, vpt=QK_NORM_VECS_PER_THREAD):
     """Executes the kernel's work split thread by thread (vector indices, clamp, butterfly groups) on CPU.
 
     Returns (out_flat, read_offsets, write_counts) so tests can check coverage and bounds.
@@ -79,16 +84,18 @@ def _simulate(x_flat, m, heads, hd, ld_x, ld_out, eps, scale, out_len, dtype):
     lanes = hd // QK_NORM_VEC_ELEMS
     ncol = heads * lanes
     total = m * ncol
-    gx = launch_grid(QkNormVariant("bfloat16", hd, True), m, heads)[0]
+    v = QkNormVariant("bfloat16", hd, True, vpt)
+    gx = launch_grid(v, m, heads)[0]
     out = torch.full((out_len,), float("nan"), dtype=dtype)
     writes = torch.zeros(out_len, dtype=torch.int32)
     reads_max = -1
+    v_tile = v.tile
     for b in range(gx):
-        for u in range(QK_NORM_VECS_PER_THREAD):
+        for u in range(vpt):
             for warp0 in range(0, QK_NORM_BLOCK, 32):
                 vals, live, offs_o = [], [], []
                 for lane in range(32):
-                    v = b * QK_NORM_TILE + u * QK_NORM_BLOCK + warp0 + lane
+                    v = b * v_tile + u * QK_NORM_BLOCK + warp0 + lane
                     vc = min(v, total - 1)
                     r, c = divmod(vc, ncol)
                     off = r * ld_x + c * QK_NORM_VEC_ELEMS
@@ -117,11 +124,12 @@ def _simulate(x_flat, m, heads, hd, ld_x, ld_out, eps, scale, out_len, dtype):
     return out, reads_max, writes
 
 
+@pytest.mark.parametrize("vpt", QK_NORM_VPT_CHOICES)
 @pytest.mark.parametrize("dtype_name", SUPPORTED_DTYPES)
 @pytest.mark.parametrize("hd,m,heads,pad_x,pad_out", [
     (64, 3, 5, 8, 0), (128, 2, 3, 24, 16), (256, 5, 1, 0, 8), (64, 17, 8, 0, 0),
 ])
-def test_intended_math_matches_reference(dtype_name, hd, m, heads, pad_x, pad_out):
+def test_intended_math_matches_reference(dtype_name, hd, m, heads, pad_x, pad_out, vpt):
     torch = pytest.importorskip("torch")
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(hd * 1000 + m * 10 + heads)
@@ -130,7 +138,7 @@ def test_intended_math_matches_reference(dtype_name, hd, m, heads, pad_x, pad_ou
     x_flat = (torch.randn((m - 1) * ld_x + n, generator=g) * 3).to(dtype)  # last row unpadded: tight bounds
     out_len = (m - 1) * ld_out + n
     eps, scale = 1e-5, 0.125
-    out, reads_max, writes = _simulate(x_flat, m, heads, hd, ld_x, ld_out, eps, scale, out_len, dtype)
+    out, reads_max, writes = _simulate(x_flat, m, heads, hd, ld_x, ld_out, eps, scale, out_len, dtype, vpt)
     assert reads_max <= x_flat.numel() - 1
     x = torch.as_strided(x_flat, (m, n), (ld_x, 1))
     ref = (x.float().view(m, heads, hd) * torch.rsqrt(x.float().view(m, heads, hd).pow(2).mean(-1, keepdim=True)
@@ -194,14 +202,15 @@ def _check_compiled(ck, variant, arch):
     assert re.search(r"^\.target " + arch + r"\s*$", ck.ptx, re.M)
     check_abi_against_ptx(ck.abi, ck.ptx, ck.symbol)
     entry = ck.ptx[ck.ptx.index(".entry " + ck.symbol):]
-    # every global access is one 16-byte vector; VECS_PER_THREAD loads and stores per thread
-    assert len(_GLOBAL_LD_V4.findall(entry)) == QK_NORM_VECS_PER_THREAD
-    assert len(_GLOBAL_LD.findall(entry)) == QK_NORM_VECS_PER_THREAD
-    assert len(_GLOBAL_ST_V4.findall(entry)) == QK_NORM_VECS_PER_THREAD
-    assert len(_GLOBAL_ST.findall(entry)) == QK_NORM_VECS_PER_THREAD
+    # every global access is one 16-byte vector; vecs_per_thread loads and stores per thread
+    vpt = variant.vecs_per_thread
+    assert len(_GLOBAL_LD_V4.findall(entry)) == vpt
+    assert len(_GLOBAL_LD.findall(entry)) == vpt
+    assert len(_GLOBAL_ST_V4.findall(entry)) == vpt
+    assert len(_GLOBAL_ST.findall(entry)) == vpt
     # the group reduction: log2(head_dim/8) butterfly shuffles per vector, nothing through shared memory
     lanes = variant.head_dim // QK_NORM_VEC_ELEMS
-    assert len(re.findall(r"shfl\.sync\.bfly\.b32", entry)) == QK_NORM_VECS_PER_THREAD * int(math.log2(lanes))
+    assert len(re.findall(r"shfl\.sync\.bfly\.b32", entry)) == vpt * int(math.log2(lanes))
     assert ".shared" not in entry and "bar.sync" not in entry and "atom." not in entry
     assert f".reqntid {QK_NORM_BLOCK}, 1, 1" in entry
     # has_scale=False compiles the multiply out: the scale parameter is declared but never read

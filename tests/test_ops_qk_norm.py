@@ -46,8 +46,9 @@ def test_reference_math():
 
 
 # ---------------------------------------------------------------- the kernel on the GPU
-# M: 1 and 7 (tails smaller than a tile), 16 (decode), 333 (odd, several CTAs), 4096 (prefill-sized);
-# head_dim: every supported one; scale on/off picks the two compiled variants; strided rows as in a fused qkv.
+# M: 1 and 7 (tails smaller than a tile), 16 (decode), 333 (odd, several CTAs), 4096 (prefill-sized): M <= 16
+# takes the one-vector-per-thread build, 333 and 4096 the four-vector one; head_dim: every supported one;
+# scale on/off picks the with/without-scale builds; strided rows as in a fused qkv.
 GRID = [(m, hd, scale, strided) for m in (1, 7, 16, 333, 4096) for hd in (64, 128, 256)
         for scale in (1.0, 0.5) for strided in (False, True)]
 
@@ -103,6 +104,27 @@ def test_qk_norm_deterministic_and_graph_replay(gpu_cache_dir):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, outs[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,hd", [(16, 64), (333, 128), (5, 256)])
+def test_vecs_per_thread_does_not_change_a_bit(gpu_cache_dir, m, hd):
+    """The one- and four-vector builds walk the same vectors with the same math: identical outputs."""
+    from musekern.runtime import get_kernel
+    from musekern.variants.qk_norm import QkNormVariant, launch_grid
+
+    heads = 2048 // hd
+    x = (torch.randn(m, heads * hd + 64, device="cuda") * 3).to(torch.bfloat16)[:, :heads * hd]
+    outs = []
+    for vpt in (1, 4):
+        v = QkNormVariant("bfloat16", hd, True, vpt)
+        out = torch.full((m, heads * hd), float("nan"), device="cuda", dtype=torch.bfloat16)
+        get_kernel(v).launch(launch_grid(v, m, heads), {"x": x.data_ptr(), "out": out.data_ptr(), "m": m,
+                                                        "heads": heads, "ld_x": x.stride(0), "ld_out": out.stride(0),
+                                                        "eps": 1e-5, "scale": 0.5})
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert not torch.isnan(outs[0]).any() and torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.gpu

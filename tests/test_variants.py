@@ -110,15 +110,29 @@ def test_qk_norm_variants():
     assert qk_norm_variant("bfloat16", 64, 0.5).has_scale
     with pytest.raises(ValueError, match="does not support"):
         QkNormVariant("bfloat16", 96, False)
+    with pytest.raises(ValueError, match="vecs_per_thread"):
+        QkNormVariant("bfloat16", 64, False, 2)
+
+
+# The work split by input size: one vector per thread up to 128 CTAs' worth (32768 16-byte vectors: 64 rows of
+# 64 heads of 64), four above; [16, 4096] (the seed's M = 16 shape) is small, M = 4096 is large; without a
+# size, the large build.
+@pytest.mark.parametrize("hd,m,heads,vpt", [(64, 16, 64, 1), (128, 16, 32, 1), (64, 64, 64, 1), (64, 65, 64, 4),
+                                           (64, 4096, 128, 4), (256, 1, 1, 1)])
+def test_qk_norm_variant_by_input_size(hd, m, heads, vpt):
+    from musekern.variants.qk_norm import qk_norm_vectors
+
+    assert qk_norm_variant("bfloat16", hd, 1.0, qk_norm_vectors(hd, m, heads)).vecs_per_thread == vpt
+    assert qk_norm_variant("bfloat16", hd, 1.0).vecs_per_thread == 4
 
 
 def test_default_plan():
     entries = plan_model(load_config(), [H200])
     kinds = [(e.kernel, e.variant.params().get("n")) for e in entries]
-    assert kinds.count(("qk_norm", None)) == 2
+    assert kinds.count(("qk_norm", None)) == 4  # with / without scale, large / small inputs
     for n in (2176, 4352, 8704, 17408):
         assert kinds.count(("qkv_front", n)) == 3
-    assert len(entries) == 14
+    assert len(entries) == 16
     tp_of = {e.variant.n: e.tps for e in entries if e.kernel == "qkv_front"}
     assert tp_of == {17408: (1,), 8704: (2,), 4352: (4,), 2176: (8,)}
 
@@ -165,7 +179,7 @@ def test_plan_is_deterministic_across_hash_seeds():
         outs.add(r.stdout)
     assert len(outs) == 1
     doc = json.loads(outs.pop())
-    assert len(doc["variants"]) == 28
+    assert len(doc["variants"]) == 32
 
 
 # each field of QkvFrontVariant that __post_init__ guards, with a value outside its domain

@@ -37,9 +37,7 @@ from cutlass.cute.runtime import make_ptr
 from ..variants.qk_norm import (
     QK_NORM_BLOCK,
     QK_NORM_GRID_RULE,
-    QK_NORM_TILE,
     QK_NORM_VEC_ELEMS,
-    QK_NORM_VECS_PER_THREAD,
     QkNormVariant,
 )
 from . import CompiledKernel
@@ -49,14 +47,13 @@ from .abi import KernelAbi, LaunchSpec, pointer, scalar
 _DTYPES = {"bfloat16": BFloat16, "float16": Float16}
 _VEC = QK_NORM_VEC_ELEMS
 _BLOCK = QK_NORM_BLOCK
-_UNROLL = QK_NORM_VECS_PER_THREAD
-_TILE = QK_NORM_TILE
 _FAKE_ADDR = 0x10000  # compile-time stand-in for the device pointers (16-byte aligned)
 
 
 @cute.kernel
 def qk_norm_kernel(x: cute.Pointer, out: cute.Pointer, m: Int32, heads: Int32, ld_x: Int32, ld_out: Int32,
-                   eps: Float32, scale: Float32, head_dim: cutlass.Constexpr, has_scale: cutlass.Constexpr):
+                   eps: Float32, scale: Float32, head_dim: cutlass.Constexpr, has_scale: cutlass.Constexpr,
+                   vpt: cutlass.Constexpr):
     lanes = head_dim // _VEC  # lanes per (row, head) group: 8, 16 or 32
     tidx = cute.arch.thread_idx()[0]
     bidx = cute.arch.block_idx()[0]
@@ -69,7 +66,7 @@ def qk_norm_kernel(x: cute.Pointer, out: cute.Pointer, m: Int32, heads: Int32, l
     mO = cute.make_tensor(out, cute.make_layout((m, ncol, _VEC), stride=(ldo, _VEC, 1)))
     vec_copy = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), x.dtype, num_bits_per_copy=128)
 
-    base = bidx * _TILE + tidx
+    base = bidx * (_BLOCK * vpt) + tidx
     last = total - 1  # >= 0: the grid is empty when total == 0
     ncol_u = Uint32(ncol)
     rows = []
@@ -79,7 +76,7 @@ def qk_norm_kernel(x: cute.Pointer, out: cute.Pointer, m: Int32, heads: Int32, l
     # phase 1: issue every load before any math, with no branch between them. A lane past the end
     # loads the last vector instead (in bounds, never stored): its whole group is past the end too,
     # so the shuffles below never mix it with live data.
-    for u in cutlass.range_constexpr(_UNROLL):
+    for u in cutlass.range_constexpr(vpt):
         v = base + u * _BLOCK
         live.append(v < total)
         vc = Uint32(cutlass.min(v, last))
@@ -90,7 +87,7 @@ def qk_norm_kernel(x: cute.Pointer, out: cute.Pointer, m: Int32, heads: Int32, l
         cute.copy(vec_copy, mX[rows[u], cols[u], None], f)
         frags.append(f)
     # phase 2: per vector, group sum of squares -> rsqrt -> scale -> one rounding -> 16-byte store
-    for u in cutlass.range_constexpr(_UNROLL):
+    for u in cutlass.range_constexpr(vpt):
         xf = frags[u].load().to(Float32)
         ss = Float32(0.0)
         for i in cutlass.range_constexpr(_VEC):
@@ -109,11 +106,12 @@ def qk_norm_kernel(x: cute.Pointer, out: cute.Pointer, m: Int32, heads: Int32, l
 @cute.jit
 def qk_norm_host(x: cute.Pointer, out: cute.Pointer, m: Int32, heads: Int32, ld_x: Int32, ld_out: Int32,
                  eps: Float32, scale: Float32, stream: cuda.CUstream, head_dim: cutlass.Constexpr,
-                 has_scale: cutlass.Constexpr):
+                 has_scale: cutlass.Constexpr, vpt: cutlass.Constexpr):
     """The launch CuTe would do (the runtime loader reproduces it from the manifest + launch_grid)."""
     total = m * heads * (head_dim // _VEC)
-    grid_x = (total + (_TILE - 1)) // _TILE
-    qk_norm_kernel(x, out, m, heads, ld_x, ld_out, eps, scale, head_dim, has_scale).launch(
+    tile = _BLOCK * vpt
+    grid_x = (total + (tile - 1)) // tile
+    qk_norm_kernel(x, out, m, heads, ld_x, ld_out, eps, scale, head_dim, has_scale, vpt).launch(
         grid=[grid_x, 1, 1], block=[_BLOCK, 1, 1], smem=0, stream=stream)
 
 
@@ -145,5 +143,5 @@ def compile_variant(variant: QkNormVariant, arch: str) -> CompiledKernel:
     row = variant.head_dim * 8
     cubin, ptx, symbol = compile_to_cubin(
         qk_norm_host, x, o, Int32(16), Int32(8), Int32(row), Int32(row), Float32(1e-5), Float32(1.0),
-        cuda.CUstream(0), variant.head_dim, bool(variant.has_scale), arch=arch)
+        cuda.CUstream(0), variant.head_dim, bool(variant.has_scale), variant.vecs_per_thread, arch=arch)
     return CompiledKernel(symbol=symbol, cubin=cubin, ptx=ptx, abi=abi_for(variant))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..variants.qk_norm import SUPPORTED_HEAD_DIMS, launch_grid, qk_norm_variant
+from ..variants.qk_norm import SUPPORTED_HEAD_DIMS, launch_grid, qk_norm_variant, qk_norm_vectors
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _VEC_BYTES = 16  # the kernel moves 16 bytes per thread access
@@ -60,9 +60,9 @@ def qk_norm(x: torch.Tensor, head_dim: int, eps: float = 1e-5, scale: float = 1.
         return out
     from ..runtime import get_kernel
 
-    variant = qk_norm_variant(_DTYPES[x.dtype], head_dim, float(scale))
-    kernel = get_kernel(variant, device=x.device.index)
     heads = n // head_dim
+    variant = qk_norm_variant(_DTYPES[x.dtype], head_dim, float(scale), qk_norm_vectors(head_dim, m, heads))
+    kernel = get_kernel(variant, device=x.device.index)
     kernel.launch(launch_grid(variant, m, heads),
                   {"x": x.data_ptr(), "out": out.data_ptr(), "m": m, "heads": heads, "ld_x": x.stride(0),
                    "ld_out": out.stride(0), "eps": float(eps), "scale": float(scale)})

@@ -57,14 +57,17 @@ DISTINCT_OUT = False  # --distinct-out: one y buffer per layer (as musekern benc
 # flight (68 CTAs x 6 stages); a deep ring (one CTA per SM, up to 11 stages) doubles them, and under "late" with
 # trigger_ahead the next grid has 64 free SMs to land on (only 2 of its 34 clusters wait). Round 9's deep ring
 # at TP8 was measured with the early trigger (grids stacking up), never with trigger_ahead.
+# Round 20 (--repeat 2): TP8 isolated (plain stream order, what engines without PDL see) is at 66-70% of copy
+# bandwidth: k_split 4 (136 CTAs, 256 KiB of W each: more CTAs streaming, twice the bytes in flight at two per
+# SM) was last measured at round 9 with the early trigger; against the plan, under "late" + trigger_ahead and
+# "exit".
 # Each entry: the variant's fields except tiles and fixed_m (from M), and the Ms to time.
-TP8 = dict(n=2176, num_kv_heads=1, splits=2, trigger="late", k_rotate=1)
-# Round 19b (--repeat 3): 11 stages with trigger_ahead 6 streamed the chain at 91-92% (9.2-9.3 us) but after the
-# norm added 12.2-12.9 us (the 6-stage plan 11.3); 11 ahead 11 the reverse (chain 11.7-12.1, added 9.9-11.2):
-# the trigger point around both, 10 stages, and the two-tile build's deepest ring (10 stages of 20 KiB).
-GRID = [(dict(TP8, stages=st, warp_split="rows", trigger_ahead=a), (1, 8))
-        for st, a in ((6, 6), (11, 4), (11, 5), (11, 6), (11, 7), (11, 9), (11, 10), (10, 5), (10, 6), (10, 10))] \
-    + [(dict(TP8, stages=st, warp_split="k", trigger_ahead=a), (16,)) for st, a in ((5, 5), (10, 5), (10, 6), (10, 10))]
+TP8 = dict(n=2176, num_kv_heads=1, trigger="late", k_rotate=1)
+GRID = [(dict(TP8, splits=2, stages=6, warp_split="rows", trigger_ahead=6), (1, 8)),
+        (dict(TP8, splits=2, stages=5, warp_split="k", trigger_ahead=5), (16,))] \
+    + [(dict(TP8, splits=4, stages=st, warp_split="k", trigger=trig, trigger_ahead=a), ms)  # 6 x 20 KiB: 1 CTA/SM
+       for st, trig, a, ms in ((6, "late", 0, (1,)), (6, "late", 3, (1,)), (6, "exit", 0, (1,)), (4, "exit", 0, (1, 16)),
+                               (4, "late", 4, (1, 16)))]
 
 
 def grid_jobs():

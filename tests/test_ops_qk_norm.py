@@ -38,11 +38,20 @@ def test_bad_out_rejected():
 
 
 def test_reference_math():
-    x = torch.randn(3, 256, dtype=torch.float64)
+    # The reference computes in fp32 whatever the input dtype (the kernels' math), so against the fp64 formula it
+    # agrees to fp32 precision: a few 2^-24 relative. float64's default tolerance (1e-7) is tighter than that and
+    # failed about one draw in ten on an unseeded input; seeded now, with the tolerance the fp32 math has.
+    x = torch.randn(3, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     ref = qk_norm_reference(x, 128, eps=1e-6, scale=0.5)
     g = x.reshape(3, 2, 128)
     want = g / torch.sqrt((g * g).mean(-1, keepdim=True) + 1e-6) * 0.5
-    torch.testing.assert_close(ref, want.reshape(3, 256))
+    torch.testing.assert_close(ref, want.reshape(3, 256), rtol=1e-6, atol=0)
+    # and over many draws, the error stays within that bound
+    for seed in range(200):
+        x = torch.randn(3, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        g = x.reshape(3, 2, 128)
+        want = (g / torch.sqrt((g * g).mean(-1, keepdim=True) + 1e-6) * 0.5).reshape(3, 256)
+        torch.testing.assert_close(qk_norm_reference(x, 128, eps=1e-6, scale=0.5), want, rtol=1e-6, atol=0)
 
 
 # ---------------------------------------------------------------- the kernel on the GPU

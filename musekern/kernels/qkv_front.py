@@ -65,6 +65,7 @@ from ..variants.qkv_front import (
     WARP_K,
     QkvFrontVariant,
     launch_grid,
+    owned_tokens,
     padded_tokens,
     smem_bytes,
 )
@@ -155,7 +156,7 @@ class QkvFrontKernel:
         self.stages = v.stages
         self.S = v.splits
         self.tt = padded_tokens(v)  # tokens the MMA computes
-        self.owned = self.tt // self.S  # tokens per owner CTA (S divides TT: S in 1,2,4,8)
+        self.owned = owned_tokens(v.tiles, v.splits)  # tokens per owner CTA (S divides TT: S in 1,2,4,8)
         assert self.tt % self.S == 0 and self.owned <= MAX_OWNED_TOKENS
         self.ntiles = K_TILES // self.S  # k-tiles per CTA
         assert self.stages <= self.ntiles

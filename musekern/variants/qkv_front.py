@@ -219,6 +219,11 @@ def one_wave_at_two_per_sm(n: int, split: int, target: Target) -> bool:
     return (n // HEAD_COLS) * split <= CTAS_PER_SM * target.sm_count
 
 
+def alone_on_sm(n: int, split: int, target: Target) -> bool:
+    """heads * S CTAs fit one per SM (TP8 on the H200): the SMs they leave free take the next grid's CTAs."""
+    return (n // HEAD_COLS) * split <= target.sm_count
+
+
 def stage_bytes(tiles: int) -> int:
     return W_STAGE_BYTES + tiles * X_TILE_STAGE_BYTES
 
@@ -239,7 +244,7 @@ def ring_stages(split: int, target: Target, tiles: int = 2, n: int | None = None
         # trigger_ahead 4-6 (h200-sweep-ring5.json, h200-sweep-round17.json: 5 stages cannot keep enough
         # bytes in flight, h200-tail-trace.json); where SMs hold two CTAs (TP4, TP2) 4 stages is as
         # fast or faster.
-        top = MAX_RING_STAGES if (n // HEAD_COLS) * split <= target.sm_count else SHALLOW_RING_STAGES
+        top = MAX_RING_STAGES if alone_on_sm(n, split, target) else SHALLOW_RING_STAGES
         for st in range(top, MIN_RING_STAGES - 1, -1):
             if CTAS_PER_SM * (ring_smem_bytes(st, tiles, split) + SMEM_RESERVED_PER_CTA) <= target.smem_per_sm:
                 return min(st, per_cta_tiles)
@@ -255,7 +260,7 @@ def pdl_trigger(n: int, split: int, target: Target, tiles: int = 1) -> str:
     there any overlap with the next grid measured slower than none."""
     if not one_wave_at_two_per_sm(n, split, target):
         return "early"
-    doubled = (n // HEAD_COLS) * split > target.sm_count
+    doubled = not alone_on_sm(n, split, target)
     return "exit" if doubled and (split > 1 or tiles > 1) else "late"
 
 
@@ -263,7 +268,7 @@ def trigger_ahead(n: int, split: int, target: Target, tiles: int, stages: int) -
     """k-tiles before the last load where "late" fires: one ring turn (`stages`) where this grid's CTAs are
     alone on their SMs (heads * S <= SMs: TP8), so the next grid's launch and prefill overlap this grid's
     last loads on the free SMs; 0 (the last load) where SMs hold two CTAs of one grid. Measured, above."""
-    if pdl_trigger(n, split, target, tiles) != "late" or (n // HEAD_COLS) * split > target.sm_count:
+    if pdl_trigger(n, split, target, tiles) != "late" or not alone_on_sm(n, split, target):
         return 0
     return stages
 

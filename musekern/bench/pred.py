@@ -133,29 +133,33 @@ def compile_cubin(arch: str = "sm_90a", source: str = SOURCE, name: str = "pred_
             raise RuntimeError(f"cannot build {name}: nvrtc: {e1}; nvcc: {e2} {detail}") from None
 
 
-class PredKernel:
+class _BuiltKernel:
+    """A bench kernel compiled here from CUDA C (compile_cubin), loaded, with its launch configs cached."""
+
+    def __init__(self, arch: str, source: str, name: str, symbol: str):
+        from cuda.bindings import driver as drv
+
+        from ..runtime.driver import check, launch_config
+
+        self._drv, self._check, self._launch_config = drv, check, launch_config
+        cubin, self.built_with = compile_cubin(arch, source, name)
+        self.module = check(drv.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
+        self.func = check(drv.cuModuleGetFunction(self.module, symbol.encode()), f"cuModuleGetFunction({symbol})")
+        self._configs: dict = {}
+
+    def _config(self, grid: tuple, block: tuple, stream: int, pdl: bool):
+        key = (grid, block, stream, pdl)
+        cfg = self._configs.get(key)
+        if cfg is None:
+            cfg = self._configs[key] = self._launch_config(grid, block, 0, stream, pdl=pdl)
+        return cfg
+
+
+class PredKernel(_BuiltKernel):
     """The loaded predecessor; launch() puts one RMSNorm of M rows on torch's current stream."""
 
     def __init__(self, arch: str = "sm_90a"):
-        from cuda.bindings import driver as drv
-
-        from ..runtime.driver import check
-
-        self._drv, self._check = drv, check
-        cubin, self.built_with = compile_cubin(arch)
-        self.module = check(drv.cuModuleLoadData(cubin), "cuModuleLoadData(pred)")
-        self.func = check(drv.cuModuleGetFunction(self.module, SYMBOL.encode()), "cuModuleGetFunction(pred)")
-        self._configs: dict = {}
-
-    def _config(self, m: int, stream: int, pdl: bool):
-        key = (m, stream, pdl)
-        cfg = self._configs.get(key)
-        if cfg is None:
-            from ..runtime.driver import launch_config
-
-            cfg = launch_config((m, 1, 1), (THREADS, 1, 1), 0, stream, pdl=pdl)
-            self._configs[key] = cfg
-        return cfg
+        super().__init__(arch, SOURCE, "pred_rmsnorm.cu", SYMBOL)
 
     def launch(self, res, gamma, x, eps: float, pdl: bool = True) -> None:
         """x = RMSNorm(res) * gamma; res, x: contiguous bf16 [M, 8192], gamma bf16 [8192], 16-byte aligned."""
@@ -167,31 +171,20 @@ class PredKernel:
         vals = [ctypes.c_uint64(res.data_ptr()), ctypes.c_uint64(gamma.data_ptr()), ctypes.c_uint64(x.data_ptr()),
                 ctypes.c_float(eps)]
         ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
-        self._check(self._drv.cuLaunchKernelEx(self._config(m, stream, pdl), self.func, ctypes.addressof(ptrs), 0),
-                    "cuLaunchKernelEx(pred)")
+        cfg = self._config((m, 1, 1), (THREADS, 1, 1), stream, pdl)
+        self._check(self._drv.cuLaunchKernelEx(cfg, self.func, ctypes.addressof(ptrs), 0), "cuLaunchKernelEx(pred)")
 
 
-class EmptyKernel:
+class EmptyKernel(_BuiltKernel):
     """The launch floor: `launch()` puts one empty 1-CTA, 32-thread kernel on torch's current stream (no PDL)."""
 
     def __init__(self, arch: str = "sm_90a"):
-        from cuda.bindings import driver as drv
-
-        from ..runtime.driver import check, launch_config
-
-        self._drv, self._check, self._launch_config = drv, check, launch_config
-        cubin, self.built_with = compile_cubin(arch, EMPTY_SOURCE, "empty_kernel.cu")
-        self.module = check(drv.cuModuleLoadData(cubin), "cuModuleLoadData(empty)")
-        self.func = check(drv.cuModuleGetFunction(self.module, EMPTY_SYMBOL.encode()), "cuModuleGetFunction(empty)")
-        self._configs: dict = {}
+        super().__init__(arch, EMPTY_SOURCE, "empty_kernel.cu", EMPTY_SYMBOL)
 
     def launch(self) -> None:
         import torch
 
-        stream = torch.cuda.current_stream().cuda_stream
-        cfg = self._configs.get(stream)
-        if cfg is None:
-            cfg = self._configs[stream] = self._launch_config((1, 1, 1), (32, 1, 1), 0, stream)
+        cfg = self._config((1, 1, 1), (32, 1, 1), torch.cuda.current_stream().cuda_stream, False)
         self._check(self._drv.cuLaunchKernelEx(cfg, self.func, 0, 0), "cuLaunchKernelEx(empty)")
 
 

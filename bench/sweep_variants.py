@@ -66,7 +66,8 @@ TP8 = dict(n=2176, num_kv_heads=1, trigger="late", k_rotate=1)
 GRID = [(dict(TP8, splits=2, stages=6, warp_split="rows", trigger_ahead=6), (1, 8)),
         (dict(TP8, splits=2, stages=5, warp_split="k", trigger_ahead=5), (16,))] \
     + [(dict(TP8, splits=4, stages=st, warp_split="k", trigger=trig, trigger_ahead=a), ms)  # 6 x 20 KiB: 1 CTA/SM
-       for st, trig, a, ms in ((6, "late", 0, (1,)), (6, "late", 3, (1,)), (6, "exit", 0, (1,)), (4, "exit", 0, (1, 16)),
+       for st, trig, a, ms in ((6, "late", 0, (1,)), (6, "late", 3, (1,)), (6, "exit", 0, (1,)),
+                               (4, "exit", 0, (1, 16)),
                                (4, "late", 4, (1, 16)))]
 
 
@@ -203,7 +204,8 @@ def main(argv=None) -> int:
     json.dump({"commit": build_commit(), "command": "python3 bench/sweep_variants.py " + " ".join(sys.argv[1:]),
                "copy_TBps": round(bw, 3), "device": torch.cuda.get_device_name(), "repeats": a.repeat, "rows": rows},
               open(a.out, "w"), indent=1)
-    print(f"{'N':>5} {'S':>2} {'st':>2} {'trig':5} {'ahd':>3} {'sts':>3} {'pf':>3} {'rot':>3} {'warps':5} {'M':>3} {'blk/SM':>6} "
+    print(f"{'N':>5} {'S':>2} {'st':>2} {'trig':5} {'ahd':>3} {'sts':>3} {'pf':>3} {'rot':>3} {'warps':5} {'M':>3} "
+          f"{'blk/SM':>6} "
           f"{'chain us':>9} {'frac':>6} {'isol us':>8} {'frac':>6} {'added us':>8}")
     for r in rows:
         if "error" in r:

@@ -22,9 +22,9 @@ import pytest
 
 from musekern.targets import SM90_REGS_PER_SM, TARGETS, get_target
 from musekern.variants.qkv_front import (
+    CTAS_PER_SM,
     HEAD_COLS,
     K_TILE,
-    CTAS_PER_SM,
     K_TILES,
     THREADS,
     W_STAGE_BYTES,

@@ -54,7 +54,8 @@ def test_k_split(n, target, s):
 
 
 # Measured rules: a ring that lets two CTAs share an SM (the deepest that does where a CTA is alone on its
-# SM: 6 stages with one token tile, 5 with two; else 4) and a late PDL trigger when the grid then fits in one wave; otherwise 8 stages and an early trigger.
+# SM: 6 stages with one token tile, 5 with two; else 4) and a late PDL trigger when the grid then fits in one
+# wave; otherwise 8 stages and an early trigger.
 # The consumer warps split each k-tile by k columns except for one token tile under the late trigger (TP8 and
 # TP2 at M <= 8); the deep ring is 11 stages (all one CTA may have) with one token tile, 8 with two; no explicit
 # PDL trigger where the shallow ring doubles CTAs up on SMs with clusters (TP4) or two tiles (TP2 M > 8).

@@ -80,7 +80,8 @@ STASH_CONFIGS = [ProbeConfig(f"tp8-st5-stash{t}", 34, 2, 5, "before", "late", st
 # round 16b: the two levers that paid at TP8 (stash, ahead) on a finer grid, two token tiles, and TP4 laid out
 # as TP8 is (S = 1: 68 CTAs, one per SM, the other SMs free for the next grid)
 AHEAD_CONFIGS = [ProbeConfig(f"tp8-a{a}-s{t}", 34, 2, 5, "before", "late", stash=t, ahead=a)
-                 for a, t in [(a, 0) for a in (0, 2, 3, 4, 5, 6, 7, 8)] + [(a, t) for a in (3, 4, 5, 6) for t in (1, 2, 4)]] \
+                 for a, t in [(a, 0) for a in (0, 2, 3, 4, 5, 6, 7, 8)]
+                 + [(a, t) for a in (3, 4, 5, 6) for t in (1, 2, 4)]] \
     + [ProbeConfig(f"tp8-tt16-a{a}-s{t}", 34, 2, 5, "before", "late", 16, stash=t, ahead=a)
        for a, t in ((0, 0), (5, 0), (5, 2), (5, 4))] \
     + [ProbeConfig(f"tp4-s1-st5-a{a}-s{t}", 68, 1, 5, "before", "late", stash=t, ahead=a)
@@ -313,7 +314,8 @@ def run(outdir: str, out_json: str, only: str = "") -> int:
         print(json.dumps(row), file=sys.stderr)
     info = json.load(open(os.path.join(outdir, "BUILD_INFO.json"))) if os.path.exists(
         os.path.join(outdir, "BUILD_INFO.json")) else {}
-    json.dump({"commit": info.get("commit"), "dirty": info.get("dirty"), "set": info.get("set"), "device": torch.cuda.get_device_name(), "copy_TBps": round(bw, 3),
+    json.dump({"commit": info.get("commit"), "dirty": info.get("dirty"), "set": info.get("set"),
+               "device": torch.cuda.get_device_name(), "copy_TBps": round(bw, 3),
                "command": "python3 bench/probes/skeleton_probe.py run " + " ".join(sys.argv[2:]), "rows": rows},
               open(out_json, "w"), indent=1)
     print(f"{'config':22} {'floor':>6} {'chain us':>9} {'frac':>6} {'isol us':>8} {'frac':>6}")

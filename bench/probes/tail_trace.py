@@ -14,7 +14,11 @@ clock64):
   2 producer: last load issued (and "late" triggered)    6 warp 0: epilogue done (its stores issued)
   3 consumer warp 0: last k-tile consumed                7 consumer warp 3: last k-tile consumed
 
-Build here (CPU, nvidia-cutlass-dsl):  python bench/probes/tail_trace.py build DIR
+Modes: chain (the fronts back to back, PDL), after-norm (per layer the bench's PDL RMSNorm predecessor, then
+the front; the predecessor is rebuilt with three globaltimer stamps: its CTA started and triggered, its
+griddepcontrol.wait returned, its stores issued) and isolated (no PDL).
+
+Build here (CPU, nvidia-cutlass-dsl):  python bench/probes/tail_trace.py build DIR [CASE ...]
 Run on the GPU (carry DIR):           python3 bench/probes/tail_trace.py run DIR OUT.json
 """
 # (no `from __future__ import annotations`: @cute.kernel reads real annotation objects)
@@ -28,8 +32,12 @@ LAYERS = 8
 SLOTS = 16  # per CTA: 8 globaltimer stamps, then the same 8 as clock64
 STAMPS = ("prod_start", "wait_ret", "prod_end", "cons_done", "sent", "recv", "epi_done", "cons3_done")
 # (name, variant label overrides of the planned TP8 / TP4 builds, M)
-CASES = [("tp8-m1-ahead5", dict(n=2176, m=1), {}), ("tp8-m1-last", dict(n=2176, m=1), {"trigger_ahead": 0}),
-         ("tp8-m9-ahead5", dict(n=2176, m=9), {}), ("tp4-m1-exit", dict(n=4352, m=1), {})]
+# (the planned TP8 builds fire trigger_ahead = stages k-tiles before the last load; "deep" is round 19's 11-stage
+# ring, the fastest chain and a slower after-norm)
+CASES = [("tp8-m1-plan", dict(n=2176, m=1), {}), ("tp8-m1-last", dict(n=2176, m=1), {"trigger_ahead": 0}),
+         ("tp8-m9-plan", dict(n=2176, m=9), {}), ("tp4-m1-exit", dict(n=4352, m=1), {}),
+         ("tp8-m1-deep6", dict(n=2176, m=1), {"stages": 11, "trigger_ahead": 6}),
+         ("tp8-m1-deep11", dict(n=2176, m=1), {"stages": 11, "trigger_ahead": 11})]
 KV = {2176: 1, 4352: 2}
 
 
@@ -126,15 +134,20 @@ def _traced_class():
     return TracedFront
 
 
-def build(outdir: str) -> None:
+def build(outdir: str, names=()) -> None:
     import subprocess
 
     from musekern.kernels.qkv_front import compile_variant
 
+    known = [c[0] for c in CASES]
+    if unknown := sorted(set(names) - set(known)):
+        raise SystemExit(f"unknown case(s) {unknown}; known: {known}")
     os.makedirs(outdir, exist_ok=True)
     cls = _traced_class()
     manifest = []
     for name, shape, overrides in CASES:
+        if names and name not in names:
+            continue
         v = _variant(shape["n"], shape["m"], overrides)
         ck = compile_variant(v, "sm_90a", kernel_cls=cls)  # checks the PTX .entry against the kernel's ABI
         open(os.path.join(outdir, f"{name}.cubin"), "wb").write(ck.cubin)
@@ -149,6 +162,59 @@ def build(outdir: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- run (GPU)
+PRED_STAMPS = ("pred_start", "pred_wait", "pred_end")
+
+
+def traced_pred_source() -> str:
+    """The bench's predecessor with globaltimer stamps (thread 0 of each CTA, 4 slots per CTA): after its
+    launch_dependents, after its griddepcontrol.wait, after the CTA's stores (a barrier first)."""
+    from musekern.bench.pred import SOURCE
+
+    def sub(old, new):
+        assert SOURCE.count(old) == 1, old
+        return new
+
+    gt = 'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));'
+    edits = [("uint4* __restrict__ x, float eps) {", "uint4* __restrict__ x, float eps, unsigned long long* tr) {"
+              "\n    unsigned long long t_;"),
+             ('asm volatile("griddepcontrol.launch_dependents;" ::: "memory");',
+              'asm volatile("griddepcontrol.launch_dependents;" ::: "memory");\n    ' + gt +
+              "\n    if (threadIdx.x == 0) tr[blockIdx.x * 4 + 0] = t_;"),
+             ('asm volatile("griddepcontrol.wait;" ::: "memory");',
+              'asm volatile("griddepcontrol.wait;" ::: "memory");\n    ' + gt +
+              "\n    if (threadIdx.x == 0) tr[blockIdx.x * 4 + 1] = t_;"),
+             ("        x[row + i * 256 + t] = o;\n    }\n}",
+              "        x[row + i * 256 + t] = o;\n    }\n    __syncthreads();\n    " + gt +
+              "\n    if (threadIdx.x == 0) tr[blockIdx.x * 4 + 2] = t_;\n}")]
+    src = SOURCE
+    for old, new in edits:
+        src = src.replace(old, sub(old, new))
+    return src
+
+
+def _traced_pred():
+    import ctypes
+
+    import torch
+
+    from musekern.bench.pred import HIDDEN, THREADS, PredKernel, _BuiltKernel
+
+    class TracedPred(PredKernel):
+        def __init__(self):
+            _BuiltKernel.__init__(self, "sm_90a", traced_pred_source(), "pred_traced.cu", "pred_rmsnorm")
+
+        def launch(self, res, gamma, x, eps, tr, pdl=True):
+            m = res.shape[0]
+            assert res.shape == x.shape == (m, HIDDEN) and tr.numel() >= 4 * m
+            vals = [ctypes.c_uint64(res.data_ptr()), ctypes.c_uint64(gamma.data_ptr()),
+                    ctypes.c_uint64(x.data_ptr()), ctypes.c_float(eps), ctypes.c_uint64(tr.data_ptr())]
+            ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+            cfg = self._config((m, 1, 1), (THREADS, 1, 1), torch.cuda.current_stream().cuda_stream, pdl)
+            self._check(self._drv.cuLaunchKernelEx(cfg, self.func, ctypes.addressof(ptrs), 0), "launch(pred)")
+
+    return TracedPred()
+
+
 class _Entry:
     def __init__(self, m):
         self.key = m["name"]
@@ -184,6 +250,7 @@ def run(outdir: str, out_json: str) -> int:
     from musekern.variants.qkv_front import HIDDEN, launch_grid, padded_tokens
 
     man = json.load(open(os.path.join(outdir, "manifest.json")))
+    pred = _traced_pred()
     results = []
     for m in man["cases"]:
         v = variant_from_label(m["label"])
@@ -198,14 +265,19 @@ def run(outdir: str, out_json: str) -> int:
         kv = torch.zeros(2, 64, 16, v.num_kv_heads, 64, dtype=torch.bfloat16, device="cuda")
         ys = [torch.zeros(padded_tokens(v), v.n, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
         grid = launch_grid(v)
+        res = [torch.randn(M, HIDDEN, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
+        gamma = (1 + torch.randn(HIDDEN, device="cuda") / 8).to(torch.bfloat16)
+        xs = [torch.empty(M, HIDDEN, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+        ptr = [torch.zeros(4 * M, dtype=torch.int64, device="cuda") for _ in range(LAYERS)]
         case = {"name": m["name"], "label": m["label"], "M": M}
-        for mode, pdl in (("chain", True), ("isolated", False)):
-            args = []
-            for w, y in zip(weights, ys, strict=True):
-                a = launch_args(x, w, pos, cs, slots, kv[0], kv[1], 1e-5, y[:M])
-                args.append(a)
-            g = Graph(mode, [lambda a=a, k=k, grid=grid, pdl=pdl: k.launch(grid, a, pdl=pdl) for a in args], 1,
-                      LAYERS)
+        for mode in ("chain", "after-norm", "isolated"):
+            launches = []
+            for j, (w, y) in enumerate(zip(weights, ys, strict=True)):
+                a = launch_args(xs[j] if mode == "after-norm" else x, w, pos, cs, slots, kv[0], kv[1], 1e-5, y[:M])
+                if mode == "after-norm":
+                    launches.append(lambda r=res[j], xj=xs[j], t=ptr[j], g=gamma: pred.launch(r, g, xj, 1e-5, t))
+                launches.append(lambda a=a, k=k, grid=grid, pdl=mode != "isolated": k.launch(grid, a, pdl=pdl))
+            g = Graph(mode, launches, 1, LAYERS)
             us = time_graphs([g], 5)[mode]["us"]
             g.replay()  # the stamps of this replay are read below
             torch.cuda.synchronize()
@@ -215,17 +287,16 @@ def run(outdir: str, out_json: str) -> int:
                 st = y[M:].contiguous().view(torch.int64).flatten()[: ctas * SLOTS].view(ctas, SLOTS).cpu()
                 layers.append(_layer_summary(st))
             # across the PDL boundary: from layer i's last epilogue to layer i+1's first wait return / start
-            gaps = [{"next_start_min_minus_epi_done":
-                     round(b["_abs"]["prod_start_min"] - a["_abs"]["epi_done_max"], 1),
-                     "next_wait_ret_min_minus_epi_done":
-                     round(b["_abs"]["wait_ret_min"] - a["_abs"]["epi_done_max"], 1),
-                     "next_wait_spread": round(b["_abs"]["wait_ret_max"] - b["_abs"]["wait_ret_min"], 1),
-                     "layer_period": round(b["_abs"]["epi_done_max"] - a["_abs"]["epi_done_max"], 1)}
-                    for a, b in zip(layers, layers[1:], strict=False)]
+            gaps = [_gap(a, b) for a, b in zip(layers, layers[1:], strict=False)]
+            if mode == "after-norm":  # the predecessor between them (its CTA 0), from the same last epilogue
+                for gp, a, p in zip(gaps, layers, ptr[1:], strict=False):
+                    t = p.view(M, 4)[0].cpu().tolist()
+                    for name, ti in zip(PRED_STAMPS, t, strict=False):
+                        gp[f"{name}_minus_epi_done"] = round(ti - a["_abs"]["epi_done_max"], 1)
             case[mode] = {"us_per_layer": round(us, 3), "layers": layers, "gaps": gaps}
         results.append(case)
-        print(json.dumps({"name": case["name"], "chain_us": case["chain"]["us_per_layer"],
-                          "isolated_us": case["isolated"]["us_per_layer"]}), file=sys.stderr)
+        print(json.dumps({"name": case["name"], **{f"{md}_us": case[md]["us_per_layer"]
+                                                    for md in ("chain", "after-norm", "isolated")}}), file=sys.stderr)
     json.dump({"commit": man["commit"], "dirty": man["dirty"], "device": torch.cuda.get_device_name(),
                "command": "python3 bench/probes/tail_trace.py run " + " ".join(sys.argv[2:]), "cases": results},
               open(out_json, "w"), indent=1)
@@ -233,18 +304,30 @@ def run(outdir: str, out_json: str) -> int:
     return 0
 
 
+def _gap(a, b) -> dict:
+    """Layer a's last epilogue against layer b's first producer start / first wait return, ns."""
+    e = a["_abs"]["epi_done_max"]
+    return {"next_start_min_minus_epi_done": round(b["_abs"]["prod_start_min"] - e, 1),
+            "next_wait_ret_min_minus_epi_done": round(b["_abs"]["wait_ret_min"] - e, 1),
+            "next_wait_spread": round(b["_abs"]["wait_ret_max"] - b["_abs"]["wait_ret_min"], 1),
+            "next_stream": round(b["_abs"]["cons_done_max"] - b["_abs"]["wait_ret_min"], 1),
+            "layer_period": round(b["_abs"]["epi_done_max"] - e, 1)}
+
+
 def _med(xs):
     return round(statistics.median(xs), 0)
 
 
 def _table(results):
-    """Medians over the layers of one replay (ns from the layer's first producer start; cycles at 1.98 GHz)."""
-    print(f"{'case':16} {'mode':8} {'us/lay':>6} {'wait':>6} {'prodend':>7} {'consdn':>7} {'epidone':>7} "
-          f"{'c->sent':>7} {'s->recv':>7} {'r->epi':>7} {'gap->wait':>9} {'start-epi':>9} {'period':>7}")
+    """Medians over the layers of one replay (ns from the layer's first producer start; cycles at 1.98 GHz;
+    gap columns from the previous layer's last epilogue; stream: first wait return to last k-tile consumed)."""
+    print(f"{'case':16} {'mode':10} {'us/lay':>6} {'wait':>6} {'prodend':>7} {'consdn':>7} {'epidone':>7} "
+          f"{'c->sent':>7} {'s->recv':>7} {'r->epi':>7} {'gap->wait':>9} {'start-epi':>9} {'stream':>7} {'period':>7}")
     for c in results:
-        for mode in ("chain", "isolated"):
+        for mode in ("chain", "after-norm", "isolated"):
             L, G = c[mode]["layers"], c[mode]["gaps"]
-            print(f"{c['name']:16} {mode:8} {c[mode]['us_per_layer']:6.2f} {_med([x['wait_ret_max'] for x in L]):6.0f} "
+            print(f"{c['name']:16} {mode:10} {c[mode]['us_per_layer']:6.2f} "
+                  f"{_med([x['wait_ret_max'] for x in L]):6.0f} "
                   f"{_med([x['prod_end_max'] for x in L]):7.0f} {_med([x['cons_done_max'] for x in L]):7.0f} "
                   f"{_med([x['epi_done_max'] for x in L]):7.0f} "
                   f"{_med([x['cyc_consume_to_sent_med'] for x in L]):7.0f} "
@@ -252,12 +335,16 @@ def _table(results):
                   f"{_med([x['cyc_recv_to_epi_med'] for x in L]):7.0f} "
                   f"{_med([x['next_wait_ret_min_minus_epi_done'] for x in G]):9.0f} "
                   f"{_med([x['next_start_min_minus_epi_done'] for x in G]):9.0f} "
+                  f"{_med([x['next_stream'] for x in G]):7.0f} "
                   f"{_med([x['layer_period'] for x in G]):7.0f}")
+            if mode == "after-norm":
+                print(f"{'':16} {'  pred':10} " + "  ".join(
+                    f"{n}-epi {_med([x[n + '_minus_epi_done'] for x in G]):6.0f}" for n in PRED_STAMPS))
 
 
 def main(argv) -> int:
-    if len(argv) == 2 and argv[0] == "build":
-        build(argv[1])
+    if len(argv) >= 2 and argv[0] == "build":
+        build(argv[1], argv[2:])
         return 0
     if len(argv) == 3 and argv[0] == "run":
         return run(argv[1], argv[2])

@@ -250,6 +250,7 @@ def run(outdir: str, out_json: str) -> int:
     from musekern.variants.qkv_front import HIDDEN, launch_grid, padded_tokens
 
     man = json.load(open(os.path.join(outdir, "manifest.json")))
+    torch.zeros(1, device="cuda")  # the primary context, current: the predecessor loads its module into it
     pred = _traced_pred()
     results = []
     for m in man["cases"]:

@@ -37,8 +37,10 @@ STAMPS = ("prod_start", "wait_ret", "prod_end", "cons_done", "sent", "recv", "ep
 CASES = [("tp8-m1-plan", dict(n=2176, m=1), {}), ("tp8-m1-last", dict(n=2176, m=1), {"trigger_ahead": 0}),
          ("tp8-m9-plan", dict(n=2176, m=9), {}), ("tp4-m1-exit", dict(n=4352, m=1), {}),
          ("tp8-m1-deep6", dict(n=2176, m=1), {"stages": 11, "trigger_ahead": 6}),
-         ("tp8-m1-deep11", dict(n=2176, m=1), {"stages": 11, "trigger_ahead": 11})]
-KV = {2176: 1, 4352: 2}
+         ("tp8-m1-deep11", dict(n=2176, m=1), {"stages": 11, "trigger_ahead": 11}),
+         ("tp2-m1-plan", dict(n=8704, m=1), {}), ("tp2-m9-plan", dict(n=8704, m=9), {}),
+         ("tp1-m1-plan", dict(n=17408, m=1), {}), ("tp1-m9-plan", dict(n=17408, m=9), {})]
+KV = {2176: 1, 4352: 2, 8704: 4, 17408: 8}
 
 
 def trace_row(v) -> int:
@@ -234,6 +236,10 @@ def _layer_summary(st):
     out["cyc_sent_to_recv_med"] = float((c[:, 5] - c[:, 4]).median())
     out["cyc_recv_to_epi_med"] = float((c[:, 6] - c[:, 5]).median())
     out["cyc_cons_to_epi_max"] = float((c[:, 6] - c[:, 3]).max())
+    # per CTA: producer start -> last k-tile consumed (the stream, with any wait), -> epilogue done (the tail)
+    out["cyc_start_to_cons_med"] = float((c[:, 3] - c[:, 0]).median())
+    out["cyc_cons_to_epi_med"] = float((c[:, 6] - c[:, 3]).median())
+    out["ns_wait_to_cons_med"] = float((g[:, 3] - g[:, 1]).median())
     out["_abs"] = {"t0": float(t0), "epi_done_max": float(g[:, 6].max()), "wait_ret_min": float(g[:, 1].min()),
                    "wait_ret_max": float(g[:, 1].max()), "prod_start_min": float(g[:, 0].min()),
                    "prod_end_max": float(g[:, 2].max()), "cons_done_max": float(g[:, 3].max())}
@@ -302,6 +308,7 @@ def run(outdir: str, out_json: str) -> int:
                "command": "python3 bench/probes/tail_trace.py run " + " ".join(sys.argv[2:]), "cases": results},
               open(out_json, "w"), indent=1)
     _table(results)
+    _cta_table(results)
     return 0
 
 
@@ -341,6 +348,18 @@ def _table(results):
             if mode == "after-norm":
                 print(f"{'':16} {'  pred':10} " + "  ".join(
                     f"{n}-epi {_med([x[n + '_minus_epi_done'] for x in G]):6.0f}" for n in PRED_STAMPS))
+
+
+def _cta_table(results):
+    """Per CTA, medians over CTAs then layers: the stream (start -> last k-tile consumed, cycles; wait return ->
+    last k-tile consumed, ns) and the tail (last k-tile consumed -> epilogue done, cycles)."""
+    print(f"{'case':16} {'mode':10} {'start->cons cyc':>15} {'wait->cons ns':>13} {'cons->epi cyc':>13}")
+    for c in results:
+        for mode in ("chain", "after-norm", "isolated"):
+            L = c[mode]["layers"]
+            print(f"{c['name']:16} {mode:10} {_med([x['cyc_start_to_cons_med'] for x in L]):15.0f} "
+                  f"{_med([x['ns_wait_to_cons_med'] for x in L]):13.0f} "
+                  f"{_med([x['cyc_cons_to_epi_med'] for x in L]):13.0f}")
 
 
 def main(argv) -> int:

@@ -16,7 +16,8 @@ clock64):
 
 Modes: chain (the fronts back to back, PDL), after-norm (per layer the bench's PDL RMSNorm predecessor, then
 the front; the predecessor is rebuilt with three globaltimer stamps: its CTA started and triggered, its
-griddepcontrol.wait returned, its stores issued) and isolated (no PDL).
+griddepcontrol.wait returned, its stores issued), after-norm-l2 (the same with the predecessor's input in L2)
+and isolated (no PDL).
 
 Build here (CPU, nvidia-cutlass-dsl):  python bench/probes/tail_trace.py build DIR [CASE ...]
 Run on the GPU (carry DIR):           python3 bench/probes/tail_trace.py run DIR OUT.json
@@ -165,6 +166,10 @@ def build(outdir: str, names=()) -> None:
 
 # ---------------------------------------------------------------------------------------------- run (GPU)
 PRED_STAMPS = ("pred_start", "pred_wait", "pred_end")
+# after-norm: each layer's predecessor reads its own residual (evicted from L2 by the weight stream: from HBM, as
+# the bench's); after-norm-l2: all read one residual, which stays in L2 (as an engine's norm reads the residual
+# its previous kernel just wrote)
+MODES = ("chain", "after-norm", "after-norm-l2", "isolated")
 
 
 def traced_pred_source() -> str:
@@ -277,12 +282,14 @@ def run(outdir: str, out_json: str) -> int:
         xs = [torch.empty(M, HIDDEN, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
         ptr = [torch.zeros(4 * M, dtype=torch.int64, device="cuda") for _ in range(LAYERS)]
         case = {"name": m["name"], "label": m["label"], "M": M}
-        for mode in ("chain", "after-norm", "isolated"):
+        for mode in MODES:
             launches = []
+            norm = mode.startswith("after-norm")
             for j, (w, y) in enumerate(zip(weights, ys, strict=True)):
-                a = launch_args(xs[j] if mode == "after-norm" else x, w, pos, cs, slots, kv[0], kv[1], 1e-5, y[:M])
-                if mode == "after-norm":
-                    launches.append(lambda r=res[j], xj=xs[j], t=ptr[j], g=gamma: pred.launch(r, g, xj, 1e-5, t))
+                a = launch_args(xs[j] if norm else x, w, pos, cs, slots, kv[0], kv[1], 1e-5, y[:M])
+                if norm:
+                    r = res[0] if mode == "after-norm-l2" else res[j]
+                    launches.append(lambda r=r, xj=xs[j], t=ptr[j], g=gamma: pred.launch(r, g, xj, 1e-5, t))
                 launches.append(lambda a=a, k=k, grid=grid, pdl=mode != "isolated": k.launch(grid, a, pdl=pdl))
             g = Graph(mode, launches, 1, LAYERS)
             us = time_graphs([g], 5)[mode]["us"]
@@ -295,7 +302,7 @@ def run(outdir: str, out_json: str) -> int:
                 layers.append(_layer_summary(st))
             # across the PDL boundary: from layer i's last epilogue to layer i+1's first wait return / start
             gaps = [_gap(a, b) for a, b in zip(layers, layers[1:], strict=False)]
-            if mode == "after-norm":  # the predecessor between them (its CTA 0), from the same last epilogue
+            if norm:  # the predecessor between them (its CTA 0), from the same last epilogue
                 for gp, a, p in zip(gaps, layers, ptr[1:], strict=False):
                     t = p.view(M, 4)[0].cpu().tolist()
                     for name, ti in zip(PRED_STAMPS, t, strict=False):
@@ -303,7 +310,7 @@ def run(outdir: str, out_json: str) -> int:
             case[mode] = {"us_per_layer": round(us, 3), "layers": layers, "gaps": gaps}
         results.append(case)
         print(json.dumps({"name": case["name"], **{f"{md}_us": case[md]["us_per_layer"]
-                                                    for md in ("chain", "after-norm", "isolated")}}), file=sys.stderr)
+                                                    for md in MODES}}), file=sys.stderr)
     json.dump({"commit": man["commit"], "dirty": man["dirty"], "device": torch.cuda.get_device_name(),
                "command": "python3 bench/probes/tail_trace.py run " + " ".join(sys.argv[2:]), "cases": results},
               open(out_json, "w"), indent=1)
@@ -329,12 +336,12 @@ def _med(xs):
 def _table(results):
     """Medians over the layers of one replay (ns from the layer's first producer start; cycles at 1.98 GHz;
     gap columns from the previous layer's last epilogue; stream: first wait return to last k-tile consumed)."""
-    print(f"{'case':16} {'mode':10} {'us/lay':>6} {'wait':>6} {'prodend':>7} {'consdn':>7} {'epidone':>7} "
+    print(f"{'case':16} {'mode':13} {'us/lay':>6} {'wait':>6} {'prodend':>7} {'consdn':>7} {'epidone':>7} "
           f"{'c->sent':>7} {'s->recv':>7} {'r->epi':>7} {'gap->wait':>9} {'start-epi':>9} {'stream':>7} {'period':>7}")
     for c in results:
-        for mode in ("chain", "after-norm", "isolated"):
+        for mode in MODES:
             L, G = c[mode]["layers"], c[mode]["gaps"]
-            print(f"{c['name']:16} {mode:10} {c[mode]['us_per_layer']:6.2f} "
+            print(f"{c['name']:16} {mode:13} {c[mode]['us_per_layer']:6.2f} "
                   f"{_med([x['wait_ret_max'] for x in L]):6.0f} "
                   f"{_med([x['prod_end_max'] for x in L]):7.0f} {_med([x['cons_done_max'] for x in L]):7.0f} "
                   f"{_med([x['epi_done_max'] for x in L]):7.0f} "
@@ -345,19 +352,19 @@ def _table(results):
                   f"{_med([x['next_start_min_minus_epi_done'] for x in G]):9.0f} "
                   f"{_med([x['next_stream'] for x in G]):7.0f} "
                   f"{_med([x['layer_period'] for x in G]):7.0f}")
-            if mode == "after-norm":
-                print(f"{'':16} {'  pred':10} " + "  ".join(
+            if mode.startswith("after-norm"):
+                print(f"{'':16} {'  pred':13} " + "  ".join(
                     f"{n}-epi {_med([x[n + '_minus_epi_done'] for x in G]):6.0f}" for n in PRED_STAMPS))
 
 
 def _cta_table(results):
     """Per CTA, medians over CTAs then layers: the stream (start -> last k-tile consumed, cycles; wait return ->
     last k-tile consumed, ns) and the tail (last k-tile consumed -> epilogue done, cycles)."""
-    print(f"{'case':16} {'mode':10} {'start->cons cyc':>15} {'wait->cons ns':>13} {'cons->epi cyc':>13}")
+    print(f"{'case':16} {'mode':13} {'start->cons cyc':>15} {'wait->cons ns':>13} {'cons->epi cyc':>13}")
     for c in results:
-        for mode in ("chain", "after-norm", "isolated"):
+        for mode in MODES:
             L = c[mode]["layers"]
-            print(f"{c['name']:16} {mode:10} {_med([x['cyc_start_to_cons_med'] for x in L]):15.0f} "
+            print(f"{c['name']:16} {mode:13} {_med([x['cyc_start_to_cons_med'] for x in L]):15.0f} "
                   f"{_med([x['ns_wait_to_cons_med'] for x in L]):13.0f} "
                   f"{_med([x['cyc_cons_to_epi_med'] for x in L]):13.0f}")
 

@@ -39,6 +39,7 @@ CASES = [("tp8-m1-plan", dict(n=2176, m=1), {}), ("tp8-m1-last", dict(n=2176, m=
          ("tp8-m9-plan", dict(n=2176, m=9), {}), ("tp4-m1-exit", dict(n=4352, m=1), {}),
          ("tp8-m1-deep6", dict(n=2176, m=1), {"stages": 11, "trigger_ahead": 6}),
          ("tp8-m1-deep11", dict(n=2176, m=1), {"stages": 11, "trigger_ahead": 11}),
+         ("tp8-m1-deep8", dict(n=2176, m=1), {"stages": 11, "trigger_ahead": 8}),
          ("tp2-m1-plan", dict(n=8704, m=1), {}), ("tp2-m9-plan", dict(n=8704, m=9), {}),
          ("tp1-m1-plan", dict(n=17408, m=1), {}), ("tp1-m9-plan", dict(n=17408, m=9), {})]
 KV = {2176: 1, 4352: 2, 8704: 4, 17408: 8}
@@ -296,10 +297,13 @@ def run(outdir: str, out_json: str) -> int:
             g.replay()  # the stamps of this replay are read below
             torch.cuda.synchronize()
             ctas = v.heads * v.splits
-            layers = []
-            for y in ys:
+            layers, raw = [], None
+            for j, y in enumerate(ys):
                 st = y[M:].contiguous().view(torch.int64).flatten()[: ctas * SLOTS].view(ctas, SLOTS).cpu()
                 layers.append(_layer_summary(st))
+                if j == LAYERS // 2:  # one middle layer per CTA, ns from the previous layer's last epilogue
+                    e = layers[j - 1]["_abs"]["epi_done_max"]
+                    raw = [[round(float(t) - e) for t in row[:8].tolist()] for row in st]
             # across the PDL boundary: from layer i's last epilogue to layer i+1's first wait return / start
             gaps = [_gap(a, b) for a, b in zip(layers, layers[1:], strict=False)]
             if norm:  # the predecessor between them (its CTA 0), from the same last epilogue
@@ -307,7 +311,7 @@ def run(outdir: str, out_json: str) -> int:
                     t = p.view(M, 4)[0].cpu().tolist()
                     for name, ti in zip(PRED_STAMPS, t, strict=False):
                         gp[f"{name}_minus_epi_done"] = round(ti - a["_abs"]["epi_done_max"], 1)
-            case[mode] = {"us_per_layer": round(us, 3), "layers": layers, "gaps": gaps}
+            case[mode] = {"us_per_layer": round(us, 3), "layers": layers, "gaps": gaps, "raw_mid_layer": raw}
         results.append(case)
         print(json.dumps({"name": case["name"], **{f"{md}_us": case[md]["us_per_layer"]
                                                     for md in MODES}}), file=sys.stderr)

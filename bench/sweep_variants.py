@@ -61,14 +61,15 @@ DISTINCT_OUT = False  # --distinct-out: one y buffer per layer (as musekern benc
 # bandwidth: k_split 4 (136 CTAs, 256 KiB of W each: more CTAs streaming, twice the bytes in flight at two per
 # SM) was last measured at round 9 with the early trigger; against the plan, under "late" + trigger_ahead and
 # "exit".
+# Round 23 (--repeat 2): the trace (h200-tail-trace-r22.json) says the deep ring's chain wants the next grid's
+# prefill to fill this grid's drain, the after-norm mode a trigger ~1.3 us earlier (h200-tail-trace-r21*.json): a
+# stash (up to 4 k-tiles of W in the consumers' registers before x exists; one CTA per SM leaves the register file
+# free) makes an early-landing grid's prefill longer. 11 stages x stash 0 / 2 / 4 x trigger_ahead 6 / 8 / 11 / 14.
 # Each entry: the variant's fields except tiles and fixed_m (from M), and the Ms to time.
-TP8 = dict(n=2176, num_kv_heads=1, trigger="late", k_rotate=1)
-GRID = [(dict(TP8, splits=2, stages=6, warp_split="rows", trigger_ahead=6), (1, 8)),
-        (dict(TP8, splits=2, stages=5, warp_split="k", trigger_ahead=5), (16,))] \
-    + [(dict(TP8, splits=4, stages=st, warp_split="k", trigger=trig, trigger_ahead=a), ms)  # 6 x 20 KiB: 1 CTA/SM
-       for st, trig, a, ms in ((6, "late", 0, (1,)), (6, "late", 3, (1,)), (6, "exit", 0, (1,)),
-                               (4, "exit", 0, (1, 16)),
-                               (4, "late", 4, (1, 16)))]
+TP8 = dict(n=2176, num_kv_heads=1, trigger="late", k_rotate=1, splits=2, warp_split="rows")
+GRID = [(dict(TP8, stages=6, trigger_ahead=6), (1, 8))] \
+    + [(dict(TP8, stages=11, stash=sh, trigger_ahead=a), (1, 8))
+       for sh, a in ((0, 6), (0, 11), (2, 8), (2, 11), (4, 6), (4, 8), (4, 11), (4, 14))]
 
 
 def grid_jobs():

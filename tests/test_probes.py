@@ -50,7 +50,7 @@ def test_tail_trace_cases_are_planned_variants_with_room_for_the_stamps():
 def test_tail_trace_builds_against_the_kernel(case):
     """The traced subclass compiles with the kernel's ABI (compile_variant checks the PTX .entry) and stamps
     at its 8 sites: producer start / end, aux after the wait, consumer done (warps 0 and 3), sent, partials
-    landed, epilogue done."""
+    landed, epilogue done; and at the kernel's entry."""
     pytest.importorskip("cutlass")
     from musekern.kernels.qkv_front import compile_variant
 
@@ -58,5 +58,5 @@ def test_tail_trace_builds_against_the_kernel(case):
     name, shape, overrides = tt.CASES[case]
     v = tt._variant(shape["n"], shape["m"], overrides)
     ck = compile_variant(v, "sm_90a", kernel_cls=tt._traced_class())
-    assert len(re.findall(r"mov\.u64\s+%rd\d+, %globaltimer;", ck.ptx)) == 8
-    assert len(re.findall(r"mov\.u64\s+%rd\d+, %clock64;", ck.ptx)) == 8
+    assert len(re.findall(r"mov\.u64\s+%rd\d+, %globaltimer;", ck.ptx)) == 9  # and the kernel's entry
+    assert len(re.findall(r"mov\.u64\s+%rd\d+, %clock64;", ck.ptx)) == 9

@@ -14,6 +14,8 @@ clock64):
   2 producer: last load issued (and "late" triggered)    6 warp 0: epilogue done (its stores issued)
   3 consumer warp 0: last k-tile consumed                7 consumer warp 3: last k-tile consumed
 
+and in slots 16 / 17 the kernel's entry (thread 0, before the barriers' init and the cluster sync).
+
 Modes: chain (the fronts back to back, PDL), after-norm (per layer the bench's PDL RMSNorm predecessor, then
 the front; the predecessor is rebuilt with three globaltimer stamps: its CTA started and triggered, its
 griddepcontrol.wait returned, its stores issued), after-norm-l2 (the same with the predecessor's input in L2)
@@ -30,7 +32,7 @@ import statistics
 import sys
 
 LAYERS = 8
-SLOTS = 16  # per CTA: 8 globaltimer stamps, then the same 8 as clock64
+SLOTS = 18  # per CTA: 8 globaltimer stamps, the same 8 as clock64, then the kernel's entry (globaltimer, clock64)
 STAMPS = ("prod_start", "wait_ret", "prod_end", "cons_done", "sent", "recv", "epi_done", "cons3_done")
 # (name, variant label overrides of the planned TP8 / TP4 builds, M)
 # (the planned TP8 builds fire trigger_ahead = stages k-tiles before the last load; "deep" is round 19's 11-stage
@@ -77,17 +79,21 @@ def _traced_class():
     base = QkvFrontKernel
 
     class TracedFront(base):
-        @cute.jit
         def _stamp(self, k: int, cond):
+            self._stamp_slots(k, 8 + k, cond)
+
+        @cute.jit
+        def _stamp_slots(self, gt_slot: int, clk_slot: int, cond):
             tr = self._tr
             base_slot = cute.arch.block_idx()[0] * SLOTS
             if cond:
-                tr[base_slot + k] = _read("%globaltimer")
-                tr[base_slot + 8 + k] = _read("%clock64")
+                tr[base_slot + gt_slot] = _read("%globaltimer")
+                tr[base_slot + clk_slot] = _read("%clock64")
 
         def _instrument(self, y_ptr):
             self._tr = cute.make_tensor(cute.recast_ptr(y_ptr + trace_row(self.v) * self.n, dtype=Int64),
                                         cute.make_layout(self.heads * self.S * SLOTS))
+            self._stamp_slots(16, 17, cute.arch.thread_idx()[0] == 0)  # before the barriers' init, the cluster sync
 
         @cute.jit
         def producer(self, tma_w, mW_tma, tma_x, mX_tma, w_ptr, sW, sX, full, empty, xs_full, head, rank):
@@ -233,7 +239,8 @@ def _layer_summary(st):
     """st: [ctas, 16] int64 stamps of one launch -> ns (globaltimer) relative to the first producer start,
     and per-CTA intra-SM durations in cycles (clock64)."""
     g = st[:, :8].double()
-    c = st[:, 8:].double()
+    c = st[:, 8:16].double()
+    entry = st[:, 16].double()
     t0 = g[:, 0].min()
     out = {f"{s}_{f}": round(float(fn(g[:, i]) - t0), 1) for i, s in enumerate(STAMPS)
            for f, fn in (("min", lambda x: x.min()), ("max", lambda x: x.max()))}
@@ -246,9 +253,13 @@ def _layer_summary(st):
     out["cyc_start_to_cons_med"] = float((c[:, 3] - c[:, 0]).median())
     out["cyc_cons_to_epi_med"] = float((c[:, 6] - c[:, 3]).median())
     out["ns_wait_to_cons_med"] = float((g[:, 3] - g[:, 1]).median())
+    # the prologue: kernel entry -> producer start (barrier init, cluster sync)
+    out["cyc_entry_to_start_med"] = float((c[:, 0] - st[:, 17].double()).median())
+    out["cyc_entry_to_start_max"] = float((c[:, 0] - st[:, 17].double()).max())
     out["_abs"] = {"t0": float(t0), "epi_done_max": float(g[:, 6].max()), "wait_ret_min": float(g[:, 1].min()),
                    "wait_ret_max": float(g[:, 1].max()), "prod_start_min": float(g[:, 0].min()),
-                   "prod_end_max": float(g[:, 2].max()), "cons_done_max": float(g[:, 3].max())}
+                   "prod_end_max": float(g[:, 2].max()), "cons_done_max": float(g[:, 3].max()),
+                   "entry_min": float(entry.min())}
     return out
 
 
@@ -303,7 +314,7 @@ def run(outdir: str, out_json: str) -> int:
                 layers.append(_layer_summary(st))
                 if j == LAYERS // 2:  # one middle layer per CTA, ns from the previous layer's last epilogue
                     e = layers[j - 1]["_abs"]["epi_done_max"]
-                    raw = [[round(float(t) - e) for t in row[:8].tolist()] for row in st]
+                    raw = [[round(float(t) - e) for t in row[:8].tolist() + [row[16].item()]] for row in st]
             # across the PDL boundary: from layer i's last epilogue to layer i+1's first wait return / start
             gaps = [_gap(a, b) for a, b in zip(layers, layers[1:], strict=False)]
             if norm:  # the predecessor between them (its CTA 0), from the same last epilogue
@@ -327,6 +338,7 @@ def _gap(a, b) -> dict:
     """Layer a's last epilogue against layer b's first producer start / first wait return, ns."""
     e = a["_abs"]["epi_done_max"]
     return {"next_start_min_minus_epi_done": round(b["_abs"]["prod_start_min"] - e, 1),
+            "next_entry_min_minus_epi_done": round(b["_abs"]["entry_min"] - e, 1),
             "next_wait_ret_min_minus_epi_done": round(b["_abs"]["wait_ret_min"] - e, 1),
             "next_wait_spread": round(b["_abs"]["wait_ret_max"] - b["_abs"]["wait_ret_min"], 1),
             "next_stream": round(b["_abs"]["cons_done_max"] - b["_abs"]["wait_ret_min"], 1),
@@ -364,13 +376,16 @@ def _table(results):
 def _cta_table(results):
     """Per CTA, medians over CTAs then layers: the stream (start -> last k-tile consumed, cycles; wait return ->
     last k-tile consumed, ns) and the tail (last k-tile consumed -> epilogue done, cycles)."""
-    print(f"{'case':16} {'mode':13} {'start->cons cyc':>15} {'wait->cons ns':>13} {'cons->epi cyc':>13}")
+    print(f"{'case':16} {'mode':13} {'start->cons cyc':>15} {'wait->cons ns':>13} {'cons->epi cyc':>13} "
+          f"{'entry->start cyc med / max':>26}")
     for c in results:
         for mode in MODES:
             L = c[mode]["layers"]
             print(f"{c['name']:16} {mode:13} {_med([x['cyc_start_to_cons_med'] for x in L]):15.0f} "
                   f"{_med([x['ns_wait_to_cons_med'] for x in L]):13.0f} "
-                  f"{_med([x['cyc_cons_to_epi_med'] for x in L]):13.0f}")
+                  f"{_med([x['cyc_cons_to_epi_med'] for x in L]):13.0f} "
+                  f"{_med([x['cyc_entry_to_start_med'] for x in L]):13.0f} / "
+                  f"{_med([x['cyc_entry_to_start_max'] for x in L]):10.0f}")
 
 
 def main(argv) -> int:

@@ -65,11 +65,17 @@ DISTINCT_OUT = False  # --distinct-out: one y buffer per layer (as musekern benc
 # prefill to fill this grid's drain, the after-norm mode a trigger ~1.3 us earlier (h200-tail-trace-r21*.json): a
 # stash (up to 4 k-tiles of W in the consumers' registers before x exists; one CTA per SM leaves the register file
 # free) makes an early-landing grid's prefill longer. 11 stages x stash 0 / 2 / 4 x trigger_ahead 6 / 8 / 11 / 14.
+# Round 25 (--repeat 2): round 23 found the stash slows the deep ring; the deep ring itself is what streams TP8's
+# chain at 91%: 68 CTAs alone on their SMs, the next grid landing on the 64 left free, the trigger 6 k-tiles ahead.
+# TP4 has the same CTA count at k_split 1 (68 heads, one CTA each, 1 MiB of W), never measured with a deep ring
+# and trigger_ahead (round 16's skeleton tried S = 1 with 5 stages only): 11 stages (10 with two tiles) x
+# trigger_ahead x warp split, against the plan (S = 2, 4 stages, "exit", "k").
 # Each entry: the variant's fields except tiles and fixed_m (from M), and the Ms to time.
-TP8 = dict(n=2176, num_kv_heads=1, trigger="late", k_rotate=1, splits=2, warp_split="rows")
-GRID = [(dict(TP8, stages=6, trigger_ahead=6), (1, 8))] \
-    + [(dict(TP8, stages=11, stash=sh, trigger_ahead=a), (1, 8))
-       for sh, a in ((0, 6), (0, 11), (2, 8), (2, 11), (4, 6), (4, 8), (4, 11), (4, 14))]
+TP4 = dict(n=4352, num_kv_heads=2, k_rotate=1)
+GRID = [(dict(TP4, splits=2, stages=4, trigger="exit", warp_split="k"), (1, 16))] \
+    + [(dict(TP4, splits=1, stages=11, trigger="late", trigger_ahead=a, warp_split=ws), (1,))
+       for ws, a in (("rows", 6), ("rows", 8), ("rows", 11), ("rows", 16), ("k", 8))] \
+    + [(dict(TP4, splits=1, stages=10, trigger="late", trigger_ahead=a, warp_split="k"), (16,)) for a in (8, 11)]
 
 
 def grid_jobs():

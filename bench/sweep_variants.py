@@ -71,13 +71,16 @@ DISTINCT_OUT = False  # --distinct-out: one y buffer per layer (as musekern benc
 # and trigger_ahead (round 16's skeleton tried S = 1 with 5 stages only): 11 stages (10 with two tiles) x
 # trigger_ahead x warp split, against the plan (S = 2, 4 stages, "exit", "k").
 # Round 26 (--repeat 2): the trace says a prefill still landing when the previous grid ends delays what waits on
-# that grid (h200-tail-trace-r21*.json), and after a norm the front lands ~1.3 us later than in a chain; defer loads
-# the ring's last stages after griddepcontrol.wait: TP8's deep ring (11 stages) x trigger_ahead 6 / 8 x defer
-# 0 / 4 / 6, against the plan.
+# that grid (h200-tail-trace-r21*.json); a variant field `defer` (removed again: db5d230 has it) loaded the ring's
+# last stages after griddepcontrol.wait: TP8's deep ring x trigger_ahead 6 / 8 x defer 0 / 4 / 6
+# (h200-sweep-round26.json: slower in every mode).
+# The grid below is round 25's (the last one this tree can build).
 # Each entry: the variant's fields except tiles and fixed_m (from M), and the Ms to time.
-TP8 = dict(n=2176, num_kv_heads=1, trigger="late", k_rotate=1, splits=2, warp_split="rows")
-GRID = [(dict(TP8, stages=6, trigger_ahead=6), (1, 8))] \
-    + [(dict(TP8, stages=11, trigger_ahead=a, defer=d), (1, 8)) for a in (6, 8) for d in (0, 4, 6)]
+TP4 = dict(n=4352, num_kv_heads=2, k_rotate=1)
+GRID = [(dict(TP4, splits=2, stages=4, trigger="exit", warp_split="k"), (1, 16))] \
+    + [(dict(TP4, splits=1, stages=11, trigger="late", trigger_ahead=a, warp_split=ws), (1,))
+       for ws, a in (("rows", 6), ("rows", 8), ("rows", 11), ("rows", 16), ("k", 8))] \
+    + [(dict(TP4, splits=1, stages=10, trigger="late", trigger_ahead=a, warp_split="k"), (16,)) for a in (8, 11)]
 
 
 def grid_jobs():
@@ -112,7 +115,7 @@ def run(v: QkvFrontVariant, m: int, weights, bw: float, pred) -> dict:
     grid = launch_grid(v)
     row = {"label": v.label, "N": v.n, "M": m, "stages": v.stages, "splits": v.splits, "trigger": v.trigger,
            "l2_prefetch": v.l2_prefetch, "k_rotate": v.k_rotate, "warp_split": v.warp_split,
-           "trigger_ahead": v.trigger_ahead, "stash": v.stash, "defer": v.defer, **occupancy(k)}
+           "trigger_ahead": v.trigger_ahead, "stash": v.stash, **occupancy(k)}
     for mode, pdl in (("chain", True), ("isolated", False)):
         us = time_graph(mode, [lambda a=a, pdl=pdl: k.launch(grid, a, pdl=pdl) for a in args])
         row[f"{mode}_us"] = round(us, 2)
@@ -213,7 +216,7 @@ def main(argv=None) -> int:
     json.dump({"commit": build_commit(), "command": "python3 bench/sweep_variants.py " + " ".join(sys.argv[1:]),
                "copy_TBps": round(bw, 3), "device": torch.cuda.get_device_name(), "repeats": a.repeat, "rows": rows},
               open(a.out, "w"), indent=1)
-    print(f"{'N':>5} {'S':>2} {'st':>2} {'trig':5} {'ahd':>3} {'sts':>3} {'dfr':>3} {'pf':>3} {'rot':>3} {'warps':5} "
+    print(f"{'N':>5} {'S':>2} {'st':>2} {'trig':5} {'ahd':>3} {'sts':>3} {'pf':>3} {'rot':>3} {'warps':5} "
           f"{'M':>3} {'blk/SM':>6} "
           f"{'chain us':>9} {'frac':>6} {'isol us':>8} {'frac':>6} {'added us':>8}")
     for r in rows:
@@ -221,7 +224,7 @@ def main(argv=None) -> int:
             print(f"{r['label']:72} {r['M']:3} ERROR {r['error'][:60]}")
         else:
             print(f"{r['N']:5} {r['splits']:2} {r['stages']:2} {r['trigger']:5} {r.get('trigger_ahead', 0):3} "
-                  f"{r.get('stash', 0):3} {r.get('defer', 0):3} {r['l2_prefetch']:3} {r['k_rotate']:3} "
+                  f"{r.get('stash', 0):3} {r['l2_prefetch']:3} {r['k_rotate']:3} "
                   f"{r.get('warp_split', 'rows'):5} "
                   f"{r['M']:3} "
                   f"{r['blocks_per_sm']:6} "

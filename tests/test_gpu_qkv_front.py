@@ -265,17 +265,17 @@ def _launch_variant(v, p, weight, out):
 
 
 # TP8 (one tile "rows" under "late", and two tiles "k"; M = 8 its own build) and TP4 ("k" under "exit"); every
-# lever that applies to the planned build (stash: "rows" only; trigger_ahead: "late" only; defer: no stash), and
-# TP2's one-tile "late" build for the levers that move weights across griddepcontrol.wait.
+# lever that applies to the planned build (stash: "rows" only; trigger_ahead: "late" only), and TP2's one-tile
+# "late" build for the two levers that keep weights streaming before x exists.
 BIT_LEVERS = [(tp, m, what) for tp, m in ((8, 3), (8, 8), (8, 12), (4, 16))
               for what in ("stages", "trigger", "l2_prefetch")] \
     + [(8, 3, "stash"), (8, 8, "stash"), (8, 3, "trigger_ahead"), (8, 12, "trigger_ahead"), (2, 5, "stash"),
-       (2, 5, "trigger_ahead"), (8, 3, "defer"), (8, 12, "defer"), (4, 16, "defer"), (2, 5, "defer")]
+       (2, 5, "trigger_ahead")]
 
 
 @pytest.mark.parametrize("tp,m,what", BIT_LEVERS)
 def test_ring_stages_and_trigger_do_not_change_a_bit(weights, tp, m, what):
-    """Builds that differ only in ring depth, PDL trigger, L2 prefetch, stash, trigger_ahead or defer give identical
+    """Builds that differ only in ring depth, PDL trigger, L2 prefetch, stash or trigger_ahead give identical
     bits (musekern.variants.qkv_front.same_bits_alternatives; gpu_cache.sh builds them)."""
     from musekern.targets import local_target
     from musekern.variants.qkv_front import same_bits_alternatives, variant

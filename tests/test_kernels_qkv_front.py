@@ -55,11 +55,6 @@ EXTRA = [QkvFrontVariant(2176, 1, 2, 4, 4, 0), QkvFrontVariant(2176, 1, 1, 8, 8,
 STASHED = [QkvFrontVariant(2176, 1, 1, 5, 2, 0, "late", k_rotate=1, trigger_ahead=5, stash=4),
            QkvFrontVariant(8704, 4, 2, 4, 1, 0, "late", k_rotate=1, trigger_ahead=4, stash=2)]
 EXTRA += STASHED
-# defer (round 26: part of the ring loaded after griddepcontrol.wait): the deep ring at S = 2, S = 1, two tiles
-DEFERRED = [QkvFrontVariant(2176, 1, 1, 11, 2, 0, "late", k_rotate=1, trigger_ahead=6, defer=6),
-            QkvFrontVariant(8704, 4, 1, 4, 1, 0, "late", k_rotate=1, defer=2),
-            QkvFrontVariant(4352, 2, 2, 4, 2, 0, "exit", k_rotate=1, warp_split="k", defer=1)]
-EXTRA += DEFERRED
 ARGS_FIELDS = {"weight", "x", "weight_ptr", "M", "y", "positions", "cos_sin_cache", "slot_mapping", "key_cache",
                "value_cache", "max_pos", "block_size", "num_blocks", "k_block_stride", "v_block_stride", "eps"}
 
@@ -186,7 +181,7 @@ def test_compile_ptx(kmod, v):
     assert _count(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\.mbarrier::complete_tx", ptx) == \
         4 * pre + (4 if pre < K_TILES // v.splits else 0)
     # before the producer's griddepcontrol.wait (the first in the text): the W boxes of the prefill only
-    assert _count(r"cp\.async\.bulk\.tensor", ptx.split("griddepcontrol.wait")[0]) == 2 * (pre - v.defer)
+    assert _count(r"cp\.async\.bulk\.tensor", ptx.split("griddepcontrol.wait")[0]) == 2 * pre
     stage_tx = W_STAGE_BYTES + tt * K_TILE * 2
     assert re.search(rf"mov\.b32\s+%r\d+, {stage_tx};\s*\n\s*mbarrier\.arrive\.expect_tx", ptx)
     if v.stash:  # stashed k-tiles: W only before the wait, their x on one barrier after it

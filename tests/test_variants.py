@@ -188,8 +188,7 @@ def test_plan_is_deterministic_across_hash_seeds():
                                              ("k_rotate", -1, "k_rotate"), ("l2_prefetch", 65, "l2_prefetch"),
                                              ("stages", 33, "stages"), ("stash", 7, "stash"),
                                              ("stash", -1, "stash"), ("trigger_ahead", 26, "trigger_ahead"),
-                                             ("trigger_ahead", -1, "trigger_ahead"), ("defer", 6, "defer"),
-                                             ("defer", -1, "defer")])
+                                             ("trigger_ahead", -1, "trigger_ahead")])
 def test_qkv_front_variant_rejects_out_of_domain_fields(field, value, msg):
     import dataclasses
 
@@ -198,8 +197,8 @@ def test_qkv_front_variant_rejects_out_of_domain_fields(field, value, msg):
         dataclasses.replace(v, **{field: value})
 
 
-# the levers that apply to one warp split / trigger only (or exclude each other), and the largest legal values
-def test_qkv_front_stash_trigger_ahead_and_defer_domains():
+# the levers that apply to one warp split / trigger only, and the largest legal values
+def test_qkv_front_stash_and_trigger_ahead_domains():
     import dataclasses
 
     v = variant(2176, 1, 1, H200)
@@ -211,9 +210,6 @@ def test_qkv_front_stash_trigger_ahead_and_defer_domains():
     with pytest.raises(ValueError, match="trigger_ahead needs trigger='late'"):
         dataclasses.replace(v, trigger="exit")
     assert dataclasses.replace(v, trigger="exit", trigger_ahead=0).trigger_ahead == 0
-    assert dataclasses.replace(v, defer=5).defer == 5  # stages - 1: one stage still loads before the wait
-    with pytest.raises(ValueError, match="defer must be in 0..5 .* and 0 with a stash"):
-        dataclasses.replace(v, stash=2, defer=1)
 
 
 # every lever the GPU tests move to check that a build's bits do not change (tests/test_gpu_qkv_front.py), for
@@ -228,7 +224,7 @@ def test_same_bits_alternatives_move_their_lever():
             continue
         v = e.variant
         alts = same_bits_alternatives(v)
-        assert {"stages", "trigger", "l2_prefetch", "defer"} <= set(alts)
+        assert {"stages", "trigger", "l2_prefetch"} <= set(alts)
         assert ("stash" in alts) == (v.warp_split == "rows") and ("trigger_ahead" in alts) == (v.trigger == "late")
         for lever, alt in alts.items():
             assert getattr(alt, lever) != getattr(v, lever), (lever, v.label)

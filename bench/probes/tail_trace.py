@@ -42,7 +42,6 @@ CASES = [("tp8-m1-plan", dict(n=2176, m=1), {}), ("tp8-m1-last", dict(n=2176, m=
          ("tp8-m1-deep6", dict(n=2176, m=1), {"stages": 11, "trigger_ahead": 6}),
          ("tp8-m1-deep11", dict(n=2176, m=1), {"stages": 11, "trigger_ahead": 11}),
          ("tp8-m1-deep8", dict(n=2176, m=1), {"stages": 11, "trigger_ahead": 8}),
-         ("tp8-m1-deep6-defer6", dict(n=2176, m=1), {"stages": 11, "trigger_ahead": 6, "defer": 6}),
          ("tp2-m1-plan", dict(n=8704, m=1), {}), ("tp2-m9-plan", dict(n=8704, m=9), {}),
          ("tp1-m1-plan", dict(n=17408, m=1), {}), ("tp1-m9-plan", dict(n=17408, m=9), {})]
 KV = {2176: 1, 4352: 2, 8704: 4, 17408: 8}

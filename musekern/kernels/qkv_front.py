@@ -164,7 +164,6 @@ class QkvFrontKernel:
         self.recv_tx = self.S * self.owned * HEAD_COLS * 4  # bytes of partials an owner receives
         self.stash = v.stash
         assert self.stash == 0 or (v.warp_split == "rows" and self.stash <= self.stages)
-        assert v.defer == 0 or (v.defer < self.stages and self.stash == 0)
         self.Smem = make_smem_struct(self.stages, self.tt, self.owned, self.stash)
         self.smem = smem_bytes(v)
 
@@ -283,11 +282,9 @@ class QkvFrontKernel:
         # Prefill: W only: weights are never written by the previous grid, so they may stream before
         # griddepcontrol.wait. The fresh ring takes k-tiles 0..stages-1 with no empty wait; with a stash the
         # consumers take k-tiles 0..stash-1 into registers (their full barriers count W only) and free their
-        # slots, which take k-tiles stages..stages+stash-1, still before the wait. With defer, the last `defer`
-        # stages of the fresh ring load after the wait instead (round 26).
+        # slots, which take k-tiles stages..stages+stash-1, still before the wait.
         pre = self.stages + self.stash
-        before = pre - self.v.defer  # k-tiles of W loaded before the wait (defer > 0 only without a stash)
-        for i in cutlass.range_constexpr(before):
+        for i in cutlass.range_constexpr(pre):
             sp = i % self.stages
             if cutlass.const_expr(i >= self.stages):
                 cute.arch.mbarrier_wait(empty + sp, 0)  # the stashed k-tile i - stages left the slot
@@ -315,16 +312,9 @@ class QkvFrontKernel:
             for i in cutlass.range_constexpr(self.stash):  # x of the stashed k-tiles: the extra x slots
                 cute.copy(tma_x, tXgX[None, self._k_tile(i, rank, rot)], tXsX[None, self.stages + i],
                           tma_bar_ptr=xs_full)
-        for i in cutlass.range_constexpr(self.stash, before):
+        for i in cutlass.range_constexpr(self.stash, pre):
             cute.copy(tma_x, tXgX[None, self._k_tile(i, rank, rot)], tXsX[None, i % self.stages],
                       tma_bar_ptr=full + i % self.stages)
-        for i in cutlass.range_constexpr(before, pre):
-            # the deferred stages (still fresh slots: no empty wait): W and x now, after x exists
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(full + i, self.stage_tx)
-            kd = self._k_tile(i, rank, rot)
-            cute.copy(tma_w, tWgW[None, kd], tWsW[None, i], tma_bar_ptr=full + i)
-            cute.copy(tma_x, tXgX[None, kd], tXsX[None, i], tma_bar_ptr=full + i)
         for i in cutlass.range(pre, self.ntiles, unroll=1):
             s = i % self.stages
             # use u = i // stages of stage s: wait until the consumers released use u - 1

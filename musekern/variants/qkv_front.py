@@ -81,11 +81,6 @@ class QkvFrontVariant(VariantMixin):
     # k-tiles of W before the wait; their x lands in its own shared-memory area after the wait. The MMAs
     # run in the same order: never changes a bit. <= stages; 32 registers per consumer thread a k-tile.
     stash: int = 0
-    # The last `defer` stages of the ring are not loaded before griddepcontrol.wait but right after it (W with
-    # their x): the prefill before the wait is stages - defer k-tiles. A prefill still landing when the previous
-    # grid ends delays what waits for that grid (bench/NOTES.md round 21). Same loads, same slots, same order of
-    # consumption: never changes a bit. 0..stages-1, and 0 with a stash.
-    defer: int = 0
 
     def __post_init__(self):
         problems = []
@@ -113,9 +108,6 @@ class QkvFrontVariant(VariantMixin):
         if self.stash and not (self.warp_split == "rows" and 0 < self.stash <= self.stages):
             raise ValueError(f"qkv_front stash needs warp_split='rows' and 0..stages ({self.stages}) k-tiles, "
                              f"got stash={self.stash} with warp_split={self.warp_split!r}")
-        if self.defer and not (0 < self.defer < self.stages and self.stash == 0):
-            raise ValueError(f"qkv_front defer must be in 0..{self.stages - 1} (stages - 1) and 0 with a stash, got "
-                             f"defer={self.defer} with stages={self.stages}, stash={self.stash}")
         last = K_TILES // self.splits - 1
         if self.trigger_ahead and not (self.trigger == "late"
                                        and 0 < self.trigger_ahead <= last - self.stages - self.stash):
@@ -372,23 +364,20 @@ ALT_STAGES = 3
 ALT_PREFETCH = 32  # k-tiles per row
 ALT_STASH = 2
 ALT_TRIGGER_AHEAD = 4
-ALT_DEFER = 2
 
 
 def same_bits_alternatives(v: QkvFrontVariant) -> dict[str, QkvFrontVariant]:
-    """Per lever, a build of `v` with that lever moved (stash, trigger_ahead and defer only where they apply)."""
+    """Per lever, a build of `v` with that lever moved (stash and trigger_ahead only where they apply)."""
     from dataclasses import replace
 
     stages = ALT_STAGES if v.stages != ALT_STAGES else ALT_STAGES + 1
-    alts = {"stages": replace(v, stages=stages, stash=min(v.stash, stages), defer=min(v.defer, stages - 1)),
+    alts = {"stages": replace(v, stages=stages, stash=min(v.stash, stages)),
             "trigger": replace(v, trigger="late" if v.trigger == "early" else "early", trigger_ahead=0),
             "l2_prefetch": replace(v, l2_prefetch=ALT_PREFETCH if v.l2_prefetch == 0 else 0)}
     if v.warp_split == "rows":
-        alts["stash"] = replace(v, stash=0 if v.stash else min(ALT_STASH, v.stages), defer=0)
+        alts["stash"] = replace(v, stash=0 if v.stash else min(ALT_STASH, v.stages))
     if v.trigger == "late":
         alts["trigger_ahead"] = replace(v, trigger_ahead=0 if v.trigger_ahead else ALT_TRIGGER_AHEAD)
-    if v.stash == 0:
-        alts["defer"] = replace(v, defer=0 if v.defer else min(ALT_DEFER, v.stages - 1))
     return alts
 
 

@@ -192,6 +192,13 @@ def supports_shape(n: int, num_kv_heads: int) -> bool:
 #   (90-91% of copy bandwidth), but after the norm 12.0-13.0 us added (vs 11.3) and isolated 12.5-12.8 (vs
 #   12.0-12.2); no trigger point of the deep ring is good in both PDL modes (h200-sweep-round19b.json). A decode
 #   step runs the front after a norm, never back to back: the plan keeps the shared 6-stage ring.
+#   Rounds 21-26 (bench/NOTES.md): after the norm the next front lands two launches after the trigger, ~1.3 us
+#   later than in a chain, and a prefill still landing at the previous grid's end delays the norm 1:1; the deep
+#   ring's best trigger there is 11 ahead (10.25-10.61 us added, chain 11.6-11.9). A stash (11.0-11.7 chain,
+#   h200-sweep-round23.json) or loading part of the ring after the wait (13.5-14.5, h200-sweep-round26.json) makes
+#   no trigger point good in both modes either.
+# - TP4 at k_split 1 with the deep ring (68 CTAs, TP8's shape): chain 23.7-26.5 vs 19.1-20.2 us: the 4 CTAs
+#   that find no free SM carry a whole head (1 MiB) from the previous grid's end (h200-sweep-round25.json).
 CTAS_PER_SM = 2
 MIN_CTA_STREAM_BYTES = 512 * 1024
 SHALLOW_RING_STAGES = 4

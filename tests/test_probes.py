@@ -60,3 +60,19 @@ def test_tail_trace_builds_against_the_kernel(case):
     ck = compile_variant(v, "sm_90a", kernel_cls=tt._traced_class())
     assert len(re.findall(r"mov\.u64\s+%rd\d+, %globaltimer;", ck.ptx)) == 9  # and the kernel's entry
     assert len(re.findall(r"mov\.u64\s+%rd\d+, %clock64;", ck.ptx)) == 9
+
+
+def test_tail_trace_predecessor_keeps_the_bench_kernel_and_builds():
+    """The trace's predecessor is the bench's RMSNorm source plus three globaltimer stamps (its edits assert
+    that each anchor occurs once in the source, so a change of the bench kernel fails here) and still builds."""
+    from musekern.bench import pred
+
+    tt = _probe("tail_trace")
+    src = tt.traced_pred_source()
+    assert src.count("%%globaltimer") == 3 and src.count("griddepcontrol.") == 2
+    assert src.replace("unsigned long long* tr", "").count(pred.SOURCE.split("extern")[0]) == 1
+    try:
+        cubin, _ = pred.compile_cubin("sm_90a", src, "pred_traced.cu")
+    except RuntimeError as e:
+        pytest.skip(f"neither NVRTC nor nvcc here: {e}")
+    assert cubin[:4] == b"\x7fELF" and pred.SYMBOL.encode() in cubin

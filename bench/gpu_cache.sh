@@ -37,11 +37,10 @@ PY
 while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python bench/sweep_variants.py --print-labels)
 $MK prepare --target h200 --cache-dir "$CACHE" -j 2 "${labels[@]}" >&2
 # What the results files cite: the commit the cache was built from.
-python3 - "$CACHE" <<'PY'
-import json, subprocess, sys
-rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                            text=True).stdout.strip())
-json.dump({"commit": rev, "dirty": dirty}, open(f"{sys.argv[1]}/BUILD_INFO.json", "w"))
-print(f"cache {sys.argv[1]} built from {rev}{' (dirty)' if dirty else ''}")
+.venv/bin/python - "$CACHE" <<'PY'
+import json, sys
+from musekern.bench.report import git_state
+info = git_state()
+json.dump(info, open(f"{sys.argv[1]}/BUILD_INFO.json", "w"))
+print(f"cache {sys.argv[1]} built from {info['commit']}{' (dirty)' if info['dirty'] else ''}")
 PY

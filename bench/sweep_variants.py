@@ -19,6 +19,7 @@ import sys
 import torch
 from cuda.bindings import driver as drv
 
+from musekern.bench.report import commit_info
 from musekern.bench.timing import Graph, copy_bandwidth, time_graphs
 from musekern.ops.qkv_front import launch_args
 from musekern.runtime import get_kernel
@@ -150,15 +151,10 @@ def merge_repeats(runs: list) -> dict:
 
 
 def build_commit():
-    """The commit the carried cache was built from (bench/gpu_cache.sh writes BUILD_INFO.json)."""
-    import os
-
-    try:
-        info = json.load(open(os.path.join(os.environ.get("MUSEKERN_CACHE_DIR", ".musekern-cache"),
-                                           "BUILD_INFO.json")))
-    except (OSError, ValueError):
-        return None
-    return info["commit"] + ("-dirty" if info.get("dirty") else "")
+    """The commit the carried cache was built from (bench/gpu_cache.sh writes BUILD_INFO.json), as the bench
+    reads it; "-dirty" when the tree had uncommitted changes."""
+    info = commit_info()
+    return info["commit"] and info["commit"] + ("-dirty" if info.get("dirty") else "")
 
 
 def main(argv=None) -> int:

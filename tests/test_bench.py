@@ -160,6 +160,15 @@ def test_commit_info_reads_build_info(tmp_path):
     assert report.commit_info(cache_dir=str(tmp_path))["commit"] == "deadbeef"
 
 
+def test_git_state_of_a_tree_and_of_no_repository(tmp_path):
+    import re
+    from pathlib import Path
+
+    here = report.git_state(str(Path(__file__).resolve().parents[1]))
+    assert re.fullmatch(r"[0-9a-f]{40}", here["commit"]) and isinstance(here["dirty"], bool)
+    assert report.git_state(str(tmp_path)) == {"commit": None, "dirty": None}
+
+
 def test_loops_for():
     assert loops_for(70e-6) == 22  # TP8: 8 layers x ~8.7 us
     assert loops_for(1e-2) == 1

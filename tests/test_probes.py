@@ -70,7 +70,7 @@ def test_tail_trace_predecessor_keeps_the_bench_kernel_and_builds():
     tt = _probe("tail_trace")
     src = tt.traced_pred_source()
     assert src.count("%%globaltimer") == 3 and src.count("griddepcontrol.") == 2
-    assert src.replace("unsigned long long* tr", "").count(pred.SOURCE.split("extern")[0]) == 1
+    assert src.startswith(pred.SOURCE.split("extern")[0])  # the bench kernel's helpers, untouched
     try:
         cubin, _ = pred.compile_cubin("sm_90a", src, "pred_traced.cu")
     except RuntimeError as e:

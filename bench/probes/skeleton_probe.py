@@ -264,12 +264,9 @@ def build(outdir: str, config_set: str = "planned") -> None:
         manifest.append({"config": asdict(c), "symbol": symbol, "abi": abi.to_json()})
         print(f"built {c.name}: {smem} B smem", file=sys.stderr)
     json.dump(manifest, open(os.path.join(outdir, "manifest.json"), "w"), indent=1)
-    import subprocess
+    from musekern.bench.report import git_state
 
-    rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                text=True).stdout.strip())
-    json.dump({"commit": rev, "dirty": dirty, "set": config_set}, open(os.path.join(outdir, "BUILD_INFO.json"), "w"))
+    json.dump({**git_state(), "set": config_set}, open(os.path.join(outdir, "BUILD_INFO.json"), "w"))
 
 
 # ---------------------------------------------------------------------------------------------- run (GPU)

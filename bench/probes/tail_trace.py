@@ -145,8 +145,7 @@ def _traced_class():
 
 
 def build(outdir: str, names=()) -> None:
-    import subprocess
-
+    from musekern.bench.report import git_state
     from musekern.kernels.qkv_front import compile_variant
 
     known = [c[0] for c in CASES]
@@ -164,11 +163,7 @@ def build(outdir: str, names=()) -> None:
         manifest.append({"name": name, "label": v.label, "m": trace_row(v), "symbol": ck.symbol,
                          "abi": ck.abi.to_json()})
         print(f"built {name}: {v.label}", file=sys.stderr)
-    rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                text=True).stdout.strip())
-    json.dump({"commit": rev, "dirty": dirty, "cases": manifest}, open(os.path.join(outdir, "manifest.json"), "w"),
-              indent=1)
+    json.dump({**git_state(), "cases": manifest}, open(os.path.join(outdir, "manifest.json"), "w"), indent=1)
 
 
 # ---------------------------------------------------------------------------------------------- run (GPU)
@@ -209,22 +204,17 @@ def traced_pred_source() -> str:
 def _traced_pred():
     import ctypes
 
-    import torch
-
-    from musekern.bench.pred import HIDDEN, THREADS, PredKernel, _BuiltKernel
+    from musekern.bench.pred import HIDDEN, SYMBOL, THREADS, PredKernel, _BuiltKernel
 
     class TracedPred(PredKernel):
         def __init__(self):
-            _BuiltKernel.__init__(self, "sm_90a", traced_pred_source(), "pred_traced.cu", "pred_rmsnorm")
+            _BuiltKernel.__init__(self, "sm_90a", traced_pred_source(), "pred_traced.cu", SYMBOL)
 
         def launch(self, res, gamma, x, eps, tr, pdl=True):
             m = res.shape[0]
             assert res.shape == x.shape == (m, HIDDEN) and tr.numel() >= 4 * m
-            vals = [ctypes.c_uint64(res.data_ptr()), ctypes.c_uint64(gamma.data_ptr()),
-                    ctypes.c_uint64(x.data_ptr()), ctypes.c_float(eps), ctypes.c_uint64(tr.data_ptr())]
-            ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
-            cfg = self._config((m, 1, 1), (THREADS, 1, 1), torch.cuda.current_stream().cuda_stream, pdl)
-            self._check(self._drv.cuLaunchKernelEx(cfg, self.func, ctypes.addressof(ptrs), 0), "launch(pred)")
+            vals = self.params(res, gamma, x, eps) + [ctypes.c_uint64(tr.data_ptr())]
+            self._launch((m, 1, 1), (THREADS, 1, 1), vals, pdl, "cuLaunchKernelEx(traced pred)")
 
     return TracedPred()
 

@@ -154,6 +154,14 @@ class _BuiltKernel:
             cfg = self._configs[key] = self._launch_config(grid, block, 0, stream, pdl=pdl)
         return cfg
 
+    def _launch(self, grid: tuple, block: tuple, vals: list, pdl: bool, what: str) -> None:
+        """cuLaunchKernelEx on torch's current stream; vals: the parameters as ctypes values, in order."""
+        import torch
+
+        cfg = self._config(grid, block, torch.cuda.current_stream().cuda_stream, pdl)
+        ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals]) if vals else None
+        self._check(self._drv.cuLaunchKernelEx(cfg, self.func, ctypes.addressof(ptrs) if vals else 0, 0), what)
+
 
 class PredKernel(_BuiltKernel):
     """The loaded predecessor; launch() puts one RMSNorm of M rows on torch's current stream."""
@@ -163,16 +171,15 @@ class PredKernel(_BuiltKernel):
 
     def launch(self, res, gamma, x, eps: float, pdl: bool = True) -> None:
         """x = RMSNorm(res) * gamma; res, x: contiguous bf16 [M, 8192], gamma bf16 [8192], 16-byte aligned."""
-        import torch
-
         m = res.shape[0]
         assert res.shape == x.shape == (m, HIDDEN) and gamma.shape == (HIDDEN,)
-        stream = torch.cuda.current_stream().cuda_stream
-        vals = [ctypes.c_uint64(res.data_ptr()), ctypes.c_uint64(gamma.data_ptr()), ctypes.c_uint64(x.data_ptr()),
+        self._launch((m, 1, 1), (THREADS, 1, 1), self.params(res, gamma, x, eps), pdl, "cuLaunchKernelEx(pred)")
+
+    @staticmethod
+    def params(res, gamma, x, eps: float) -> list:
+        """The kernel's parameters as ctypes values (a variant of the source may append its own)."""
+        return [ctypes.c_uint64(res.data_ptr()), ctypes.c_uint64(gamma.data_ptr()), ctypes.c_uint64(x.data_ptr()),
                 ctypes.c_float(eps)]
-        ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
-        cfg = self._config((m, 1, 1), (THREADS, 1, 1), stream, pdl)
-        self._check(self._drv.cuLaunchKernelEx(cfg, self.func, ctypes.addressof(ptrs), 0), "cuLaunchKernelEx(pred)")
 
 
 class EmptyKernel(_BuiltKernel):
@@ -182,10 +189,7 @@ class EmptyKernel(_BuiltKernel):
         super().__init__(arch, EMPTY_SOURCE, "empty_kernel.cu", EMPTY_SYMBOL)
 
     def launch(self) -> None:
-        import torch
-
-        cfg = self._config((1, 1, 1), (32, 1, 1), torch.cuda.current_stream().cuda_stream, False)
-        self._check(self._drv.cuLaunchKernelEx(cfg, self.func, 0, 0), "cuLaunchKernelEx(empty)")
+        self._launch((1, 1, 1), (32, 1, 1), [], False, "cuLaunchKernelEx(empty)")
 
 
 def rmsnorm_reference(res, gamma, eps: float):

@@ -170,12 +170,21 @@ def commit_info(root: str = ".", cache_dir: str | None = None) -> dict:
             return {"commit": info["commit"], "dirty": info.get("dirty"), "commit_source": p}
     except (OSError, ValueError):
         pass
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        rev = ""
-    return {"commit": rev or None, "dirty": None, "commit_source": "git" if rev else None}
+    rev = git_state(root)["commit"]
+    return {"commit": rev, "dirty": None, "commit_source": "git" if rev else None}
+
+
+def git_state(root: str = ".") -> dict:
+    """{"commit": HEAD or None, "dirty": tracked files modified}: what a build made from this tree records
+    (bench/gpu_cache.sh's BUILD_INFO.json, the probes' manifests)."""
+    def git(*args) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    rev = git("rev-parse", "HEAD")
+    return {"commit": rev or None, "dirty": bool(git("status", "--porcelain", "--untracked-files=no")) if rev else None}
 
 
 DOC_KEYS = ("commit", "device", "driver", "torch", "cuda_bindings", "copy_TBps", "rows", "qk_norm", "host",

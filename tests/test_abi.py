@@ -1,6 +1,6 @@
 import pytest
 
-from musekern.kernels.abi import (
+from musekern.store.abi import (
     ABI_VERSION,
     KernelAbi,
     LaunchSpec,

@@ -4,10 +4,10 @@ import importlib.util
 import pytest
 from cubin_headers import elf_header
 
-from musekern import build
-from musekern.build import BuildError, BuildExtraMissing, build_variant, cubin_arch, key_parts
-from musekern.kernels import source_hash
-from musekern.kernels.abi import ABI_VERSION, KernelAbi, check_abi_against_ptx
+from musekern.build import BuildError, BuildExtraMissing, build_variant
+from musekern.store import keys
+from musekern.store.abi import ABI_VERSION, KernelAbi, check_abi_against_ptx, cubin_arch
+from musekern.store.keys import key_parts, source_hash
 from musekern.variants import QkNormVariant
 
 HAVE_DSL = importlib.util.find_spec("cutlass") is not None
@@ -20,9 +20,9 @@ def test_cubin_arch_decodes_both_elf_layouts(arch):
 
 
 def test_cubin_arch_rejects_non_cubins():
-    with pytest.raises(BuildError, match="not an ELF"):
+    with pytest.raises(ValueError, match="not an ELF"):
         cubin_arch(b"\x7fELX" + b"\0" * 60)
-    with pytest.raises(BuildError, match="not CUDA"):
+    with pytest.raises(ValueError, match="not CUDA"):
         cubin_arch(elf_header(machine=62))  # x86-64
 
 
@@ -39,7 +39,7 @@ def test_key_parts_are_named_and_complete():
 
 
 def test_missing_build_extra_says_what_to_install(monkeypatch):
-    monkeypatch.setattr(build, "dsl_version", lambda: None)
+    monkeypatch.setattr("musekern.build.compile.dsl_version", lambda: None)
     with pytest.raises(BuildExtraMissing, match=r"musekern\[build\]"):
         build_variant(V, "sm_90a")
 
@@ -51,7 +51,7 @@ def test_build_checks_arch_and_abi(arch):
     assert cubin_arch(b.cubin) == arch
     m = b.manifest
     assert m["arch"] == arch and m["kernel"] == "qk_norm" and m["variant"] == V.params()
-    assert m["built_with"]["nvidia-cutlass-dsl"] == build.dsl_version()
+    assert m["built_with"]["nvidia-cutlass-dsl"] == keys.dsl_version()
     abi = KernelAbi.from_json(m["abi"])
     assert [p.name for p in abi.params] == ["x", "out", "m", "heads", "ld_x", "ld_out", "eps", "scale"]
 

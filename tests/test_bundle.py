@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from musekern.bundle import INDEX_NAME, BundleError, export_bundle, import_bundle
-from musekern.cache import Cache, CorruptEntryError, KeyParts, MissingEntryError, ReadOnlyCacheError
+from musekern.store.bundle import INDEX_NAME, BundleError, export_bundle, import_bundle
+from musekern.store.cache import Cache, CorruptEntryError, MissingEntryError, ReadOnlyCacheError
+from musekern.store.keys import KeyParts
 
 SRC = "ab" * 32
 
@@ -266,7 +267,7 @@ def _plan():
 
 
 def _parts(pe) -> KeyParts:
-    from musekern.build import key_parts
+    from musekern.store.keys import key_parts
 
     return key_parts(pe, pe.arch, "4.8.1")
 

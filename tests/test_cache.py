@@ -21,19 +21,18 @@ from unittest import mock
 
 import pytest
 
-from musekern import cache as cache_mod
-from musekern.cache import (
+from musekern.store import cache as cache_mod
+from musekern.store.cache import (
     CACHE_FORMAT,
     ENV_CACHE_DIR,
-    PART_NAMES,
     Cache,
     CacheError,
     CorruptEntryError,
-    KeyParts,
     MissingEntryError,
     ReadOnlyCacheError,
     default_cache_dir,
 )
+from musekern.store.keys import PART_NAMES, KeyParts
 
 SRC = "ab" * 32
 
@@ -99,7 +98,7 @@ def test_default_cache_dir_precedence(monkeypatch, tmp_path):
 
 def test_cache_modules_import_no_compiler_or_gpu_stack():
     """The runtime (no cutlass there) imports cache/remote/bundle: they must not pull in cutlass/torch/cuda."""
-    code = ("import sys, musekern.cache, musekern.remote, musekern.bundle\n"
+    code = ("import sys, musekern.store.cache, musekern.store.remote, musekern.store.bundle\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('cutlass', 'torch', 'cuda'))\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])

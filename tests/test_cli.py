@@ -8,8 +8,8 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from musekern import build
 from musekern.cli import main
+from musekern.store import keys
 
 HAVE_DSL = importlib.util.find_spec("cutlass") is not None
 needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="needs the build extra (nvidia-cutlass-dsl)")
@@ -72,8 +72,8 @@ def test_no_target_without_gpu_or_config(run, tmp_path):
 
 
 def test_prepare_without_build_extra_names_it(run, monkeypatch):
-    monkeypatch.setattr(build, "dsl_version", lambda: None)
-    monkeypatch.setattr("musekern.prepare.dsl_version", lambda: None)
+    monkeypatch.setattr("musekern.build.compile.dsl_version", lambda: None)
+    monkeypatch.setattr("musekern.build.prepare.dsl_version", lambda: None)
     r = run("prepare", "--target", "h200", *QK, code=1)
     assert "musekern[build]" in r.output
 
@@ -91,7 +91,7 @@ def test_prepare_then_warm_rerun_does_nothing(run):
 @needs_dsl
 def test_doctor_reports_missing_then_ok(run, tmp_path):
     doc = json.loads(run("doctor", "--target", "h200", "--json", code=1).stdout)
-    assert doc["nvidia-cutlass-dsl"] == build.dsl_version() and len(doc["missing"]) == 16 and not doc["ok"]
+    assert doc["nvidia-cutlass-dsl"] == keys.dsl_version() and len(doc["missing"]) == 16 and not doc["ok"]
     assert doc["cache_dir"] == str(tmp_path / "cache")
     r = run("doctor", "--target", "h200", code=1)
     assert "missing from the cache" in r.stdout and "fix: musekern prepare --target h200" in r.stdout
@@ -109,7 +109,7 @@ def test_two_processes_prepare_one_cache_concurrently(tmp_path):
     docs = [json.loads(o[0]) for o in outs]
     built = sum(d["counts"]["built"] for d in docs)
     assert built == 3 and all(d["counts"]["failed"] == 0 for d in docs)  # each variant compiled exactly once
-    from musekern.cache import Cache
+    from musekern.store.cache import Cache
 
     cache = Cache(tmp_path / "shared")
     assert len(cache.entries()) == 3 and all(cache.verify_entry(e) == [] for e in cache.entries())
@@ -132,7 +132,7 @@ def test_impossible_variant_labels_are_usage_errors(run, label, msg):
 @needs_dsl
 def test_doctor_counts_a_corrupt_entry_as_missing(run, tmp_path):
     run("prepare", "--target", "h200")
-    from musekern.cache import Cache
+    from musekern.store.cache import Cache
 
     e = Cache(tmp_path / "cache").entries()[0]
     os.chmod(e.cubin_path, 0o644)

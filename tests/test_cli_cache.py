@@ -14,9 +14,10 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from musekern.cache import Cache, KeyParts
 from musekern.cli import cache_cmds
 from musekern.cli.cache_cmds import parse_duration, parse_size
+from musekern.store.cache import Cache
+from musekern.store.keys import KeyParts
 
 SRC = "ab" * 32
 
@@ -176,8 +177,8 @@ def test_explain_key_and_label(cli, filled):
 
 
 def _plan_parts(target="h200", dsl=None):
-    from musekern.build import dsl_version, key_parts
     from musekern.config import load_config
+    from musekern.store.keys import dsl_version, key_parts
     from musekern.targets import get_target
     from musekern.variants import plan_model
 

@@ -11,8 +11,7 @@ import time
 
 import pytest
 
-from musekern.build import cubin_arch
-from musekern.kernels.abi import KernelAbi, check_abi_against_ptx
+from musekern.store.abi import KernelAbi, check_abi_against_ptx, cubin_arch
 from musekern.variants.qk_norm import (
     QK_NORM_BLOCK,
     QK_NORM_MAX_VECTORS,

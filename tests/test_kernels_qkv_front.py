@@ -168,7 +168,7 @@ def _count(pat, text):
 @pytest.mark.slow
 @pytest.mark.parametrize("v", PLANNED + EXTRA, ids=lambda v: v.label)
 def test_compile_ptx(kmod, v):
-    from musekern.kernels.abi import check_abi_against_ptx
+    from musekern.store.abi import check_abi_against_ptx
 
     ck, secs = _compile(kmod, v)
     assert secs < 120, f"compile took {secs:.1f}s"

@@ -8,8 +8,8 @@ import stat
 import pytest
 from click.testing import CliRunner
 
-from musekern.cache import Cache
 from musekern.cli import main
+from musekern.store.cache import Cache
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("cutlass") is None,
                                 reason="needs the build extra (nvidia-cutlass-dsl)")
@@ -116,7 +116,7 @@ def test_two_cold_prepares_give_identical_cubins(tmp_path):
 def test_without_the_dsl_a_corrupt_entry_is_missing_not_a_hit(tmp_path, monkeypatch):
     """No build extra: entries of any DSL version serve, but only if they verify."""
     prepare(tmp_path / "c", *LABELS)
-    monkeypatch.setattr("musekern.prepare.dsl_version", lambda: None)
+    monkeypatch.setattr("musekern.build.prepare.dsl_version", lambda: None)
     assert prepare(tmp_path / "c", *LABELS)["counts"]["hit"] == 2
     e = Cache(tmp_path / "c").entries()[0]
     os.chmod(e.cubin_path, stat.S_IRUSR | stat.S_IWUSR)

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 from conftest import free_port
 
-from musekern.cache import Cache, KeyParts
-from musekern.remote import ENV_REMOTE, RemoteCache, RemoteError
+from musekern.store.cache import Cache
+from musekern.store.keys import KeyParts
+from musekern.store.remote import ENV_REMOTE, RemoteCache, RemoteError
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.usefixtures("no_proxy")  # CI may set http_proxy; the servers here are local

@@ -10,11 +10,11 @@ import textwrap
 import pytest
 from cubin_headers import elf_header
 
-from musekern.build import key_parts
-from musekern.cache import Cache, CorruptEntryError
-from musekern.kernels.abi import KernelAbi, LaunchSpec, TensorMapSpec, pointer, scalar, tensor, tensormap
 from musekern.runtime import ArchMismatchError, MissingKernelError, load_artifact
 from musekern.runtime.loader import _ParamBlock, prepare_command
+from musekern.store.abi import KernelAbi, LaunchSpec, TensorMapSpec, pointer, scalar, tensor, tensormap
+from musekern.store.cache import Cache, CorruptEntryError
+from musekern.store.keys import key_parts
 from musekern.variants import QkNormVariant
 
 V = QkNormVariant("bfloat16", 64, True)
@@ -102,11 +102,9 @@ def test_other_arch_is_refused(tmp_path):
 
 def test_runtime_matches_any_dsl_version_without_cutlass(tmp_path, monkeypatch):
     """A serving image has no nvidia-cutlass-dsl: entries of any DSL version are used."""
-    import musekern.build
-
     cache = Cache(tmp_path / "c")
     e = fake_entry(cache)
-    monkeypatch.setattr(musekern.build, "dsl_version", lambda: None)
+    monkeypatch.setattr("musekern.runtime.loader.dsl_version", lambda: None)
     assert load_artifact(V, "sm_90a", cache)[0].key == e.key
 
 
@@ -118,7 +116,7 @@ def test_launch_path_never_imports_cutlass(tmp_path):
         import sys, json
         import musekern, musekern.runtime, musekern.ops, musekern.ops.qk_norm, musekern.ops.qkv_front
         from musekern.runtime import load_artifact
-        from musekern.cache import Cache
+        from musekern.store.cache import Cache
         from musekern.variants import QkNormVariant
         import torch
         entry, cubin = load_artifact(QkNormVariant("bfloat16", 64, True), "sm_90a", Cache({str(cache.root)!r}))

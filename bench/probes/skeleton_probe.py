@@ -239,7 +239,7 @@ def build(outdir: str, config_set: str = "planned") -> None:
     from cutlass.cute.runtime import make_ptr
 
     from musekern.kernels._dsl import compile_to_cubin
-    from musekern.kernels.abi import KernelAbi, LaunchSpec, TensorMapSpec, check_abi_against_ptx, pointer, tensormap
+    from musekern.store.abi import KernelAbi, LaunchSpec, TensorMapSpec, check_abi_against_ptx, pointer, tensormap
 
     os.makedirs(outdir, exist_ok=True)
     cls = _kernel_class()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..build import dist_version
+from ..store.keys import dist_version
 from . import report
 from .timing import Stopwatch, copy_bandwidth, log
 

@@ -106,8 +106,8 @@ def plan_cmd(model_path, target_names, as_json):
 def prepare_cmd(model_path, target_names, variant_labels, cache_dir, jobs, shard, remote, upload, as_json):
     """Compile every kernel variant the model needs into the cache (no GPU needed)."""
     from ..build import BuildExtraMissing
-    from ..cache import Cache, ReadOnlyCacheError, default_cache_dir
-    from ..prepare import BUILT, FAILED, HIT, PULLED, prepare
+    from ..build.prepare import BUILT, FAILED, HIT, PULLED, prepare
+    from ..store.cache import Cache, ReadOnlyCacheError, default_cache_dir
 
     model = load_model(model_path)
     targets = resolve_targets(target_names, model)
@@ -118,7 +118,7 @@ def prepare_cmd(model_path, target_names, variant_labels, cache_dir, jobs, shard
     cache = Cache(default_cache_dir(cache_dir))
     rem = None
     if remote:
-        from ..remote import RemoteCache, RemoteError
+        from ..store.remote import RemoteCache, RemoteError
 
         try:
             rem = RemoteCache.from_env(remote, upload=upload)
@@ -126,7 +126,7 @@ def prepare_cmd(model_path, target_names, variant_labels, cache_dir, jobs, shard
             raise UsageFailure(f"--remote: {e}") from None
     if not variant_labels and not cache.read_only:
         # the whole plan (also in a shard run): `musekern clean --stale` keeps what some plan needs
-        from ..build import dsl_version, key_parts
+        from ..store.keys import dsl_version, key_parts
 
         cache.record_plan(f"{model.source}|{','.join(t.name for t in targets)}",
                           [key_parts(e.variant, e.arch, dsl_version()).key() for e in entries])

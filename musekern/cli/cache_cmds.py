@@ -3,8 +3,6 @@
 Every command takes --cache-dir and --json; results go to stdout, logs and errors to stderr;
 exit 0 ok, 1 failure (the message names what is wrong and the command that fixes it), 2 usage.
 Nothing here imports cutlass: these commands work on a deploy machine with the runtime only.
-The model plan (export --model, explain with --model/--target) needs `musekern.build.key_parts`,
-imported lazily inside the commands that use it.
 """
 from __future__ import annotations
 
@@ -57,7 +55,7 @@ def _human(n: int) -> str:
 
 
 def _open(cache_dir):
-    from ..cache import Cache, default_cache_dir
+    from ..store.cache import Cache, default_cache_dir
 
     return Cache(default_cache_dir(cache_dir))
 
@@ -68,7 +66,7 @@ def _cd(cache) -> str:
 
 
 def _writable(cache, what: str) -> None:
-    from ..cache import ReadOnlyCacheError
+    from ..store.cache import ReadOnlyCacheError
 
     try:
         cache.check_writable(what)
@@ -140,7 +138,7 @@ def verify_cmd(repair, cache_dir, as_json):
 @json_option
 def clean_cmd(stale, all_, dry_run, cache_dir, as_json):
     """Remove crash debris (old temp dirs); --stale: unneeded entries; --all: everything."""
-    from ..cache import CacheError
+    from ..store.cache import CacheError
 
     cache = _open(cache_dir)
     if not dry_run:
@@ -235,14 +233,11 @@ def gc_cmd(max_size, older_than, dry_run, cache_dir, as_json):
 
 # ---------------------------------------------------------------- explain
 def _planned_parts(model_path, target_names):
-    """[(PlanEntry, KeyParts, any_dsl_version)] of the model's plan (needs musekern.build, lazily)."""
+    """[(PlanEntry, KeyParts, any_dsl_version)] of the model's plan."""
+    from ..store.keys import dsl_version, key_parts
     from ..variants import plan_model
     from .common import load_model, resolve_targets
 
-    try:
-        from ..build import dsl_version, key_parts
-    except ImportError as e:
-        raise Failure(f"mapping the plan to cache keys needs musekern.build ({e})") from None
     model = load_model(model_path)
     targets = resolve_targets(target_names, model)
     version = dsl_version()
@@ -267,7 +262,8 @@ def explain_cmd(what, model_path, target_names, cache_dir, as_json):
     For a label, the matching entries are shown; with --model/--target the planned key is
     computed too, and when it is missing the nearest entry and the parts that differ are named.
     """
-    from ..cache import CacheError, is_key
+    from ..store.cache import CacheError
+    from ..store.keys import is_key
 
     cache = _open(cache_dir)
     w = what.strip().lower()
@@ -361,8 +357,8 @@ def _print_parts(entry) -> None:
 @json_option
 def export_cmd(model_path, target_names, all_, keys, output, cache_dir, as_json):
     """Write a reproducible bundle (tar) of the model's planned entries (or --all / --key)."""
-    from ..bundle import export_bundle
-    from ..cache import CacheError
+    from ..store.bundle import export_bundle
+    from ..store.cache import CacheError
 
     cache = _open(cache_dir)
     plan_name = None
@@ -410,8 +406,8 @@ def export_cmd(model_path, target_names, all_, keys, output, cache_dir, as_json)
 @json_option
 def import_cmd(bundle, cache_dir, as_json):
     """Verify a bundle and add its entries to the cache (bad entries are rejected, exit 1)."""
-    from ..bundle import BundleError, import_bundle
-    from ..cache import ReadOnlyCacheError
+    from ..store.bundle import BundleError, import_bundle
+    from ..store.cache import ReadOnlyCacheError
 
     cache = _open(cache_dir)
     try:

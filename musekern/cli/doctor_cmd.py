@@ -6,7 +6,7 @@ import platform
 import click
 
 from .. import __version__
-from ..build import dist_version
+from ..store.keys import dist_version
 from ..variants import plan_model
 from .common import (
     cache_dir_option,
@@ -53,8 +53,8 @@ def _driver_version() -> int | None:
 @json_option
 def doctor_cmd(model_path, target_names, cache_dir, as_json):
     """Report versions, GPU and driver, the cache, and the model's variants missing from it (exit 1 if any)."""
-    from ..build import key_parts
-    from ..cache import Cache, default_cache_dir
+    from ..store.cache import Cache, default_cache_dir
+    from ..store.keys import key_parts
 
     model = load_model(model_path)
     targets = resolve_targets(target_names, model)

@@ -6,7 +6,7 @@ import tempfile
 
 import cutlass.cute as cute
 
-from .abi import ptx_entry_names
+from ..store.abi import ptx_entry_names
 
 
 def compile_to_cubin(jit_fn, *args, arch: str) -> tuple[bytes, str, str]:

@@ -34,6 +34,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float16, Float32, Int32, Int64, Uint32
 from cutlass.cute.runtime import make_ptr
 
+from ..store.abi import KernelAbi, LaunchSpec, pointer, scalar
 from ..variants.qk_norm import (
     QK_NORM_BLOCK,
     QK_NORM_GRID_RULE,
@@ -42,7 +43,6 @@ from ..variants.qk_norm import (
 )
 from . import CompiledKernel
 from ._dsl import compile_to_cubin
-from .abi import KernelAbi, LaunchSpec, pointer, scalar
 
 _DTYPES = {"bfloat16": BFloat16, "float16": Float16}
 _VEC = QK_NORM_VEC_ELEMS

@@ -51,6 +51,7 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.memory import SmemAllocator
 
+from ..store.abi import KernelAbi, LaunchSpec, TensorMapSpec, coord_tensor, pointer, scalar, tensormap
 from ..variants.qkv_front import (
     CONSUMER_WARPS,
     HEAD_COLS,
@@ -69,7 +70,6 @@ from ..variants.qkv_front import (
     padded_tokens,
     smem_bytes,
 )
-from .abi import KernelAbi, LaunchSpec, TensorMapSpec, coord_tensor, pointer, scalar, tensormap
 
 # sm_90a: the target. sm_100a: compiles (mma.sync, TMA, clusters, st.async and griddepcontrol all exist
 # on Blackwell) but is checked on CPU only, never run.
@@ -637,9 +637,9 @@ def abi_for(v: QkvFrontVariant) -> KernelAbi:
 def compile_variant(v: QkvFrontVariant, arch: str, kernel_cls=None):
     """cubin, PTX and ABI of variant v for `arch`. kernel_cls: a QkvFrontKernel subclass with the same ABI
     (bench/probes/tail_trace.py's timestamped build); default QkvFrontKernel."""
+    from ..store.abi import check_abi_against_ptx
     from . import CompiledKernel
     from ._dsl import compile_to_cubin
-    from .abi import check_abi_against_ptx
 
     if arch not in SUPPORTED_ARCHES:
         raise NotImplementedError(

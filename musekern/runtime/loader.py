@@ -15,8 +15,9 @@ import threading
 from cuda.bindings import driver as drv
 
 from .. import targets
-from ..cache import Cache, default_cache_dir
-from ..kernels.abi import KernelAbi
+from ..store.abi import KernelAbi, cubin_arch
+from ..store.cache import Cache, default_cache_dir
+from ..store.keys import dsl_version, key_parts
 from .driver import c_launch_kernel_ex, check, device_info, ensure_context, launch_config
 from .tensormap import TensorMapCache
 
@@ -213,8 +214,6 @@ def prepare_command(variant, arch: str, cache: Cache) -> str:
 
 def _missing(variant, arch: str, cache: Cache, parts) -> MissingKernelError:
     near, diff = cache.nearest(parts)
-    from ..build import dsl_version
-
     if dsl_version() is None:  # the runtime takes any DSL version: not a difference worth naming
         diff = [d for d in diff if d != "dsl_version"]
     hint = ""
@@ -235,8 +234,6 @@ def find_entry(variant, arch: str, cache: Cache):
     Without the DSL (a serving image): an entry built by any DSL version. With it: the exact key
     first, then any DSL version; under MUSEKERN_AUTOBUILD=1 an exact miss is compiled instead.
     """
-    from ..build import dsl_version, key_parts
-
     ver = dsl_version()
     parts = key_parts(variant, arch, ver)
     entry = cache.find(parts) if ver else None
@@ -266,11 +263,9 @@ def load_artifact(variant, arch: str, cache: Cache):
                                 f"{entry.manifest.get('arch')}, this GPU is {arch}; "
                                 f"{prepare_command(variant, arch, cache)}")
     entry, cubin = cache.load(entry.key)  # sha256 checked: CorruptEntryError names the entry and the fix
-    from ..build import BuildError, cubin_arch
-
     try:
         elf_arch = cubin_arch(cubin)
-    except BuildError as e:
+    except ValueError as e:
         raise ArchMismatchError(f"{variant.label}: cache entry {entry.key[:12]} is not a cubin ({e}); "
                                 f"{prepare_command(variant, arch, cache)}") from None
     if elf_arch != arch:

@@ -10,7 +10,7 @@ import ctypes
 
 from cuda.bindings import driver as drv
 
-from ..kernels.abi import TensorMapSpec
+from ..store.abi import TensorMapSpec
 from .driver import check
 
 _DTYPES = {

@@ -11,8 +11,9 @@ import multiprocessing
 import time
 from dataclasses import dataclass, field
 
-from .build import BuildExtraMissing, build_variant, dsl_version, key_parts
-from .cache import Cache
+from ..store.cache import Cache
+from ..store.keys import dsl_version, key_parts
+from .compile import BuildExtraMissing, build_variant
 
 HIT, PULLED, BUILT, FAILED = "hit", "pulled", "built", "failed"
 

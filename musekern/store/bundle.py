@@ -25,17 +25,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cache import (
-    CACHE_FORMAT,
-    CUBIN_NAME,
-    MANIFEST_NAME,
-    Cache,
-    CacheError,
-    KeyParts,
-    is_key,
-    manifest_bytes,
-    sha256_hex,
-)
+from .cache import CACHE_FORMAT, CUBIN_NAME, MANIFEST_NAME, Cache, CacheError, manifest_bytes
+from .keys import KeyParts, is_key, sha256_hex
 
 INDEX_NAME = "musekern-bundle.json"
 BUNDLE_FORMAT = 1

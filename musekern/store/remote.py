@@ -27,7 +27,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-from .cache import CACHE_FORMAT, Cache, CacheError, Entry, KeyParts, is_key, manifest_bytes, sha256_hex
+from .cache import CACHE_FORMAT, Cache, CacheError, Entry, manifest_bytes
+from .keys import KeyParts, is_key, sha256_hex
 
 ENV_REMOTE = "MUSEKERN_REMOTE"
 ENV_REMOTE_TIMEOUT = "MUSEKERN_REMOTE_TIMEOUT"

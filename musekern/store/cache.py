@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -50,15 +49,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-CACHE_FORMAT = 1
+from .keys import PART_NAMES, KeyParts, is_key, sha256_hex, version_sort_key
+
+CACHE_FORMAT = 2  # 2: keys leave variant fields at their default out, source hash covers variants/<kernel>.py
 ENV_CACHE_DIR = "MUSEKERN_CACHE_DIR"
 CUBIN_NAME = "kernel.cubin"
 MANIFEST_NAME = "manifest.json"
-# Fields `Cache.put` adds to the builder's manifest (the builder must not disagree with them).
-PART_NAMES = ("kernel", "variant", "arch", "source_sha256", "dsl_version", "abi_version")
 TMP_MAX_AGE_S = 3600.0  # staging dirs older than this are crash debris (`clean` removes them)
-
-_KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 
 FIX_HINT = ("run `musekern verify --repair{cd}` to drop it, then `musekern prepare{cd}` "
             "(with your --model/--target) to rebuild it")
@@ -76,27 +73,9 @@ def default_cache_dir(cli_value: str | None = None) -> Path:
     return Path(platformdirs.user_cache_dir("musekern"))
 
 
-def is_key(s) -> bool:
-    return isinstance(s, str) and bool(_KEY_RE.match(s))
-
-
-def canonical_json(obj) -> bytes:
-    """The one JSON spelling used for keys and manifests (sorted keys, fixed separators)."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-
-
 def manifest_bytes(manifest: dict) -> bytes:
     """How manifest.json is written (human-readable but deterministic: bundles compare bytes)."""
     return (json.dumps(manifest, sort_keys=True, indent=2, ensure_ascii=True) + "\n").encode()
-
-
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def version_sort_key(v: str):
-    """Order DSL versions numerically ("4.10.0" > "4.9.1"); text pieces sort before numbers."""
-    return tuple((1, int(p), "") if p.isdigit() else (0, 0, p) for p in re.findall(r"\d+|[A-Za-z]+", v or ""))
 
 
 # ---------------------------------------------------------------- errors
@@ -120,78 +99,6 @@ class MissingEntryError(CacheError):
 
 class ReadOnlyCacheError(CacheError):
     """A write was asked of a cache that cannot be written (image layer, chmod, ro mount)."""
-
-
-# ---------------------------------------------------------------- key
-@dataclass(frozen=True)
-class KeyParts:
-    """The named inputs of a cache key. Changing any of them gives a new key (never a stale hit).
-
-    `variant` is a sorted tuple of (name, value) pairs of the variant's `params()`, so the key
-    does not depend on field order and `explain` can name the part that differs.
-    """
-    kernel: str
-    variant: tuple
-    arch: str
-    source_sha256: str
-    dsl_version: str
-    abi_version: int
-
-    @classmethod
-    def make(cls, kernel: str, variant_params: dict, arch: str, source_sha256: str, dsl_version: str,
-             abi_version: int) -> "KeyParts":
-        for name, value in variant_params.items():
-            if not isinstance(value, (str, int, float, bool)) and value is not None:
-                raise TypeError(f"variant param {name}={value!r} is not a JSON scalar")
-        return cls(kernel=str(kernel), variant=tuple(sorted(variant_params.items())), arch=str(arch),
-                   source_sha256=str(source_sha256), dsl_version=str(dsl_version), abi_version=int(abi_version))
-
-    @property
-    def variant_params(self) -> dict:
-        return dict(self.variant)
-
-    @property
-    def label(self) -> str:
-        """Same spelling as VariantMixin.label: `kernel[name=value,...]`."""
-        return f"{self.kernel}[{','.join(f'{k}={v}' for k, v in self.variant)}]"
-
-    def to_json(self) -> dict:
-        return {"kernel": self.kernel, "variant": dict(self.variant), "arch": self.arch,
-                "source_sha256": self.source_sha256, "dsl_version": self.dsl_version,
-                "abi_version": self.abi_version}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "KeyParts":
-        if not isinstance(d, dict) or set(d) != set(PART_NAMES) or not isinstance(d["variant"], dict):
-            raise ValueError(f"key parts must be an object with exactly {', '.join(PART_NAMES)}")
-        return cls.make(d["kernel"], d["variant"], d["arch"], d["source_sha256"], d["dsl_version"],
-                        d["abi_version"])
-
-    def key(self) -> str:
-        return sha256_hex(canonical_json(self.to_json()))
-
-    def family(self) -> str:
-        """The key of everything but the DSL version: entries the runtime may take for each other."""
-        d = self.to_json()
-        del d["dsl_version"]
-        return sha256_hex(canonical_json(d))
-
-    def differences(self, other: "KeyParts") -> list[str]:
-        """Names of the parts that differ from `other`, in PART_NAMES order."""
-        return [n for n in PART_NAMES if getattr(self, n) != getattr(other, n)]
-
-    def describe_differences(self, other: "KeyParts") -> list[str]:
-        """Human lines `part: wanted X, present Y` (variant params itemised)."""
-        out = []
-        for n in self.differences(other):
-            if n == "variant":
-                a, b = self.variant_params, other.variant_params
-                for p in sorted(set(a) | set(b)):
-                    if a.get(p, "<absent>") != b.get(p, "<absent>"):
-                        out.append(f"variant.{p}: wanted {a.get(p, '<absent>')}, present {b.get(p, '<absent>')}")
-            else:
-                out.append(f"{n}: wanted {getattr(self, n)}, present {getattr(other, n)}")
-        return out
 
 
 # ---------------------------------------------------------------- entries

@@ -18,6 +18,7 @@ Parameters are passed to cuLaunchKernelEx as an array of pointers (one host buff
 from __future__ import annotations
 
 import re
+import struct
 from dataclasses import dataclass, field
 
 ABI_VERSION = 1  # bump when the meaning of any manifest field below changes
@@ -207,3 +208,27 @@ def check_abi_against_ptx(abi: KernelAbi, ptx: str, symbol: str) -> None:
     if got != want:
         declared = [(p.name, p.align, p.size) for p in abi.params]
         raise ValueError(f"kernel ABI mismatch for {symbol}:\n  declared {declared}\n  PTX      {got}")
+
+
+# ---------------------------------------------------------------- the cubin's ELF header
+EM_CUDA = 190  # ELF e_machine of a cubin
+
+
+def cubin_arch(cubin: bytes) -> str:
+    """The SM a cubin was compiled for, from its ELF header: 'sm_90a', 'sm_100a', 'sm_80', ...
+
+    CUDA ELF ABI v7 (up to sm_90): SM in e_flags bits 0-7, arch-specific ('a') flag 0x800.
+    ABI v8 (sm_100 on): SM in bits 8-15, 'a' flag 0x8. Checked against cubins built for
+    sm_80, sm_90, sm_90a and sm_100a by CuTe DSL 4.8.1. Raises ValueError for bytes that are not one.
+    """
+    if len(cubin) < 0x34 or cubin[:4] != b"\x7fELF":
+        raise ValueError("not an ELF file")
+    machine = struct.unpack_from("<H", cubin, 0x12)[0]
+    if machine != EM_CUDA:
+        raise ValueError(f"ELF machine {machine} is not CUDA ({EM_CUDA})")
+    flags = struct.unpack_from("<I", cubin, 0x30)[0]
+    if cubin[8] >= 8:
+        sm, accel = (flags >> 8) & 0xFF, bool(flags & 0x8)
+    else:
+        sm, accel = flags & 0xFF, bool(flags & 0x800)
+    return f"sm_{sm}{'a' if accel else ''}"

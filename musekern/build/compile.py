@@ -1,0 +1,61 @@
+"""Compile one planned variant to a cubin with the CuTe DSL (no GPU needed) and check it.
+
+The only module besides `musekern/kernels/` that imports cutlass, and only inside `build_variant`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..store.abi import check_abi_against_ptx, cubin_arch
+from ..store.keys import DSL_DISTRIBUTION, dsl_version
+
+BUILD_EXTRA_HINT = "pip install 'musekern[build]'  (adds nvidia-cutlass-dsl, needed to compile kernels)"
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+class BuildExtraMissing(BuildError):
+    def __init__(self):
+        super().__init__(f"nvidia-cutlass-dsl is not installed, so kernels cannot be compiled here. "
+                         f"Install the build extra: {BUILD_EXTRA_HINT}")
+
+
+@dataclass(frozen=True)
+class Built:
+    cubin: bytes
+    manifest: dict  # the builder's part of manifest.json (the cache adds key, hashes, format)
+
+
+def build_variant(variant, arch: str) -> Built:
+    """Compile `variant` for `arch` and check the artifact before it may enter the cache."""
+    version = dsl_version()
+    if version is None:
+        raise BuildExtraMissing()
+    from .. import kernels
+
+    try:
+        ck = kernels.compile_variant(variant, arch)
+    except ImportError as e:
+        raise BuildError(f"compiling {variant.label} failed to import the CuTe DSL ({e}); {BUILD_EXTRA_HINT}") from e
+    try:
+        got = cubin_arch(ck.cubin)
+    except ValueError as e:
+        raise BuildError(f"{variant.label}: the compiler's output is not a cubin ({e})") from None
+    if got != arch:
+        raise BuildError(f"{variant.label}: asked for {arch}, the cubin's ELF header says {got}")
+    check_abi_against_ptx(ck.abi, ck.ptx, ck.symbol)
+    isa = re.search(r"\.version\s+(\S+)", ck.ptx)
+    manifest = {
+        "kernel": variant.kernel,
+        "label": variant.label,
+        "variant": variant.params(),
+        "symbol": ck.symbol,
+        "arch": arch,
+        "abi": ck.abi.to_json(),
+        "built_with": {DSL_DISTRIBUTION: version, "options": f"--gpu-arch {arch}",
+                       "ptx_isa": isa.group(1) if isa else None},
+    }
+    return Built(ck.cubin, manifest)

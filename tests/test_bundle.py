@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from musekern.store import hygiene
 from musekern.store.bundle import INDEX_NAME, BundleError, export_bundle, import_bundle
 from musekern.store.cache import Cache, CorruptEntryError, MissingEntryError, ReadOnlyCacheError
 from musekern.store.keys import KeyParts
@@ -103,7 +104,7 @@ def test_import_roundtrip_and_plan(tmp_path):
     put(dst, fake_parts(0))
     report = import_bundle(dst, out)
     assert report.ok and sorted(report.added) == sorted(keys[1:]) and report.present == [keys[0]]
-    assert report.plan == "cfg|h200" and dst.plans() == {"cfg|h200": sorted(keys)}
+    assert report.plan == "cfg|h200" and hygiene.plans(dst) == {"cfg|h200": sorted(keys)}
     for k in keys:
         assert dst.load(k)[1] == src.load(k)[1]
         assert dst.get(k).manifest_path.read_bytes() == src.get(k).manifest_path.read_bytes()
@@ -299,7 +300,7 @@ def test_shards_merge_by_import(tmp_path):
         keys = []
         for pe in shard_plan(plan, k, 2):
             p = _parts(pe)
-            c.get_or_create(p, lambda p=p: fake_entry(p))
+            c.obtain(p, lambda p=p: fake_entry(p))
             keys.append(p.key())
         out = tmp_path / f"shard{k}.tar"
         export_bundle(c, keys, out)

@@ -22,6 +22,7 @@ from unittest import mock
 import pytest
 
 from musekern.store import cache as cache_mod
+from musekern.store import hygiene, lookup
 from musekern.store.cache import (
     CACHE_FORMAT,
     ENV_CACHE_DIR,
@@ -33,6 +34,10 @@ from musekern.store.cache import (
     default_cache_dir,
 )
 from musekern.store.keys import PART_NAMES, KeyParts
+from musekern.store.lookup import Policy
+
+EXACT = Policy(other_dsl=False, verify=False)
+ANY_DSL = Policy(other_dsl=True, verify=False)
 
 SRC = "ab" * 32
 
@@ -149,7 +154,7 @@ def test_put_get_load_roundtrip(cache):
     assert data == fake_cubin(p) and entry == e
     assert sorted(os.listdir(e.path)) == ["kernel.cubin", "manifest.json"]  # only JSON + cubin bytes
     assert cache.entries() == [e] and cache.verify_entry(e) == []
-    assert cache.get("0" * 64) is None and cache.find(fake_parts(5)) is None
+    assert cache.get("0" * 64) is None and lookup.find(cache, fake_parts(5), EXACT) is None
     with pytest.raises(MissingEntryError):
         cache.load("0" * 64)
 
@@ -181,7 +186,7 @@ def test_put_replaces_a_damaged_entry(cache):
 
 def test_entries_ignore_temp_locks_and_uncommitted_dirs(cache):
     p = fake_parts()
-    cache.get_or_create(p, fake_build(p))
+    cache.obtain(p, fake_build(p))
     (cache.tmp_dir / "junk").mkdir(parents=True)
     (cache.entries_dir / ("f" * 64)).mkdir()  # no manifest: never committed
     (cache.entries_dir / "not-a-key").mkdir()
@@ -232,8 +237,8 @@ def test_damaged_entry_is_never_loaded_and_is_rebuilt(cache, tmp_path, how):
     assert p.key() in cache.audit()
     # prepare's path: a damaged entry is a miss and gets rebuilt once
     counter = tmp_path / "builds.log"
-    entry, built = cache.get_or_create(p, fake_build(p, counter))
-    assert built and counter.read_text().count(p.key()) == 1
+    entry, source = cache.obtain(p, fake_build(p, counter))
+    assert source == "built" and counter.read_text().count(p.key()) == 1
     assert cache.load(p.key())[1] == fake_cubin(p) and p.key() not in cache.audit()
 
 
@@ -256,11 +261,11 @@ def test_find_any_dsl_version_picks_highest_version(cache):
         cache.put(q, fake_cubin(q), fake_manifest(q))
     other_arch = fake_parts(arch="sm_100a", dsl="5.0.0")
     cache.put(other_arch, fake_cubin(other_arch), fake_manifest(other_arch))
-    assert cache.find(wanted) is None
-    hit = cache.find(wanted, any_dsl_version=True)
+    assert lookup.find(cache, wanted, EXACT) is None
+    hit = lookup.find(cache, wanted, ANY_DSL)
     assert hit is not None and hit.parts.dsl_version == "4.10.0"
     exact = fake_parts(dsl="4.8.1")
-    assert cache.find(exact, any_dsl_version=True).key == exact.key()
+    assert lookup.find(cache, exact, ANY_DSL).key == exact.key()
 
 
 def test_find_any_dsl_version_reads_the_family_index_not_every_manifest(cache, monkeypatch):
@@ -278,11 +283,11 @@ def test_find_any_dsl_version_reads_the_family_index_not_every_manifest(cache, m
     def no_scan(self):
         raise AssertionError("scanned every entry")
 
-    monkeypatch.setattr(Cache, "_parsed_entries", no_scan)
-    assert cache.find(wanted, any_dsl_version=True).parts.dsl_version == "4.10.0"
+    monkeypatch.setattr(Cache, "entries", no_scan)
+    assert lookup.find(cache, wanted, ANY_DSL).parts.dsl_version == "4.10.0"
     cache.remove(fake_parts(dsl="4.10.0").key())  # removing an entry drops its marker
     assert os.listdir(cache.index_dir / wanted.family()) == [fake_parts(dsl="4.9.1").key()]
-    assert cache.find(wanted, any_dsl_version=True).parts.dsl_version == "4.9.1"
+    assert lookup.find(cache, wanted, ANY_DSL).parts.dsl_version == "4.9.1"
 
 
 def test_find_without_index_or_with_a_dangling_marker_falls_back_to_the_scan(cache):
@@ -291,10 +296,10 @@ def test_find_without_index_or_with_a_dangling_marker_falls_back_to_the_scan(cac
     q = fake_parts(dsl="4.8.1")
     cache.put(q, fake_cubin(q), fake_manifest(q))
     shutil.rmtree(cache.index_dir)
-    assert cache.find(wanted, any_dsl_version=True).key == q.key()
+    assert lookup.find(cache, wanted, ANY_DSL).key == q.key()
     (cache.index_dir / wanted.family()).mkdir(parents=True)
     (cache.index_dir / wanted.family() / fake_parts(dsl="9.9.9").key()).touch()  # no such entry
-    assert cache.find(wanted, any_dsl_version=True).key == q.key()
+    assert lookup.find(cache, wanted, ANY_DSL).key == q.key()
 
 
 def test_family_ignores_only_the_dsl_version():
@@ -304,18 +309,18 @@ def test_family_ignores_only_the_dsl_version():
 
 
 def test_nearest_names_the_differing_part(cache):
-    assert cache.nearest(fake_parts()) == (None, list(PART_NAMES))
+    assert lookup.nearest(cache, fake_parts()) == (None, list(PART_NAMES))
     have = fake_parts(dsl="4.8.1")
     cache.put(have, fake_cubin(have), fake_manifest(have))
     q = fake_parts(3)
     cache.put(q, fake_cubin(q), fake_manifest(q))
-    entry, diff = cache.nearest(fake_parts(dsl="4.9.0"))
+    entry, diff = lookup.nearest(cache, fake_parts(dsl="4.9.0"))
     assert entry.key == have.key() and diff == ["dsl_version"]
-    msg = cache.explain_miss(fake_parts(dsl="4.9.0"))
+    msg = lookup.explain_miss(cache, fake_parts(dsl="4.9.0"))
     assert "dsl_version" in msg and "4.9.0" in msg and "4.8.1" in msg
-    entry, diff = cache.nearest(fake_parts(src="cd" * 32))
+    entry, diff = lookup.nearest(cache, fake_parts(src="cd" * 32))
     assert diff == ["source_sha256"]
-    assert cache.nearest(have) == (cache.get(have.key()), [])
+    assert lookup.nearest(cache, have) == (cache.get(have.key()), [])
     # a variant param difference is itemised
     lines = fake_parts(2).describe_differences(have)
     assert any(line.startswith("variant.i:") for line in lines)
@@ -326,7 +331,7 @@ def _populated(tmp_path, n=3) -> tuple[Cache, list[KeyParts]]:
     c = Cache(tmp_path / "ro")
     parts = [fake_parts(i) for i in range(n)]
     for p in parts:
-        c.get_or_create(p, fake_build(p))
+        c.obtain(p, fake_build(p))
     shutil.rmtree(c.locks_dir)  # a shipped cache dir (image layer) has no lock files
     return c, parts
 
@@ -337,19 +342,19 @@ def _assert_reads_write_nothing(c: Cache, parts):
     for p in parts:
         e, data = c.load(p.key())
         assert data == fake_cubin(p)
-        assert c.find(p) == e and c.find(p, any_dsl_version=True) == e
+        assert lookup.find(c, p, EXACT) == e and lookup.find(c, p, ANY_DSL) == e
         c.touch(p.key())  # the loader records use; must be a no-op here
-        assert c.get_or_create(p, fake_build(p)) == (e, False)  # hit without taking a lock
+        assert c.obtain(p, fake_build(p)) == (e, "local")  # hit without taking a lock
     assert len(c.entries()) == len(parts) and c.audit() == {}
-    c.nearest(fake_parts(50))
-    c.stats()
+    lookup.nearest(c, fake_parts(50))
+    hygiene.stats(c)
     with pytest.raises(ReadOnlyCacheError) as ei:
-        c.get_or_create(fake_parts(50), fake_build(fake_parts(50)))
+        c.obtain(fake_parts(50), fake_build(fake_parts(50)))
     assert "\n" not in str(ei.value) and "read-only" in str(ei.value) and "--cache-dir" in str(ei.value)
     with pytest.raises(ReadOnlyCacheError):
         c.put(fake_parts(51), b"x", fake_manifest(fake_parts(51)))
     with pytest.raises(ReadOnlyCacheError):
-        c.record_plan("p", [])
+        hygiene.record_plan(c, "p", [])
     assert tree(c.root) == before, "a read-only cache was written"
 
 
@@ -445,16 +450,16 @@ def test_gc_older_than_and_max_size(cache):
         cache.touch(p.key())
         t = now - age_days * 86400
         os.utime(cache.used_dir / p.key(), (t, t))
-    removed = cache.gc(older_than=30 * 86400, now=now)
+    removed = hygiene.gc(cache, older_than=30 * 86400, now=now)
     assert [e.key for e in removed] == [parts[0].key()]
     two_newest = sum(cache.get(p.key()).size_bytes for p in parts[2:])
-    dry = cache.gc(max_size=two_newest, now=now, dry_run=True)
+    dry = hygiene.gc(cache, max_size=two_newest, now=now, dry_run=True)
     assert [e.key for e in dry] == [parts[1].key()] and len(cache.entries()) == 3  # dry run removes nothing
-    removed = cache.gc(max_size=two_newest, now=now)
+    removed = hygiene.gc(cache, max_size=two_newest, now=now)
     assert [e.key for e in removed] == [parts[1].key()]  # least recently used first
     assert {e.key for e in cache.entries()} == {parts[2].key(), parts[3].key()}
     with pytest.raises(ValueError):
-        cache.gc()
+        hygiene.gc(cache)
 
 
 def test_record_plan_and_stale_entries(cache):
@@ -462,22 +467,22 @@ def test_record_plan_and_stale_entries(cache):
     for p in parts:
         cache.put(p, fake_cubin(p), fake_manifest(p))
     with pytest.raises(CacheError, match="no plan is recorded"):
-        cache.stale_entries()
-    cache.record_plan("/path/to/cfg.json|h200", [parts[0].key()])  # any name (a path) is fine
-    cache.record_plan("other", [parts[1].key()])
-    assert cache.plans() == {"/path/to/cfg.json|h200": [parts[0].key()], "other": [parts[1].key()]}
-    assert [e.key for e in cache.stale_entries()] == [parts[2].key()]
-    cache.forget_plan("other")
-    assert {e.key for e in cache.stale_entries()} == {parts[1].key(), parts[2].key()}
+        hygiene.stale_entries(cache)
+    hygiene.record_plan(cache, "/path/to/cfg.json|h200", [parts[0].key()])  # any name (a path) is fine
+    hygiene.record_plan(cache, "other", [parts[1].key()])
+    assert hygiene.plans(cache) == {"/path/to/cfg.json|h200": [parts[0].key()], "other": [parts[1].key()]}
+    assert [e.key for e in hygiene.stale_entries(cache)] == [parts[2].key()]
+    hygiene.forget_plan(cache, "other")
+    assert {e.key for e in hygiene.stale_entries(cache)} == {parts[1].key(), parts[2].key()}
     with pytest.raises(ValueError):
-        cache.record_plan("x", ["not-a-key"])
+        hygiene.record_plan(cache, "x", ["not-a-key"])
 
 
 def test_stats_and_clean(cache):
     a, b = fake_parts(0), fake_parts(1, kernel="qkv_front", arch="sm_100a")
     for p in (a, b):
         cache.put(p, fake_cubin(p), fake_manifest(p))
-    s = cache.stats()
+    s = hygiene.stats(cache)
     assert s["entries"] == 2 and s["bytes"] == sum(e.size_bytes for e in cache.entries())
     assert s["by_kernel"]["qk_norm"]["entries"] == 1 and s["by_arch"]["sm_100a"]["entries"] == 1
     old = cache.tmp_dir / "crashed.123"
@@ -485,8 +490,8 @@ def test_stats_and_clean(cache):
     fresh = cache.tmp_dir / "live.456"
     fresh.mkdir()
     os.utime(old, (time.time() - 7200,) * 2)
-    assert cache.clean_tmp() == 1 and fresh.exists() and not old.exists()
-    assert cache.clear() == 2 and cache.entries() == []
+    assert hygiene.clean_tmp(cache) == 1 and fresh.exists() and not old.exists()
+    assert hygiene.clear(cache) == 2 and cache.entries() == []
 
 
 # ---------------------------------------------------------------- concurrency
@@ -507,7 +512,7 @@ def _stress_worker(root: str, counter: str, wid: int, errors: str) -> None:
                     c.load(p.key())
                 except MissingEntryError:
                     pass
-                e, _ = c.get_or_create(p, fake_build(p, Path(counter)))
+                e, _ = c.obtain(p, fake_build(p, Path(counter)))
                 e2, data = c.load(p.key())
                 if data != fake_cubin(p) or e2.key != p.key():
                     bad.append(f"round {r} key {i}: wrong bytes")

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 from musekern.cli import cache_cmds
 from musekern.cli.cache_cmds import parse_duration, parse_size
+from musekern.store import hygiene
 from musekern.store.cache import Cache
 from musekern.store.keys import KeyParts
 
@@ -123,7 +124,7 @@ def test_gc(cli, filled):
     assert r.exit_code == 0 and [e["key"] for e in json.loads(r.stdout)["removed"]] == [keys[0]]
     r = cli("gc", "--cache-dir", filled.root, "--max-size", "1", "--dry-run")
     assert r.exit_code == 0 and "would be removed" in r.stdout and len(filled.entries()) == 3
-    before = filled.stats()
+    before = hygiene.stats(filled)
     r = cli("gc", "--cache-dir", filled.root, "--max-size", "1", "--dry-run", "--json")
     doc = json.loads(r.stdout)  # what would be LEFT, not today's totals
     assert doc["entries_left"] == before["entries"] - len(doc["removed"]) and doc["removed"]
@@ -150,7 +151,7 @@ def test_clean_stale_and_all(cli, filled):
     r = cli("clean", "--stale", "--cache-dir", filled.root)
     assert r.exit_code == 1 and "no plan is recorded" in r.stderr and "musekern prepare" in r.stderr
     keep = [fake_parts(0).key(), fake_parts(1).key()]
-    filled.record_plan("cfg|h200", keep)
+    hygiene.record_plan(filled, "cfg|h200", keep)
     r = cli("clean", "--stale", "--dry-run", "--cache-dir", filled.root, "--json")
     assert r.exit_code == 0 and len(json.loads(r.stdout)["removed"]) == 2 and len(filled.entries()) == 4
     r = cli("clean", "--stale", "--cache-dir", filled.root)

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from musekern.cli import main
+from musekern.store import hygiene
 from musekern.store.cache import Cache
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("cutlass") is None,
@@ -71,7 +72,7 @@ def test_shards_build_the_whole_plan_once(tmp_path):
     full = prepare(tmp_path / "c")
     assert sorted(keys) == sorted(r["key"] for r in full["results"]) and len(set(keys)) == len(keys)
     assert full["counts"]["hit"] == len(keys)  # nothing left to build
-    assert Cache(tmp_path / "c").plans(), "the full plan is recorded (for clean --stale)"
+    assert hygiene.plans(Cache(tmp_path / "c")), "the full plan is recorded (for clean --stale)"
 
 
 def test_warm_remote_means_zero_compiles(tmp_path, nginx_server):

@@ -44,7 +44,7 @@ def fake_build(parts: KeyParts, calls: list):
 def _fill(cache: Cache, n: int, calls: list) -> list[KeyParts]:
     parts = [fake_parts(i) for i in range(n)]
     for p in parts:
-        cache.get_or_create(p, fake_build(p, calls))
+        cache.obtain(p, fake_build(p, calls))
     return parts
 
 
@@ -66,8 +66,8 @@ def test_warm_remote_means_zero_compiles(nginx_server, tmp_path):
     b = Cache(tmp_path / "b")
     remote_b = RemoteCache(url)  # read-only: no upload asked for
     for p in parts:
-        e, built = b.get_or_create(p, fake_build(p, calls_b), remote=remote_b)
-        assert not built
+        e, source = b.obtain(p, fake_build(p, calls_b), remote=remote_b)
+        assert source == "remote"
         assert b.load(p.key())[1] == a.load(p.key())[1]
     assert calls_b == [] and remote_b.stats["pulled"] == 6 and not remote_b.warnings
     # the manifest B stored is byte-identical to A's (same canonical JSON)
@@ -113,8 +113,8 @@ def test_corrupt_remote_blob_is_rejected(nginx_server, tmp_path, caplog):
     # prepare's path: the rejected entry is compiled locally instead
     calls = []
     for p in parts:
-        e, built = b.get_or_create(p, fake_build(p, calls), remote=rb)
-        assert built and b.verify_entry(e) == []
+        e, source = b.obtain(p, fake_build(p, calls), remote=rb)
+        assert source == "built" and b.verify_entry(e) == []
     assert len(calls) == 2
 
 
@@ -140,9 +140,9 @@ def test_dead_remote_degrades_to_local_build(tmp_path, caplog):
     parts = [fake_parts(i) for i in range(3)]
     with caplog.at_level(logging.WARNING, logger="musekern.remote"):
         for p in parts:
-            e, built = c.get_or_create(p, fake_build(p, calls), remote=r)  # pull fails, build, push fails
-            assert built and c.verify_entry(e) == []
-    assert len(calls) == 3 and r.dead and r.failed
+            e, source = c.obtain(p, fake_build(p, calls), remote=r)  # pull fails, build, push fails
+            assert source == "built" and c.verify_entry(e) == []
+    assert len(calls) == 3 and r.dead
     assert len(r.warnings) == 1 and "unreachable" in r.warnings[0]  # warned once, then skipped
     assert "unreachable" in caplog.text
     assert r.push(c.get(parts[0].key())) is False and r.pull(parts[0], c) is None

@@ -154,10 +154,10 @@ def test_ctypes_launch_is_optional(monkeypatch):
     from musekern.runtime import driver
 
     driver.c_launch_kernel_ex.cache_clear()
-    monkeypatch.setenv(driver.ENV_CTYPES_LAUNCH, "0")
+    monkeypatch.setenv("MUSEKERN_CTYPES_LAUNCH", "0")
     assert driver.c_launch_kernel_ex() is None
     driver.c_launch_kernel_ex.cache_clear()
-    monkeypatch.delenv(driver.ENV_CTYPES_LAUNCH)
+    monkeypatch.delenv("MUSEKERN_CTYPES_LAUNCH")
     fn = driver.c_launch_kernel_ex()
     driver.c_launch_kernel_ex.cache_clear()
     if ctypes.util.find_library("cuda") is None:

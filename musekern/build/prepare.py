@@ -1,8 +1,8 @@
 """prepare: make every planned variant present in the cache (hit, pull from a remote, or compile).
 
-Each variant goes through `Cache.get_or_create`, whose per-key lock makes concurrent
-prepares of one cache (CI ranks, NFS) compile each variant once. `jobs > 1` compiles in
-worker processes: the CuTe DSL compiler is not thread-safe, and processes also use both cores.
+Each variant goes through `Cache.obtain`, whose per-key lock makes concurrent prepares of one cache
+(CI ranks, NFS) compile each variant once. `jobs > 1` compiles in worker processes: the CuTe DSL
+compiler is not thread-safe, and processes also use both cores. Every key is computed once, here.
 """
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import multiprocessing
 import time
 from dataclasses import dataclass, field
 
+from ..store import hygiene, lookup
 from ..store.cache import Cache
-from ..store.keys import dsl_version, key_parts
+from ..store.keys import KeyParts, dsl_version, key_parts
+from ..store.lookup import Policy
 from .compile import BuildExtraMissing, build_variant
 
 HIT, PULLED, BUILT, FAILED = "hit", "pulled", "built", "failed"
@@ -52,10 +54,15 @@ class PrepareReport:
                 "results": [r.to_json() for r in self.results], "warnings": self.warnings}
 
 
-def _prepare_one(cache_root: str, variant, arch: str) -> tuple[str, str, float, str | None]:
-    """Worker body (also used in-process): (key, status, seconds, error)."""
+def plan_keys(entries, version: str | None = None) -> list[KeyParts]:
+    """The key parts of every PlanEntry, in order (the DSL installed here unless `version` is given)."""
+    version = dsl_version() if version is None else version
+    return [key_parts(e.variant, e.arch, version) for e in entries]
+
+
+def _prepare_one(cache_root: str, variant, arch: str, parts: KeyParts) -> tuple[str, float, str | None]:
+    """Worker body (also used in-process): (status, seconds, error)."""
     cache = Cache(cache_root)
-    parts = key_parts(variant, arch, dsl_version())
     t0 = time.perf_counter()
 
     def build():
@@ -63,33 +70,32 @@ def _prepare_one(cache_root: str, variant, arch: str) -> tuple[str, str, float, 
         return b.cubin, b.manifest
 
     try:
-        _, built = cache.get_or_create(parts, build)
+        _, source = cache.obtain(parts, build)
     except Exception as e:  # reported per variant; prepare goes on with the others
-        return parts.key(), FAILED, time.perf_counter() - t0, f"{type(e).__name__}: {e}"
-    return parts.key(), BUILT if built else HIT, time.perf_counter() - t0, None
+        return FAILED, time.perf_counter() - t0, f"{type(e).__name__}: {e}"
+    return BUILT if source == "built" else HIT, time.perf_counter() - t0, None
 
 
-def _present(cache: Cache, parts, version: str | None):
-    """The sound entry for `parts` in the cache, else None (sha256 re-checked: a corrupt one is missing).
-
-    Without the DSL (nothing could be rebuilt) an entry built by any DSL version serves, as at run time.
-    """
-    entry = cache.verified(parts.key())
-    if entry is not None or version is not None:
-        return entry
-    found = cache.find(parts, any_dsl_version=True)
-    return found if found is not None and not cache.verify_entry(found) else None
-
-
-def prepare(entries, cache: Cache, jobs: int = 1, remote=None, upload: bool = False, on_done=None) -> PrepareReport:
-    """Make every PlanEntry in `entries` present in `cache`; `on_done(result)` after each one.
+def prepare(entries, cache: Cache, jobs: int = 1, remote=None, upload: bool = False, on_done=None,
+            plan_name: str | None = None, shard: tuple[int, int] | None = None) -> PrepareReport:
+    """Make every PlanEntry in `entries` (or its `shard` (K, N), see variants.shard_plan) present in `cache`;
+    `on_done(result)` after each one. With `plan_name`, the whole plan's keys are recorded under that name
+    (`musekern clean --stale` keeps what some recorded plan needs), also in a shard run.
 
     A present entry counts only if it verifies (sha256): a corrupt one is rebuilt. Raises
     ReadOnlyCacheError (one line) when something is missing and the cache is read-only, and
     BuildExtraMissing when something must be compiled and the DSL is not installed.
     """
+    from ..variants import shard_plan
+
     report = PrepareReport()
     version = dsl_version()
+    all_parts = dict(zip(entries, plan_keys(entries, version or ""), strict=True))
+    if plan_name and not cache.read_only:
+        hygiene.record_plan(cache, plan_name, [p.key() for p in all_parts.values()])
+    if shard:
+        entries = shard_plan(entries, *shard)
+    policy = Policy.build(dsl=version)
     missing = []
 
     def finish(res):
@@ -98,9 +104,9 @@ def prepare(entries, cache: Cache, jobs: int = 1, remote=None, upload: bool = Fa
             on_done(res)
 
     for e in entries:
-        parts = key_parts(e.variant, e.arch, version)
+        parts = all_parts[e]
         res = PrepareResult(e.target.name, e.arch, e.variant.label, parts.key(), HIT)
-        present = _present(cache, parts, version)
+        present = lookup.find(cache, parts, policy)
         if present is None:
             missing.append((e, parts, res))
         else:
@@ -108,33 +114,34 @@ def prepare(entries, cache: Cache, jobs: int = 1, remote=None, upload: bool = Fa
                 cache.index(present.parts, present.key)  # entries from before the index get their marker
             finish(res)
     if missing:
-        cache.check_writable("prepare")
+        cache.require_writable("prepare")
     todo = []
     for e, parts, res in missing:
         if remote is not None and remote.pull(parts, cache) is not None:
             res.status = PULLED
             finish(res)
         else:
-            todo.append((e, res))
+            todo.append((e, parts, res))
     if todo and version is None:
         raise BuildExtraMissing()
 
     def built(res, out):
-        res.key, res.status, res.seconds, res.error = out
+        res.status, res.seconds, res.error = out
         finish(res)
 
     if jobs <= 1 or len(todo) <= 1:
-        for e, res in todo:
-            built(res, _prepare_one(str(cache.root), e.variant, e.arch))
+        for e, parts, res in todo:
+            built(res, _prepare_one(str(cache.root), e.variant, e.arch, parts))
     else:
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold MLIR state
         with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            futs = {pool.submit(_prepare_one, str(cache.root), e.variant, e.arch): res for e, res in todo}
+            futs = {pool.submit(_prepare_one, str(cache.root), e.variant, e.arch, parts): res
+                    for e, parts, res in todo}
             for f in cf.as_completed(futs):
                 built(futs[f], f.result())
     if remote is not None:
-        report.warnings.extend(getattr(remote, "warnings", []))
-        if getattr(remote, "dead", False) and not report.warnings:
+        report.warnings.extend(remote.warnings)
+        if remote.dead and not report.warnings:
             report.warnings.append(f"remote cache {remote.url} unreachable: compiled locally instead")
         if upload:  # CI warming: the remote ends up with every entry of the plan
             for r in report.results:

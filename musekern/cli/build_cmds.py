@@ -124,21 +124,16 @@ def prepare_cmd(model_path, target_names, variant_labels, cache_dir, jobs, shard
             rem = RemoteCache.from_env(remote, upload=upload)
         except RemoteError as e:
             raise UsageFailure(f"--remote: {e}") from None
-    if not variant_labels and not cache.read_only:
-        # the whole plan (also in a shard run): `musekern clean --stale` keeps what some plan needs
-        from ..store.keys import dsl_version, key_parts
-
-        cache.record_plan(f"{model.source}|{','.join(t.name for t in targets)}",
-                          [key_parts(e.variant, e.arch, dsl_version()).key() for e in entries])
-    if sh:
-        entries = shard_plan(entries, *sh)
-    log(f"musekern prepare: {len(entries)} variant(s) for {', '.join(t.name for t in targets)} -> {cache.root}")
-    bar = click.progressbar(length=len(entries), label="prepare", file=sys.stderr, show_pos=True,
+    # the whole plan is recorded (also in a shard run): `musekern clean --stale` keeps what some plan needs
+    plan_name = None if variant_labels else f"{model.source}|{','.join(t.name for t in targets)}"
+    n = len(shard_plan(entries, *sh)) if sh else len(entries)
+    log(f"musekern prepare: {n} variant(s) for {', '.join(t.name for t in targets)} -> {cache.root}")
+    bar = click.progressbar(length=n, label="prepare", file=sys.stderr, show_pos=True,
                             item_show_func=lambda r: r.label if r else None)
     try:
         with bar:
             report = prepare(entries, cache, jobs=jobs, remote=rem, upload=upload,
-                             on_done=lambda r: bar.update(1, r))
+                             on_done=lambda r: bar.update(1, r), plan_name=plan_name, shard=sh)
     except BuildExtraMissing as e:
         raise Failure(str(e)) from None
     except ReadOnlyCacheError as e:

@@ -11,6 +11,7 @@ import time
 
 import click
 
+from ..store import hygiene, lookup
 from .common import (
     EXIT_FAIL,
     Failure,
@@ -69,7 +70,7 @@ def _writable(cache, what: str) -> None:
     from ..store.cache import ReadOnlyCacheError
 
     try:
-        cache.check_writable(what)
+        cache.require_writable(what)
     except ReadOnlyCacheError as e:
         raise Failure(str(e)) from None
 
@@ -147,11 +148,11 @@ def clean_cmd(stale, all_, dry_run, cache_dir, as_json):
     if all_:
         removed = [e.summary() for e in cache.entries()]
         if not dry_run:
-            cache.clear()
+            hygiene.clear(cache)
     else:
         if stale:
             try:
-                doomed = cache.stale_entries()
+                doomed = hygiene.stale_entries(cache)
             except CacheError as e:
                 raise Failure(str(e)) from None
             removed = [e.summary() for e in doomed]
@@ -159,7 +160,7 @@ def clean_cmd(stale, all_, dry_run, cache_dir, as_json):
                 for e in doomed:
                     cache.remove(e.key)
         if not dry_run:
-            tmp = cache.clean_tmp()
+            tmp = hygiene.clean_tmp(cache)
     if as_json:
         emit_json({"cache_dir": str(cache.root), "dry_run": dry_run, "removed": removed, "temp_dirs_removed": tmp})
     else:
@@ -176,7 +177,7 @@ def clean_cmd(stale, all_, dry_run, cache_dir, as_json):
 def stats_cmd(cache_dir, as_json):
     """Entries and bytes, per kernel and per arch."""
     cache = _open(cache_dir)
-    s = cache.stats()
+    s = hygiene.stats(cache)
     if as_json:
         emit_json(s)
         return
@@ -215,8 +216,8 @@ def gc_cmd(max_size, older_than, dry_run, cache_dir, as_json):
     if not dry_run:
         _writable(cache, "collect garbage")
     now = time.time()
-    doomed = cache.gc(max_size=size, older_than=age, now=now, dry_run=dry_run)
-    after = cache.stats()
+    doomed = hygiene.gc(cache, max_size=size, older_than=age, now=now, dry_run=dry_run)
+    after = hygiene.stats(cache)
     if dry_run:  # nothing was removed: report what would be left
         after = {**after, "entries": after["entries"] - len(doomed),
                  "bytes": after["bytes"] - sum(e.size_bytes for e in doomed)}
@@ -233,17 +234,15 @@ def gc_cmd(max_size, older_than, dry_run, cache_dir, as_json):
 
 # ---------------------------------------------------------------- explain
 def _planned_parts(model_path, target_names):
-    """[(PlanEntry, KeyParts, any_dsl_version)] of the model's plan."""
-    from ..store.keys import dsl_version, key_parts
+    """(model, targets, [(PlanEntry, KeyParts)]) of the model's plan, keyed as prepare keys them."""
+    from ..build.prepare import plan_keys
     from ..variants import plan_model
     from .common import load_model, resolve_targets
 
     model = load_model(model_path)
     targets = resolve_targets(target_names, model)
-    version = dsl_version()
-    # Without cutlass installed (a deploy machine) the DSL version is unknown: accept any, like the loader.
-    return model, targets, [(pe, key_parts(pe, pe.arch, version), version is None)
-                            for pe in plan_model(model, targets)]
+    entries = plan_model(model, targets)
+    return model, targets, list(zip(entries, plan_keys(entries), strict=True))
 
 
 def _parts_json(entry) -> dict:
@@ -293,18 +292,19 @@ def explain_cmd(what, model_path, target_names, cache_dir, as_json):
     result.update(kind="label", entries=[_parts_json(e) for e in entries])
     planned = []
     if model_path or target_names:
-        _, _, triples = _planned_parts(model_path, target_names)
-        for pe, parts, any_dsl in triples:
+        _, _, pairs = _planned_parts(model_path, target_names)
+        policy = lookup.Policy.build(verify=False)
+        for pe, parts in pairs:
             if pe.variant.label.replace(" ", "") != label:
                 continue
-            hit = cache.find(parts, any_dsl_version=any_dsl)
+            hit = lookup.find(cache, parts, policy)
             item = {"target": pe.target.name, "arch": pe.arch, "key": parts.key(), "parts": parts.to_json(),
                     "present": hit is not None, "entry": hit.key if hit else None}
             if hit is None:
-                near, diff = cache.nearest(parts)
+                near, diff = lookup.nearest(cache, parts)
                 item.update(nearest=near.key if near else None, differs_in=diff,
                             differences=parts.describe_differences(near.parts) if near else [],
-                            message=cache.explain_miss(parts))
+                            message=lookup.explain_miss(cache, parts))
             planned.append(item)
         if not planned:
             raise Failure(f"{what!r} is not in the plan of this model/target; `musekern plan` lists the variants")
@@ -373,17 +373,18 @@ def export_cmd(model_path, target_names, all_, keys, output, cache_dir, as_json)
                               f"{cache.root}; `musekern ls{_cd(cache)}` lists them")
             chosen.append(matches[0])
     else:
-        model, targets, triples = _planned_parts(model_path, target_names)
+        model, targets, pairs = _planned_parts(model_path, target_names)
+        policy = lookup.Policy.build(verify=False)
         chosen, missing = [], []
-        for pe, parts, any_dsl in triples:
-            hit = cache.find(parts, any_dsl_version=any_dsl)
+        for pe, parts in pairs:
+            hit = lookup.find(cache, parts, policy)
             (chosen.append(hit.key) if hit else missing.append(pe))
         if missing:
             tnames = " ".join(f"--target {t.name}" for t in targets)
             mpart = f" --model {model_path}" if model_path else ""
             for pe in missing[:10]:
                 log(f"missing: {pe.target.name} {pe.variant.label}")
-            raise Failure(f"{len(missing)} of {len(triples)} planned variants are not in {cache.root}; run "
+            raise Failure(f"{len(missing)} of {len(pairs)} planned variants are not in {cache.root}; run "
                           f"`musekern prepare{mpart} {tnames}{_cd(cache)}` first")
         plan_name = f"{model.source}|{','.join(t.name for t in targets)}"
     try:

@@ -53,6 +53,7 @@ def _driver_version() -> int | None:
 @json_option
 def doctor_cmd(model_path, target_names, cache_dir, as_json):
     """Report versions, GPU and driver, the cache, and the model's variants missing from it (exit 1 if any)."""
+    from ..store import lookup
     from ..store.cache import Cache, default_cache_dir
     from ..store.keys import key_parts
 
@@ -60,10 +61,10 @@ def doctor_cmd(model_path, target_names, cache_dir, as_json):
     targets = resolve_targets(target_names, model)
     cache = Cache(default_cache_dir(cache_dir))
     gpus, gpu_error = _gpus()
-    missing = []  # planned variants with no sound entry (a corrupt one counts as missing)
+    policy = lookup.Policy.runtime(verify=True)  # what the loader would launch; a corrupt entry is missing
+    missing = []
     for e in plan_model(model, targets):
-        hit = cache.find(key_parts(e.variant, e.arch), any_dsl_version=True)
-        if hit is None or cache.verify_entry(hit):
+        if lookup.find(cache, key_parts(e.variant, e.arch), policy) is None:
             missing.append({"target": e.target.name, "variant": e.variant.label})
     report = {
         "musekern": __version__,

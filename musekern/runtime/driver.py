@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 from cuda.bindings import driver as drv
+
+from .. import env
 
 OK = drv.CUresult.CUDA_SUCCESS
 
@@ -82,9 +83,6 @@ def device_info(device_index: int) -> dict:
     }
 
 
-ENV_CTYPES_LAUNCH = "MUSEKERN_CTYPES_LAUNCH"  # "0": launch through cuda.bindings' wrapper instead
-
-
 @functools.lru_cache(maxsize=None)
 def c_launch_kernel_ex():
     """libcuda's cuLaunchKernelEx as a ctypes function, or None (then cuda.bindings' wrapper launches).
@@ -94,7 +92,7 @@ def c_launch_kernel_ex():
     cost of an eager `launch` (issue 5: <= 10 us) is almost all Python. Same driver, same context, same
     stream semantics as the wrapper (the legacy default stream for handle 0).
     """
-    if os.environ.get(ENV_CTYPES_LAUNCH, "1").lower() in ("0", "false", "no"):
+    if not env.flag(env.CTYPES_LAUNCH):  # MUSEKERN_CTYPES_LAUNCH=0: cuda.bindings' wrapper launches
         return None
     try:
         fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx

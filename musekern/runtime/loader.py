@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import ctypes
 import operator
-import os
 import struct
 import threading
 
 from cuda.bindings import driver as drv
 
-from .. import targets
+from .. import env, targets
+from ..store import lookup
 from ..store.abi import KernelAbi, cubin_arch
 from ..store.cache import Cache, default_cache_dir
 from ..store.keys import dsl_version, key_parts
+from ..store.lookup import Policy
 from .driver import c_launch_kernel_ex, check, device_info, ensure_context, launch_config
 from .tensormap import TensorMapCache
 
-ENV_AUTOBUILD = "MUSEKERN_AUTOBUILD"
 _FIELD_FMT = {"u8": "B", "i32": "i", "u32": "I", "f32": "f", "i64": "q", "u64": "Q"}
 
 
@@ -212,9 +212,9 @@ def prepare_command(variant, arch: str, cache: Cache) -> str:
     return f"musekern prepare{tgt} --variant '{variant.label}' --cache-dir {cache.root}"
 
 
-def _missing(variant, arch: str, cache: Cache, parts) -> MissingKernelError:
-    near, diff = cache.nearest(parts)
-    if dsl_version() is None:  # the runtime takes any DSL version: not a difference worth naming
+def _missing(variant, arch: str, cache: Cache, parts, policy: Policy) -> MissingKernelError:
+    near, diff = lookup.nearest(cache, parts)
+    if policy.other_dsl:  # any DSL version's build would have served: not a difference worth naming
         diff = [d for d in diff if d != "dsl_version"]
     hint = ""
     if near is not None:
@@ -224,31 +224,25 @@ def _missing(variant, arch: str, cache: Cache, parts) -> MissingKernelError:
         f"Build it with: {prepare_command(variant, arch, cache)}")
 
 
-def _autobuild_enabled() -> bool:
-    return os.environ.get(ENV_AUTOBUILD, "") not in ("", "0", "false", "no")
-
-
 def find_entry(variant, arch: str, cache: Cache):
-    """The cache entry for `variant` on `arch`.
-
-    Without the DSL (a serving image): an entry built by any DSL version. With it: the exact key
-    first, then any DSL version; under MUSEKERN_AUTOBUILD=1 an exact miss is compiled instead.
-    """
+    """The cache entry for `variant` on `arch`, by the runtime policy (store/lookup.py): any DSL version's
+    build serves, unless MUSEKERN_AUTOBUILD is on and the DSL is installed: then an exact miss is compiled
+    on the spot (the only place the runtime imports the builder)."""
     ver = dsl_version()
+    autobuild = env.flag(env.AUTOBUILD)
+    policy = Policy.runtime(autobuild=autobuild, dsl=ver)
     parts = key_parts(variant, arch, ver)
-    entry = cache.find(parts) if ver else None
-    if entry is None and not (ver and _autobuild_enabled()):
-        entry = cache.find(parts, any_dsl_version=True)  # a serving image: any DSL version's build will do
-    if entry is None and ver and _autobuild_enabled():
+    entry = lookup.find(cache, parts, policy)
+    if entry is None and autobuild and ver is not None:
         from ..build import build_variant
 
         def build():
             b = build_variant(variant, arch)
             return b.cubin, b.manifest
 
-        entry, _ = cache.get_or_create(parts, build)
+        entry, _ = cache.obtain(parts, build)
     if entry is None:
-        raise _missing(variant, arch, cache, parts)
+        raise _missing(variant, arch, cache, parts, policy)
     return entry
 
 

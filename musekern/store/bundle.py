@@ -25,6 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import hygiene
 from .cache import CACHE_FORMAT, CUBIN_NAME, MANIFEST_NAME, Cache, CacheError, manifest_bytes
 from .keys import KeyParts, is_key, sha256_hex
 
@@ -205,10 +206,10 @@ def import_bundle(cache: Cache, path: Path | str) -> ImportReport:
             report.rejected.append((key, str(e)))
 
     if good or index.get("plan"):
-        cache.check_writable(f"import {path.name}")
+        cache.require_writable(f"import {path.name}")
     for parts, cubin, manifest in good:
         key = parts.key()
-        if cache.verified(key) is not None:
+        if cache.sound(key) is not None:
             report.present.append(key)
             continue
         try:
@@ -218,6 +219,6 @@ def import_bundle(cache: Cache, path: Path | str) -> ImportReport:
             continue
         report.added.append(key)
     if index.get("plan") and not report.rejected:
-        cache.record_plan(str(index["plan"]), list(metas))
+        hygiene.record_plan(cache, str(index["plan"]), list(metas))
         report.plan = str(index["plan"])
     return report

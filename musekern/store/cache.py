@@ -22,12 +22,12 @@ Why this shape:
   last, and the whole directory renamed into `entries/` in one atomic step. A reader sees
   either no entry or a complete one; a concurrent writer that loses the rename race throws
   its copy away and uses the winner's.
-- *Per-key lock*: `get_or_create` takes `flock` on `locks/<key>.lock` and re-checks before
+- *Per-key lock*: `obtain` takes `flock` on `locks/<key>.lock` and re-checks before
   building, so N processes (CI ranks, NFS clients: Linux emulates flock over NFS with
   fcntl locks) compile each variant once.
 - *Integrity*: `load` re-hashes the cubin against the manifest's sha256 and checks that the
   manifest belongs to this key, so a truncated, corrupted or foreign entry is never launched.
-- *Read-only deploys*: reads (`get`, `load`, `find`, `entries`, `nearest`, `verify_entry`)
+- *Read-only deploys*: reads (`get`, `load`, `sound`, `entries`, `verify_entry`, and store/lookup.py)
   never create anything; `touch` is a no-op on a read-only cache; writes raise
   ReadOnlyCacheError with one line that says what to do.
 - *No timestamps in manifest.json* (bundles must be byte-reproducible) and only JSON and
@@ -40,22 +40,19 @@ import errno
 import fcntl
 import json
 import os
-import re
-import shutil
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .keys import PART_NAMES, KeyParts, is_key, sha256_hex, version_sort_key
+from .fs import fsync_dir, rmtree, write_new_file
+from .keys import KeyParts, is_key, sha256_hex
 
 CACHE_FORMAT = 2  # 2: keys leave variant fields at their default out, source hash covers variants/<kernel>.py
 ENV_CACHE_DIR = "MUSEKERN_CACHE_DIR"
 CUBIN_NAME = "kernel.cubin"
 MANIFEST_NAME = "manifest.json"
-TMP_MAX_AGE_S = 3600.0  # staging dirs older than this are crash debris (`clean` removes them)
 
 FIX_HINT = ("run `musekern verify --repair{cd}` to drop it, then `musekern prepare{cd}` "
             "(with your --model/--target) to rebuild it")
@@ -159,51 +156,10 @@ class Entry:
                 "dsl_version": self.dsl_version, "size_bytes": self.size_bytes, "path": str(self.path)}
 
 
+
 # ---------------------------------------------------------------- locks
 _held_lock = threading.Lock()
 _held: dict[tuple[str, int], list] = {}  # (lock path, thread) -> [fd, depth]: flock is not reentrant
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename/create in `path` durable (best effort: some filesystems refuse)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: Path, data: bytes, mode: int = 0o444) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Write `path` via a temp file in the same dir + fsync + rename (readers never see half)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        _write_file(tmp, data, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_dir(path.parent)
-
-
-def _rmtree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- the cache
@@ -238,11 +194,8 @@ class Cache:
             return True
         return not os.access(p, os.W_OK | os.X_OK)
 
-    def check_writable(self, what: str) -> None:
+    def require_writable(self, what: str) -> None:
         """Raise ReadOnlyCacheError (one line: what could not be done and how to fix it)."""
-        self._require_writable(what)
-
-    def _require_writable(self, what: str) -> None:
         if self.read_only:
             raise ReadOnlyCacheError(
                 f"cache {self.root} is read-only, cannot {what}: pass a writable --cache-dir "
@@ -267,7 +220,7 @@ class Cache:
     @contextlib.contextmanager
     def lock(self, key: str) -> Iterator[None]:
         """Exclusive per-key lock across processes (flock), reentrant within one thread."""
-        self._require_writable("take a lock")
+        self.require_writable("take a lock")
         self._mkdirs(self.locks_dir)
         path = str(self.locks_dir / f"{key}.lock")
         me = (path, threading.get_ident())
@@ -415,48 +368,6 @@ class Cache:
                 bad[k] = problems
         return bad
 
-    def _parsed_entries(self):
-        """(entry, its KeyParts) for every entry whose manifest parses (others are `verify`'s business)."""
-        return self._parsed(self.entries())
-
-    @staticmethod
-    def _parsed(entries):
-        for cand in entries:
-            if cand is None:
-                continue
-            try:
-                yield cand, cand.parts
-            except CacheError:
-                continue
-
-    def find(self, parts: KeyParts, any_dsl_version: bool = False) -> Entry | None:
-        """The entry for `parts` (exact key). With `any_dsl_version` (the runtime, which has no
-        cutlass to ask its version) an entry whose parts equal `parts` except `dsl_version` is
-        accepted; when several are, the highest DSL version wins (ties: smallest key). The family
-        index answers that with one directory listing; caches without it (written before the index
-        existed) are scanned."""
-        e = self.get(parts.key())
-        if e is not None or not any_dsl_version:
-            return e
-        try:
-            indexed = [k for k in os.listdir(self.index_dir / parts.family()) if is_key(k)]
-        except OSError:
-            indexed = []
-        best = self._newest_dsl(self._parsed(self.get(k) for k in indexed), parts)
-        if best is None:
-            best = self._newest_dsl(self._parsed_entries(), parts)
-        return best
-
-    @staticmethod
-    def _newest_dsl(entries, parts: KeyParts) -> Entry | None:
-        best = None
-        for cand, cp in entries:
-            if cp.differences(parts) in ([], ["dsl_version"]):
-                rank = (version_sort_key(cp.dsl_version), cp.dsl_version)
-                if best is None or rank > best[0] or (rank == best[0] and cand.key < best[1].key):
-                    best = (rank, cand)
-        return best[1] if best else None
-
     def index(self, parts: KeyParts, key: str) -> None:
         """Mark `key` in its family's index (best effort: without the marker, `find` scans). Every commit
         does; `prepare` also does for the entries it finds present, so caches written before the index
@@ -469,32 +380,6 @@ class Cache:
         except OSError:
             pass
 
-    def nearest(self, parts: KeyParts) -> tuple[Entry | None, list[str]]:
-        """The present entry closest to `parts` and the names of the parts that differ.
-
-        For the loader's miss message ("... differs in dsl_version"). Closeness: fewest
-        differing parts, then same kernel/arch first, then the smallest key (deterministic).
-        """
-        best = None
-        for cand, cp in self._parsed_entries():
-            diff = cp.differences(parts)
-            rank = (len(diff), "kernel" in diff, "arch" in diff, cand.key)
-            if best is None or rank < best[0]:
-                best = (rank, cand, diff)
-        return (best[1], best[2]) if best else (None, list(PART_NAMES))
-
-    def explain_miss(self, parts: KeyParts) -> str:
-        """One paragraph for a missing variant: what was wanted and what differs in the nearest entry."""
-        entry, diff = self.nearest(parts)
-        head = f"no cache entry for {parts.label} on {parts.arch} (key {parts.key()[:16]}) in {self.root}"
-        if entry is None:
-            return head + "; the cache is empty"
-        if not diff:
-            return head + f"; an identical entry exists at {entry.path}"
-        lines = parts.describe_differences(entry.parts)
-        return (head + f"; nearest entry {entry.key[:16]} ({entry.label}) differs in {', '.join(diff)}: "
-                + "; ".join(lines))
-
     # ------------------------------------------------------------ writes
     def put(self, parts: KeyParts, cubin: bytes, manifest: dict) -> Entry:
         """Commit an entry (immutable: if a sound one exists under the key it is kept and returned).
@@ -502,7 +387,7 @@ class Cache:
         Adds format/key/key_parts/cubin_sha256/cubin_size to the builder's manifest; a manifest
         that already carries one of them (e.g. pulled from a remote or a bundle) must agree.
         """
-        self._require_writable(f"add {parts.label}")
+        self.require_writable(f"add {parts.label}")
         with self.lock(parts.key()):
             return self._put_locked(parts, cubin, manifest)
 
@@ -537,9 +422,9 @@ class Cache:
         stage = self.tmp_dir / f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         try:
             os.mkdir(stage, 0o755)
-            _write_file(stage / CUBIN_NAME, cubin)
-            _write_file(stage / MANIFEST_NAME, manifest_bytes(full))  # last: the commit marker
-            _fsync_dir(stage)
+            write_new_file(stage / CUBIN_NAME, cubin)
+            write_new_file(stage / MANIFEST_NAME, manifest_bytes(full))  # last: the commit marker
+            fsync_dir(stage)
             try:
                 os.rename(stage, final)
             except OSError as e:
@@ -550,10 +435,10 @@ class Cache:
                 if self.verify_entry(key):
                     self._discard(final)
                     os.rename(stage, final)
-            _fsync_dir(self.entries_dir)
+            fsync_dir(self.entries_dir)
         finally:
             if stage.exists():
-                _rmtree(stage)
+                rmtree(stage)
         e = self.get(key)
         if e is None:
             raise CacheError(f"entry {key} vanished right after it was committed in {self.root}")
@@ -568,7 +453,7 @@ class Cache:
             os.rename(path, trash)
         except FileNotFoundError:
             return
-        _rmtree(trash)
+        rmtree(trash)
 
     def obtain(self, parts: KeyParts, build: Callable[[], tuple[bytes, dict]], remote=None) -> tuple[Entry, str]:
         """The sound entry for `parts`, and where it came from: "local", "remote" or "built".
@@ -579,13 +464,13 @@ class Cache:
         remote that has `upload` set, a freshly built entry is pushed.
         """
         key = parts.key()
-        e = self._sound(key)
+        e = self.sound(key)
         if e is not None:
             self.touch(key)
             return e, "local"
-        self._require_writable(f"add {parts.label}")
+        self.require_writable(f"add {parts.label}")
         with self.lock(key):
-            e = self._sound(key)  # re-check: another process may have built it while we waited
+            e = self.sound(key)  # re-check: another process may have built it while we waited
             if e is not None:
                 self.touch(key)
                 return e, "local"
@@ -599,26 +484,17 @@ class Cache:
             remote.push(e, self)
         return e, "built"
 
-    def verified(self, key: str) -> Entry | None:
+    def sound(self, key: str) -> Entry | None:
         """The entry if it exists and verifies (sha256 re-checked), else None (corrupt = miss)."""
-        return self._sound(key)
-
-    def _sound(self, key: str) -> Entry | None:
         try:
             entry, _, problems = self._read_checked(key)
         except MissingEntryError:
             return None
         return None if problems else entry
 
-    def get_or_create(self, parts: KeyParts, build: Callable[[], tuple[bytes, dict]],
-                      remote=None) -> tuple[Entry, bool]:
-        """(entry, built?): each variant is built once across processes (see `obtain`)."""
-        e, source = self.obtain(parts, build, remote)
-        return e, source == "built"
-
     def remove(self, key: str) -> None:
         """Delete an entry (and its last-used stamp); a missing entry is not an error."""
-        self._require_writable(f"remove entry {key[:16]}")
+        self.require_writable(f"remove entry {key[:16]}")
         with self.lock(key):
             try:
                 family = self.get(key).parts.family()
@@ -655,125 +531,3 @@ class Cache:
             except OSError:
                 continue
         return 0.0
-
-    # ------------------------------------------------------------ plans (clean --stale)
-    def record_plan(self, name: str, keys) -> Path:
-        """Record the keys plan `name` needs (prepare calls this; the whole plan, not a shard)."""
-        if not name:
-            raise ValueError("a plan needs a name")
-        keys = sorted(set(keys))
-        for k in keys:
-            if not is_key(k):
-                raise ValueError(f"not a cache key: {k!r}")
-        self._require_writable(f"record plan {name}")
-        self._mkdirs(self.plans_dir)
-        path = self._plan_path(name)
-        _atomic_write(path, manifest_bytes({"format": CACHE_FORMAT, "name": name, "keys": keys}))
-        return path
-
-    def _plan_path(self, name: str) -> Path:
-        """Any name is allowed (a config path, `a|b`): the file name is a slug plus a hash of it."""
-        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")[-48:] or "plan"
-        return self.plans_dir / f"{slug}.{sha256_hex(name.encode())[:12]}.json"
-
-    def plans(self) -> dict[str, list[str]]:
-        """name -> keys of every recorded plan (unreadable records are skipped)."""
-        out = {}
-        try:
-            files = sorted(self.plans_dir.glob("*.json"))
-        except OSError:
-            return out
-        for f in files:
-            try:
-                d = json.loads(f.read_bytes())
-                out[str(d["name"])] = [k for k in d["keys"] if is_key(k)]
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-        return out
-
-    def forget_plan(self, name: str) -> None:
-        self._require_writable(f"forget plan {name}")
-        with contextlib.suppress(FileNotFoundError):
-            self._plan_path(name).unlink()
-
-    def stale_entries(self) -> list[Entry]:
-        """Entries no recorded plan needs. Raises CacheError when no plan was ever recorded
-        (then every entry would look stale; refusing is safer than deleting everything)."""
-        plans = self.plans()
-        if not plans:
-            raise CacheError(f"no plan is recorded in {self.root}, so no entry can be called stale: "
-                             "run `musekern prepare` (it records its plan) first, or use `musekern clean --all`")
-        needed = set().union(*plans.values())
-        return [e for e in self.entries() if e.key not in needed]
-
-    # ------------------------------------------------------------ hygiene
-    def stats(self) -> dict:
-        entries = self.entries()
-        by_kernel: dict = {}
-        by_arch: dict = {}
-        total = 0
-        for e in entries:
-            size = e.size_bytes
-            total += size
-            for table, name in ((by_kernel, e.kernel), (by_arch, e.arch)):
-                t = table.setdefault(name, {"entries": 0, "bytes": 0})
-                t["entries"] += 1
-                t["bytes"] += size
-        return {"cache_dir": str(self.root), "format": CACHE_FORMAT, "read_only": self.read_only,
-                "entries": len(entries), "bytes": total, "by_kernel": by_kernel, "by_arch": by_arch,
-                "uncommitted": len(self.entry_keys()) - len(entries), "plans": sorted(self.plans())}
-
-    def gc(self, max_size: int | None = None, older_than: float | None = None,
-           now: float | None = None, dry_run: bool = False) -> list[Entry]:
-        """Remove entries unused for `older_than` seconds, then least recently used ones until the
-        cache holds at most `max_size` bytes. Returns the removed (or, dry run, removable) entries."""
-        if max_size is None and older_than is None:
-            raise ValueError("gc needs max_size and/or older_than")
-        if not dry_run:
-            self._require_writable("collect garbage")
-        now = time.time() if now is None else now
-        lru = sorted(((self.last_used(e), e.key, e) for e in self.entries()), key=lambda t: (t[0], t[1]))
-        doomed, keep = [], []
-        for used, _, e in lru:
-            (doomed if older_than is not None and now - used > older_than else keep).append(e)
-        if max_size is not None:
-            sizes = {e.key: e.size_bytes for e in keep}
-            total = sum(sizes.values())
-            while keep and total > max_size:
-                e = keep.pop(0)  # least recently used first
-                total -= sizes[e.key]
-                doomed.append(e)
-        if not dry_run:
-            for e in doomed:
-                self.remove(e.key)
-        return doomed
-
-    def clean_tmp(self, max_age_s: float = TMP_MAX_AGE_S, now: float | None = None) -> int:
-        """Delete staging dirs left by crashed writers (only old ones: live writers use new ones)."""
-        if self.read_only:
-            return 0
-        now = time.time() if now is None else now
-        n = 0
-        try:
-            items = list(self.tmp_dir.iterdir())
-        except OSError:
-            return 0
-        for p in items:
-            try:
-                if now - p.lstat().st_mtime > max_age_s:
-                    _rmtree(p) if p.is_dir() else p.unlink()
-                    n += 1
-            except OSError:
-                continue
-        return n
-
-    def clear(self) -> int:
-        """Remove every entry, stamp, plan and staging dir (locks stay: someone may hold one)."""
-        self._require_writable("clean")
-        n = 0
-        for k in self.entry_keys():
-            self.remove(k)
-            n += 1
-        for d in (self.plans_dir, self.used_dir, self.tmp_dir, self.index_dir):
-            _rmtree(d)
-        return n

@@ -68,11 +68,6 @@ class RemoteCache:
         self.warnings: list[str] = []
         self.stats = {"pulled": 0, "missed": 0, "rejected": 0, "pushed": 0, "push_skipped": 0, "errors": 0}
 
-    @property
-    def failed(self) -> bool:
-        """Alias of `dead`: the remote was unreachable during this run."""
-        return self.dead
-
     def __repr__(self) -> str:
         return f"RemoteCache({self.url!r}, upload={self.upload})"
 

@@ -13,7 +13,7 @@ from musekern.config import load_config  # noqa: E402
 from musekern.ops import qkv_front as op  # noqa: E402
 from musekern.reference import fused_qknorm_rope_kv_insert, qkv_front_reference, rope_cos_sin_table  # noqa: E402
 from musekern.targets import get_target  # noqa: E402
-from musekern.variants import QkvFrontVariant, plan_model  # noqa: E402
+from musekern.variants import plan_model  # noqa: E402
 
 K = 8192
 D = 64
@@ -300,17 +300,29 @@ def test_lazy_kernel_class():
 # tests/test_gpu_qkv_front.py against an fp64 pipeline with the error bound.
 
 
-# every planned variant (tiles 1 and 2, the M == 8 build) and an S = 4 build: the positional hot path binds
-# LAUNCH_ORDER, which must be the ABI's parameter order as the loader packs it
+# every planned variant (tiles 1 and 2, the M == 8 build, each PDL trigger and warp split the plan uses): the
+# op binds each build's ABI by its parameter names, in the order the loader packs them
 @pytest.mark.parametrize("v", [e.variant for e in plan_model(load_config(), [get_target("h200")])
-                               if e.kernel == "qkv_front"] + [QkvFrontVariant(2176, 1, 2, 4, 4, 0)],
-                         ids=lambda v: v.label)
-def test_launch_order_is_the_abi_order(v):
+                               if e.kernel == "qkv_front"], ids=lambda v: v.label)
+def test_op_binds_every_planned_abi_by_name(v):
     pytest.importorskip("cutlass")  # abi_for is pure, but lives in the kernel module
     from musekern.kernels.qkv_front import abi_for
-    from musekern.ops.qkv_front import LAUNCH_ORDER
+    from musekern.ops._bind import binder
     from musekern.runtime.loader import _ParamBlock
 
     abi = abi_for(v)
     names = tuple(_ParamBlock(abi.params, abi.tensormaps).names)
-    assert names == tuple(f for f in LAUNCH_ORDER if f != "M" or not v.fixed_m)
+    c = make_case()
+    out = torch.empty(5, 2176, dtype=torch.bfloat16)
+    call = (c["x"], c["weight"], c["positions"], c["cos_sin_cache"], c["slot_mapping"], c["key_cache"],
+            c["value_cache"], EPS, out)
+    values = binder(v.label, names, op._VALUES, op._ARGS)(*call)
+    by_name = op.launch_args(*call)
+    assert all(val is by_name[n] or val == by_name[n] for n, val in zip(names, values, strict=True))
+
+
+def test_a_parameter_the_op_cannot_bind_names_the_fix():
+    from musekern.ops._bind import UnboundParameterError, binder
+
+    with pytest.raises(UnboundParameterError, match=r"takes new_thing.*musekern prepare"):
+        binder("qkv_front[...]", ("x", "new_thing"), op._VALUES, op._ARGS)

@@ -108,8 +108,9 @@ def test_runtime_matches_any_dsl_version_without_cutlass(tmp_path, monkeypatch):
     assert load_artifact(V, "sm_90a", cache)[0].key == e.key
 
 
-def test_launch_path_never_imports_cutlass(tmp_path):
-    """Ops, loader and lookup in a fresh process: cutlass must not be in sys.modules afterwards."""
+def test_launch_path_never_imports_the_builder_the_kernels_or_cutlass(tmp_path):
+    """Ops, loader and lookup in a fresh process: neither musekern.build nor musekern.kernels nor cutlass may be
+    in sys.modules afterwards (runtime and ops stand on musekern.store; only autobuild imports the builder)."""
     cache = Cache(tmp_path / "c")
     fake_entry(cache)
     code = textwrap.dedent(f"""
@@ -128,7 +129,8 @@ def test_launch_path_never_imports_cutlass(tmp_path):
             import musekern.ops.qkv_front
         except ImportError:
             pass
-        print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "cutlass")))
+        bad = ("cutlass", "musekern.build", "musekern.kernels")
+        print(json.dumps(sorted(m for m in sys.modules if m == bad[0] or m.startswith(bad))))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []

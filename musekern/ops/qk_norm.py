@@ -1,9 +1,12 @@
 """musekern.qk_norm: unweighted per-head RMS norm (seed 002) on the cached CuTe DSL kernel."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..variants.qk_norm import SUPPORTED_HEAD_DIMS, launch_grid, qk_norm_variant, qk_norm_vectors
+from ._bind import binder
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _VEC_BYTES = 16  # the kernel moves 16 bytes per thread access
@@ -58,12 +61,23 @@ def qk_norm(x: torch.Tensor, head_dim: int, eps: float = 1e-5, scale: float = 1.
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    from ..runtime import get_kernel
-
     heads = n // head_dim
     variant = qk_norm_variant(_DTYPES[x.dtype], head_dim, float(scale), qk_norm_vectors(head_dim, m, heads))
-    kernel = get_kernel(variant, device=x.device.index)
-    kernel.launch(launch_grid(variant, m, heads),
-                  {"x": x.data_ptr(), "out": out.data_ptr(), "m": m, "heads": heads, "ld_x": x.stride(0),
-                   "ld_out": out.stride(0), "eps": float(eps), "scale": float(scale)})
+    kernel, bind = _loaded(variant, x.get_device())
+    kernel.launch_ordered(launch_grid(variant, m, heads), bind(x, out, m, heads, eps, scale))
     return out
+
+
+# How each value of the kernel's launch ABI (kernels/qk_norm.py::abi_for) is computed from a call (ops/_bind.py).
+_ARGS = "x, out, m, heads, eps, scale"
+_VALUES = {"x": "x.data_ptr()", "out": "out.data_ptr()", "m": "m", "heads": "heads", "ld_x": "x.stride(0)",
+           "ld_out": "out.stride(0)", "eps": "float(eps)", "scale": "float(scale)"}
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded(variant, device_index: int):
+    """(loaded kernel, its binder), once per variant and device."""
+    from ..runtime import get_kernel
+
+    kernel = get_kernel(variant, device=device_index)
+    return kernel, binder(variant.label, kernel.param_names, _VALUES, _ARGS)

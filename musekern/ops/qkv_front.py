@@ -14,6 +14,7 @@ import functools
 import torch
 
 from ..variants.qkv_front import HEAD_COLS, HIDDEN, MAX_TOKENS, QkvFrontVariant, launch_grid, supports_shape, variant
+from ._bind import binder
 
 _ALIGN = 16  # TMA needs 16-byte aligned bases (x, weight); y is stored with 4-byte vectors from a 16B base
 _INT32_MAX = 2**31 - 1
@@ -227,27 +228,24 @@ def _variant(n: int, m: int, num_kv_heads: int, device_index: int) -> QkvFrontVa
     return variant(n, m, num_kv_heads, _target(device_index))
 
 
-# The launch values in the kernel's ABI order (kernels/qkv_front.py::abi_for; the M == 8 build has no "M"):
-# `launch` binds them positionally, so _launch_plan checks them against each loaded kernel's param_names.
-LAUNCH_ORDER = ("weight", "x", "M", "weight_ptr", "y", "positions", "cos_sin_cache", "slot_mapping", "key_cache",
-                "value_cache", "max_pos", "block_size", "num_blocks", "k_block_stride", "v_block_stride", "eps")
-
-
-def _launch_values(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out,
-                   with_m: bool = True) -> list:
-    """The values of LAUNCH_ORDER (without "M" for the M == 8 build); tensor maps are given as tensors."""
-    kshape = key_cache.shape  # [num_blocks, block_size, heads, 64]
-    head = [weight, x, x.shape[0]] if with_m else [weight, x]
-    return head + [
-        weight.data_ptr(), out.data_ptr(), positions.data_ptr(), cos_sin_cache.data_ptr(), slot_mapping.data_ptr(),
-        key_cache.data_ptr(), value_cache.data_ptr(), cos_sin_cache.shape[0], kshape[1], kshape[0],
-        key_cache.stride(0), value_cache.stride(0), float(eps)]
+# How each value the kernel's launch ABI (kernels/qkv_front.py::abi_for) names is computed from a call; the
+# loaded kernel's param_names give the order (ops/_bind.py). Tensor-map parameters take the tensor itself.
+_ARGS = "x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out"
+_VALUES = {
+    "weight": "weight", "x": "x", "M": "x.shape[0]", "weight_ptr": "weight.data_ptr()", "y": "out.data_ptr()",
+    "positions": "positions.data_ptr()", "cos_sin_cache": "cos_sin_cache.data_ptr()",
+    "slot_mapping": "slot_mapping.data_ptr()", "key_cache": "key_cache.data_ptr()",
+    "value_cache": "value_cache.data_ptr()", "max_pos": "cos_sin_cache.shape[0]", "block_size": "key_cache.shape[1]",
+    "num_blocks": "key_cache.shape[0]", "k_block_stride": "key_cache.stride(0)",
+    "v_block_stride": "value_cache.stride(0)", "eps": "float(eps)",
+}
+_all_values = binder("qkv_front", tuple(_VALUES), _VALUES, _ARGS)
 
 
 def launch_args(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out) -> dict:
-    """The `args` of LoadedKernel.launch: every ABI field name (kernels/qkv_front.py::abi_for)."""
-    return dict(zip(LAUNCH_ORDER, _launch_values(x, weight, positions, cos_sin_cache, slot_mapping, key_cache,
-                                                 value_cache, eps, out), strict=True))
+    """Every value a qkv_front build may take, by ABI name: the `args` of LoadedKernel.launch."""
+    return dict(zip(_VALUES, _all_values(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
+                                         eps, out), strict=True))
 
 
 def launch(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
@@ -257,24 +255,20 @@ def launch(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_c
     if out is None:
         out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     dev = x.get_device()
-    kernel, grid, with_m = _launch_plan(n, m, num_kv_heads, dev if dev >= 0 else torch.cuda.current_device())
-    kernel.launch_ordered(grid, _launch_values(x, weight, positions, cos_sin_cache, slot_mapping, key_cache,
-                                               value_cache, eps, out, with_m))
+    kernel, grid, bind = _launch_plan(n, m, num_kv_heads, dev if dev >= 0 else torch.cuda.current_device())
+    kernel.launch_ordered(grid, bind(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps,
+                                     out))
     return out
 
 
 @functools.lru_cache(maxsize=None)
 def _launch_plan(n: int, m: int, num_kv_heads: int, device_index: int):
-    """(loaded kernel, grid, takes M) of a call shape: resolved once per process (the host cost of `launch`)."""
+    """(loaded kernel, grid, its binder) of a call shape: resolved once per process (the host cost of `launch`)."""
     from ..runtime import get_kernel
 
     v = _variant(n, m, num_kv_heads, device_index)
     kernel = get_kernel(v, device=device_index)
-    names = kernel.param_names
-    if names not in (LAUNCH_ORDER, tuple(f for f in LAUNCH_ORDER if f != "M")):
-        raise RuntimeError(f"qkv_front: the cached kernel {v.label} takes {names}, this musekern launches "
-                           f"{LAUNCH_ORDER}: rebuild the cache with this version (musekern prepare)")
-    return kernel, launch_grid(v), "M" in names
+    return kernel, launch_grid(v), binder(v.label, kernel.param_names, _VALUES, _ARGS)
 
 
 def qkv_front(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,

@@ -259,6 +259,37 @@ def test_bench_package_imports_no_cutlass_and_no_gpu():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_bench_package_holds_only_what_musekern_bench_imports():
+    """Every module of musekern/bench is reached from the CLI command by imports (lazy ones inside functions count):
+    code only a probe or sweep needs lives in bench/, outside the package."""
+    import ast
+    from pathlib import Path
+
+    pkg = Path(__file__).resolve().parents[1] / "musekern"
+    modules = {p.stem for p in (pkg / "bench").glob("*.py")} - {"__init__"}
+
+    def bench_imports(path: Path, in_bench: bool) -> set:
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                mod = node.module or ""
+                if in_bench and node.level == 1:  # from .x import ... / from . import x
+                    found |= {mod} if mod else {a.name for a in node.names}
+                elif mod in ("musekern.bench", "bench") and node.level in (0, 2):  # from ..bench import x
+                    found |= {a.name for a in node.names}
+                elif mod.startswith(("musekern.bench.", "bench.")) and node.level in (0, 2):
+                    found.add(mod.split(".")[-1])
+        return found & modules
+
+    reached, todo = set(), list(bench_imports(pkg / "cli" / "bench_cmd.py", False))
+    while todo:
+        m = todo.pop()
+        if m not in reached:
+            reached.add(m)
+            todo += bench_imports(pkg / "bench" / f"{m}.py", True)
+    assert reached == modules, f"not used by `musekern bench` (move to bench/): {sorted(modules - reached)}"
+
+
 def test_first_call_script_parses_and_inputs_match_the_ops_signature():
     import ast
     import inspect

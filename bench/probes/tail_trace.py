@@ -2,7 +2,7 @@
 """Where a qkv_front layer's time goes around the PDL boundary: timestamps inside the real kernel.
 
 The skeleton probe (skeleton_probe.py) bounds the chain by what streams before griddepcontrol.wait; the front
-then runs 0.7-1.1 us slower than its skeleton (bench/NOTES.md round 16b), which was put down to its tail (last
+then runs 0.7-1.1 us slower than its skeleton (bench/HISTORY.md round 16b), which was put down to its tail (last
 MMAs, cluster exchange, epilogue) without a measurement. This probe builds the planned kernels with a
 subclass that adds %globaltimer / %clock64 stamps at the warp roles' boundaries (the math, the ABI and the
 launch are the kernel's own) and writes them into rows of y the launch leaves unwritten (rows M..TT-1 of the

@@ -12,7 +12,6 @@ import subprocess
 HIDDEN = 8192  # K of the projection: weight bytes per layer = N * HIDDEN * 2
 BF16_BYTES = 2
 FRONT_MODES = ("chain", "after-norm", "isolated")
-BASELINE_MODES = ("cublas", "unfused")
 
 # The targets of issue 5, in one place. Fractions are of the copy bandwidth measured in the same run
 # (weight bytes / time / copy bytes-per-second, read + written); times are us per layer.

@@ -82,10 +82,6 @@ class Graph:
             g.instantiate()
         self.graph = g
 
-    @property
-    def launches_per_layer_units(self) -> int:
-        return self.loops * self.layers
-
     def replay(self) -> None:
         self.graph.replay()
 

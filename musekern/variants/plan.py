@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ModelConfig
-from ..targets import Target
+from ..targets import Target, check_supported
 from .qk_norm import qk_norm_variants
 from .qkv_front import qkv_front_variants, supports_shape
 
@@ -33,7 +33,11 @@ class PlanEntry:
 
 
 def plan_model(model: ModelConfig, targets: list[Target]) -> list[PlanEntry]:
-    """Every variant `model` needs on each target; one entry per distinct (target, variant)."""
+    """Every variant `model` needs on each target; one entry per distinct (target, variant).
+
+    A target whose arch no kernel builds for (an A100) raises UnsupportedTargetError naming the supported ones."""
+    for target in targets:
+        check_supported(target)
     by_key: dict = {}
     for target in targets:
         for shard in model.shards():

@@ -346,3 +346,21 @@ def test_export_shard_is_what_prepare_shard_built(run, tmp_path):
     # both shards' plans are recorded, so clean --stale keeps everything; the merged cache is complete
     assert json.loads(run("clean", "--stale", "--cache-dir", merged, "--json").stdout)["removed"] == []
     assert json.loads(run("doctor", "--target", "h200", "--tp", "8", "--cache-dir", merged, "--json").stdout)["ok"]
+
+
+# TP 8 alone (7 builds per target) and the full plan (16) in 2 and 3 shards: a round robin over entries lined
+# the two targets' builds up only when the builds per target were a multiple of the shard count.
+@pytest.mark.parametrize("tp,builds_total", [((8,), 7), ((1, 2, 4, 8), 16)])
+@pytest.mark.parametrize("n", [2, 3])
+def test_shards_split_the_builds_not_just_the_entries(tp, builds_total, n):
+    """h100 and h200 share every sm_90a build: sharding the README's two-target plan must split the compiles."""
+    from musekern.config import load_config, with_tensor_parallel
+    from musekern.variants import plan_model, shard_plan
+
+    plan = plan_model(with_tensor_parallel(load_config(), tp), [get_target("h200"), get_target("h100")])
+    shards = [shard_plan(plan, k, n) for k in range(1, n + 1)]
+    builds = [{(e.arch, e.variant) for e in s} for s in shards]
+    assert sum(map(len, builds)) == len(set().union(*builds)) == builds_total  # each build in one shard only
+    assert max(map(len, builds)) - min(map(len, builds)) <= 1
+    flat = [e for s in shards for e in s]
+    assert len(flat) == len(set(flat)) and set(flat) == set(plan)  # and every entry in exactly one shard

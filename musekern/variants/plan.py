@@ -54,10 +54,15 @@ def plan_model(model: ModelConfig, targets: list[Target]) -> list[PlanEntry]:
 
 
 def shard_plan(entries: list[PlanEntry], index: int, count: int) -> list[PlanEntry]:
-    """Deterministic 1/count of a plan (round robin over the sorted plan): shard `index` of `count` (1-based)."""
+    """Deterministic 1/count of a plan: shard `index` of `count` (1-based), a round robin over the plan's
+    distinct builds (arch, variant label) in sorted order. Entries that compile to one cubin (h100 and h200
+    share every sm_90a build) fall in one shard, so N CI jobs split the compiles, not just the entries.
+    `prepare --shard K/N` builds and `export --shard K/N` exports exactly this."""
     if count < 1 or not 1 <= index <= count:
         raise ValueError(f"shard must be K/N with 1 <= K <= N, got {index}/{count}")
-    return [e for i, e in enumerate(sorted(entries, key=PlanEntry.sort_key)) if i % count == index - 1]
+    builds = sorted({(e.arch, e.variant.label) for e in entries})
+    mine = {b for i, b in enumerate(builds) if i % count == index - 1}
+    return [e for e in sorted(entries, key=PlanEntry.sort_key) if (e.arch, e.variant.label) in mine]
 
 
 def variant_types() -> dict:

@@ -1,16 +1,26 @@
-"""Model config (cfg.json): HF-style JSON plus a `musekern` block, validated into frozen dataclasses.
+"""Model config (cfg.json): a model's published HF `config.json` plus an optional `musekern` block,
+validated into frozen dataclasses.
 
-Unknown keys are ignored; bad values raise ConfigError naming the file, the key and the reason.
+Read as published: a multimodal wrapper's `text_config` holds the language model's fields (errors name
+them `text_config.<key>`); `head_dim` null or absent is hidden_size / num_attention_heads;
+`num_key_value_heads` null or absent is num_attention_heads (HF's rule); `dtype` (newer transformers) or
+`torch_dtype` names the checkpoint's dtype (float32, float16 or bfloat16): the kernels serve bfloat16
+whatever the checkpoint was saved in; `rope_theta` may sit in `rope_parameters`. Unknown keys are
+ignored; bad values raise ConfigError naming the file, the key and the reason.
+
+The `musekern` block (top level): `tensor_parallel_sizes`, `max_decode_tokens`, `targets`. A config
+that names no TP sizes plans TP 1 and says so in `ModelConfig.warnings`; `with_tensor_parallel`
+applies `--tp`.
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
-from .targets import TARGETS
+from .targets import OTHER_DEVICES, TARGETS, supported_targets, unsupported_reason
 
 DEFAULT_CONFIG_NAME = "muse_spark.json"
 QKV_FRONT_HEAD_DIM = 64  # the qkv_front kernel owns one 64-column head per cluster
@@ -57,7 +67,9 @@ class ModelConfig:
     tensor_parallel_sizes: tuple[int, ...]
     max_decode_tokens: int
     targets: tuple[str, ...]
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # what the kernels are built for (musekern serves bf16, whatever the checkpoint)
+    checkpoint_dtype: str = "bfloat16"  # the config's `dtype` / `torch_dtype`: how the weights were saved
+    tp_source: str = "config"  # where tensor_parallel_sizes came from: "config", "--tp", or "default"
 
     def shard(self, tp: int) -> ShardShape:
         nq = self.num_attention_heads // tp
@@ -67,14 +79,26 @@ class ModelConfig:
     def shards(self) -> tuple[ShardShape, ...]:
         return tuple(self.shard(tp) for tp in self.tensor_parallel_sizes)
 
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """What every command that plans says on stderr and in its --json output."""
+        if self.tp_source == "default":
+            return (f"{self.source} names no tensor-parallel sizes (musekern.tensor_parallel_sizes): planning "
+                    f"TP 1 only, so a server sharded TP 2/4/8 would miss its kernels; pass --tp with the sizes "
+                    f"you serve, e.g. --tp 1,2,4,8",)
+        return ()
+
 
 # key -> (type check, description) for the top-level fields
 _INT_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
 _FLOAT_KEYS = ("rms_norm_eps", "rope_theta")
 _DEFAULTS = {"attn_output_gate": False, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-             "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}
-_MUSEKERN_DEFAULTS = {"tensor_parallel_sizes": [1], "max_decode_tokens": 16, "targets": []}
-SUPPORTED_DTYPES = ("bfloat16",)
+             "max_position_embeddings": 4096}
+_MUSEKERN_DEFAULTS = {"max_decode_tokens": 16, "targets": []}
+DEFAULT_TP_SIZES = (1,)
+SERVING_DTYPE = "bfloat16"  # the dtype every planned kernel is built for
+CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16")  # a checkpoint saved in any of these is served in bf16
+SUPPORTED_DTYPES = (SERVING_DTYPE,)
 MAX_DECODE_TOKENS = 16  # qkv_front serves 1 <= M <= 16
 
 
@@ -98,62 +122,88 @@ def _float(src, key, v, positive=True):
     return float(v)
 
 
+def _check_tps(src: str, key: str, tps, nq: int, nkv: int) -> tuple[int, ...]:
+    """Validated, sorted TP sizes: each divides the heads (kv heads replicate past their count)."""
+    if not isinstance(tps, (list, tuple)) or not tps:
+        raise ConfigError(src, key, "must be a non-empty list of integers")
+    for tp in tps:
+        _int(src, key, tp)
+        if nq % tp:
+            raise ConfigError(src, key, f"tp={tp} does not divide num_attention_heads ({nq})")
+        if tp <= nkv and nkv % tp:
+            raise ConfigError(src, key, f"tp={tp} does not divide num_key_value_heads ({nkv})")
+        if tp > nkv and tp % nkv:
+            raise ConfigError(src, key,
+                              f"tp={tp} > num_key_value_heads ({nkv}) must be a multiple of it to replicate kv heads")
+    if len(set(tps)) != len(tps):
+        raise ConfigError(src, key, f"duplicate entries in {list(tps)}")
+    return tuple(sorted(tps))
+
+
 def parse_config(data, source: str = "<config>") -> ModelConfig:
     src = source
     if not isinstance(data, dict):
         raise ConfigError(src, None, f"top level must be a JSON object, got {type(data).__name__}")
-    for k in ("hidden_size", "num_attention_heads", "num_key_value_heads"):
-        if k not in data:
-            raise ConfigError(src, k, "missing required key")
+    text = data.get("text_config")
+    prefix = ""
+    fields = data
+    if text is not None:  # a multimodal wrapper: the language model's fields are in text_config
+        if not isinstance(text, dict):
+            raise ConfigError(src, "text_config", f"must be a JSON object, got {json.dumps(text)[:40]}")
+        fields, prefix = text, "text_config."
+
+    def key(k: str) -> str:
+        return prefix + k
+
+    for k in ("hidden_size", "num_attention_heads"):
+        if k not in fields:
+            raise ConfigError(src, key(k), "missing required key")
     d = dict(_DEFAULTS)
-    d.update(data)
-    vals = {k: _int(src, k, d[k]) for k in _INT_KEYS if k in d}
-    if "head_dim" not in d:
+    d.update(fields)
+    vals = {}
+    for k in _INT_KEYS:
+        if k in ("head_dim", "num_key_value_heads") and d.get(k) is None:
+            continue  # absent or null: derived below, as HF does
+        vals[k] = _int(src, key(k), d[k])
+    if "num_key_value_heads" not in vals:  # HF: absent or null means one kv head per attention head
+        vals["num_key_value_heads"] = vals["num_attention_heads"]
+    if "head_dim" not in vals:  # absent or null: HF derives it
         if vals["hidden_size"] % vals["num_attention_heads"]:
-            raise ConfigError(src, "head_dim", "missing, and hidden_size is not divisible by num_attention_heads")
+            raise ConfigError(src, key("head_dim"),
+                              "missing, and hidden_size is not divisible by num_attention_heads")
         vals["head_dim"] = vals["hidden_size"] // vals["num_attention_heads"]
-    eps = _float(src, "rms_norm_eps", d["rms_norm_eps"])
-    theta = _float(src, "rope_theta", d["rope_theta"])
+    eps = _float(src, key("rms_norm_eps"), d["rms_norm_eps"])
+    theta_key, theta = key("rope_theta"), d["rope_theta"]
+    rope_params = fields.get("rope_parameters")
+    if "rope_theta" not in fields and isinstance(rope_params, dict) and "rope_theta" in rope_params:
+        theta_key, theta = key("rope_parameters.rope_theta"), rope_params["rope_theta"]  # transformers v5 layout
+    theta = _float(src, theta_key, theta)
     gate = d["attn_output_gate"]
     if not isinstance(gate, bool):
-        raise ConfigError(src, "attn_output_gate", f"must be true or false, got {json.dumps(gate)}")
-    dtype = d["torch_dtype"]
-    if dtype not in SUPPORTED_DTYPES:
-        raise ConfigError(src, "torch_dtype", f"unsupported dtype {json.dumps(dtype)}; supported: {SUPPORTED_DTYPES}")
+        raise ConfigError(src, key("attn_output_gate"), f"must be true or false, got {json.dumps(gate)}")
+    ckpt_dtype = _checkpoint_dtype(src, data, fields, prefix)
     nq, nkv, hd = vals["num_attention_heads"], vals["num_key_value_heads"], vals["head_dim"]
     if nq % nkv:
-        raise ConfigError(src, "num_key_value_heads",
+        raise ConfigError(src, key("num_key_value_heads"),
                           f"num_attention_heads ({nq}) is not divisible by num_key_value_heads ({nkv})")
     if hd != QKV_FRONT_HEAD_DIM:
-        raise ConfigError(src, "head_dim", f"must be {QKV_FRONT_HEAD_DIM} for the qkv_front kernel, got {hd}")
+        raise ConfigError(src, key("head_dim"), f"must be {QKV_FRONT_HEAD_DIM} for the qkv_front kernel, got {hd}")
     if vals["hidden_size"] != QKV_FRONT_HIDDEN:
-        raise ConfigError(src, "hidden_size",
+        raise ConfigError(src, key("hidden_size"),
                           f"must be {QKV_FRONT_HIDDEN} for the qkv_front kernel, got {vals['hidden_size']}")
     if not gate:
-        raise ConfigError(src, "attn_output_gate", "must be true: the qkv_front kernel's fused projection is "
-                                                   "q | k | v | gate (a model without the gate is not supported)")
+        raise ConfigError(src, key("attn_output_gate"), "must be true: the qkv_front kernel's fused projection is "
+                                                        "q | k | v | gate (a model without the gate is not supported)")
 
     mk = data.get("musekern", {})
     if not isinstance(mk, dict):
         raise ConfigError(src, "musekern", "must be a JSON object")
     m = dict(_MUSEKERN_DEFAULTS)
     m.update(mk)
-    tps = m["tensor_parallel_sizes"]
-    if not isinstance(tps, list) or not tps:
-        raise ConfigError(src, "musekern.tensor_parallel_sizes", "must be a non-empty list of integers")
-    for tp in tps:
-        _int(src, "musekern.tensor_parallel_sizes", tp)
-        if nq % tp:
-            raise ConfigError(src, "musekern.tensor_parallel_sizes",
-                              f"tp={tp} does not divide num_attention_heads ({nq})")
-        if tp <= nkv and nkv % tp:
-            raise ConfigError(src, "musekern.tensor_parallel_sizes",
-                              f"tp={tp} does not divide num_key_value_heads ({nkv})")
-        if tp > nkv and tp % nkv:
-            raise ConfigError(src, "musekern.tensor_parallel_sizes",
-                              f"tp={tp} > num_key_value_heads ({nkv}) must be a multiple of it to replicate kv heads")
-    if len(set(tps)) != len(tps):
-        raise ConfigError(src, "musekern.tensor_parallel_sizes", f"duplicate entries in {tps}")
+    tps, tp_source = DEFAULT_TP_SIZES, "default"  # ModelConfig.warnings says so
+    if "tensor_parallel_sizes" in mk:
+        tps = _check_tps(src, "musekern.tensor_parallel_sizes", mk["tensor_parallel_sizes"], nq, nkv)
+        tp_source = "config"
     mdt = _int(src, "musekern.max_decode_tokens", m["max_decode_tokens"])
     if mdt > MAX_DECODE_TOKENS:
         raise ConfigError(src, "musekern.max_decode_tokens", f"must be <= {MAX_DECODE_TOKENS}, got {mdt}")
@@ -161,13 +211,40 @@ def parse_config(data, source: str = "<config>") -> ModelConfig:
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise ConfigError(src, "musekern.targets", "must be a list of target names")
     for t in targets:
-        if t.lower() not in TARGETS:
-            raise ConfigError(src, "musekern.targets", f"unknown target {t!r}; known: {', '.join(sorted(TARGETS))}")
+        name = t.strip().lower()
+        if name in OTHER_DEVICES:
+            raise ConfigError(src, "musekern.targets", unsupported_reason(OTHER_DEVICES[name]))
+        if name not in TARGETS:
+            raise ConfigError(src, "musekern.targets",
+                              f"unknown target {t!r}; supported targets: {supported_targets()}")
     return ModelConfig(
         source=src, hidden_size=vals["hidden_size"], num_attention_heads=nq, num_key_value_heads=nkv, head_dim=hd,
         attn_output_gate=gate, rms_norm_eps=eps, rope_theta=theta,
-        max_position_embeddings=vals["max_position_embeddings"], tensor_parallel_sizes=tuple(sorted(tps)),
-        max_decode_tokens=mdt, targets=tuple(t.lower() for t in targets), dtype=dtype)
+        max_position_embeddings=vals["max_position_embeddings"], tensor_parallel_sizes=tps,
+        max_decode_tokens=mdt, targets=tuple(t.strip().lower() for t in targets), dtype=SERVING_DTYPE,
+        checkpoint_dtype=ckpt_dtype, tp_source=tp_source)
+
+
+def _checkpoint_dtype(src: str, data: dict, fields: dict, prefix: str) -> str:
+    """The checkpoint's dtype: `dtype` (transformers >= 4.56) else `torch_dtype`, in text_config first.
+    Absent: bfloat16. It only has to be one musekern can serve in bf16."""
+    for where, pre in ((fields, prefix), (data, "")) if prefix else ((data, ""),):
+        for k in ("dtype", "torch_dtype"):
+            v = where.get(k)
+            if v is None:
+                continue
+            if v not in CHECKPOINT_DTYPES:
+                raise ConfigError(src, pre + k, f"unsupported dtype {json.dumps(v)}; a checkpoint in "
+                                                f"{', '.join(CHECKPOINT_DTYPES)} is served in {SERVING_DTYPE}")
+            return v
+    return SERVING_DTYPE
+
+
+def with_tensor_parallel(model: ModelConfig, tps, source: str = "--tp") -> ModelConfig:
+    """`model` planned for these TP sizes instead of its own (the CLI's --tp); validated like the config's."""
+    checked = _check_tps(source, "tensor_parallel_sizes", list(tps), model.num_attention_heads,
+                         model.num_key_value_heads)
+    return replace(model, tensor_parallel_sizes=checked, tp_source=source)
 
 
 def load_config(path: str | Path | None = None) -> ModelConfig:

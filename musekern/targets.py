@@ -2,6 +2,11 @@
 
 `get_target(name)` for a named target; `local_target()` reads the local device through
 the CUDA driver (cuda.bindings) when there is one and returns None otherwise.
+
+`TARGETS` are the GPUs musekern builds for: every one has an arch in `SUPPORTED_ARCHES`, the arches
+every kernel of the plan compiles for (kernels/qkv_front.py's SUPPORTED_ARCHES says the same; a test
+checks they agree, so the planner never imports a kernel to know). `OTHER_DEVICES` are GPUs we can
+name but not build for: asking for one (or running on one) is an error that lists the supported targets.
 """
 from __future__ import annotations
 
@@ -46,18 +51,61 @@ TARGETS: dict[str, Target] = {
     )
 }
 ARCHES = tuple(sorted({t.arch for t in TARGETS.values()}))
+# The arches every kernel of the plan builds for: qkv_front needs sm_90-class TMA, clusters and st.async
+# (qk_norm would build for more). kernels/qkv_front.py::SUPPORTED_ARCHES must agree (tests/test_targets.py).
+SUPPORTED_ARCHES = ("sm_90a", "sm_100a")
+# GPUs with a name but no kernel build: named so that `--target a100` or a local A100 gets a clear refusal.
+OTHER_DEVICES: dict[str, Target] = {
+    t.name: t
+    for t in (
+        Target("a100", "sm_80", 108, 163 * KIB, 1, 40 * 1024 * KIB, (8, 0), smem_per_sm=164 * KIB),
+    )
+}
 
 
-class UnknownTargetError(ValueError):
+class TargetError(ValueError):
+    """A target that cannot be planned for; the message lists the supported targets."""
+
+
+class UnknownTargetError(TargetError):
     pass
 
 
+class UnsupportedTargetError(TargetError):
+    pass
+
+
+def supported_targets() -> str:
+    """'b200, h100, h100-pcie, h20, h200': the names `--target` and a config's `targets` accept."""
+    return ", ".join(sorted(TARGETS))
+
+
+def unsupported_reason(t: Target) -> str | None:
+    """Why musekern cannot build for `t`, or None when it can."""
+    if t.arch in SUPPORTED_ARCHES:
+        return None
+    return (f"{t.description} is not supported: musekern's kernels build for {' and '.join(SUPPORTED_ARCHES)} "
+            f"only (qkv_front needs sm_90-class TMA, clusters and st.async); supported targets: "
+            f"{supported_targets()}")
+
+
+def check_supported(t: Target) -> Target:
+    """`t`, or UnsupportedTargetError naming the supported targets (the planner calls this)."""
+    reason = unsupported_reason(t)
+    if reason:
+        raise UnsupportedTargetError(reason)
+    return t
+
+
 def get_target(name: str) -> Target:
-    try:
-        return TARGETS[name.lower()]
-    except KeyError:
-        raise UnknownTargetError(
-            f"unknown GPU target {name!r}; known targets: {', '.join(sorted(TARGETS))}") from None
+    """The named target; UnsupportedTargetError for a GPU we know but cannot build for, UnknownTargetError
+    for a name we do not know. Both messages list the supported targets."""
+    key = name.strip().lower()
+    if key in TARGETS:
+        return TARGETS[key]
+    if key in OTHER_DEVICES:
+        return check_supported(OTHER_DEVICES[key])
+    raise UnknownTargetError(f"unknown GPU target {name!r}; supported targets: {supported_targets()}")
 
 
 def arch_for_capability(major: int, minor: int) -> str:
@@ -97,13 +145,16 @@ def _driver_devices():
 
 
 def target_from_device(name: str, cap: tuple[int, int], sm_count: int, smem_optin: int, l2: int) -> Target:
-    """Map a device to a named target when one matches (same arch and SM count), else an ad-hoc one."""
+    """Map a device to a named target when one matches (same arch and SM count), else an ad-hoc one.
+
+    The result may be unsupported (an A100): callers that plan check it (`check_supported`)."""
     arch = arch_for_capability(*cap)
     lname = name.lower()
-    for t in TARGETS.values():
+    known = [*TARGETS.values(), *OTHER_DEVICES.values()]
+    for t in known:
         if t.arch == arch and t.sm_count == sm_count and t.name.split("-")[0] in lname:
             return t
-    for t in TARGETS.values():
+    for t in known:
         if t.arch == arch and t.sm_count == sm_count:
             return t
     return Target(f"local-{arch}-{sm_count}sm", arch, sm_count, smem_optin, PORTABLE_MAX_CLUSTER, l2, cap)
@@ -114,3 +165,12 @@ def local_target(device_index: int = 0) -> Target | None:
     if len(devs) <= device_index:
         return None
     return target_from_device(*devs[device_index])
+
+
+def target_name_for_arch(arch: str) -> str | None:
+    """The target to name in a fix command for a kernel missing on `arch`: the local GPU's when it has
+    that arch (an H200 user is told `--target h200`), else the first named target of the arch, else None."""
+    local = local_target()
+    if local is not None and local.arch == arch and local.name in TARGETS:
+        return local.name
+    return next((t.name for t in TARGETS.values() if t.arch == arch), None)

@@ -8,9 +8,13 @@ import sys
 import pytest
 from click.testing import CliRunner
 
+from musekern import env
 from musekern.cli import main
+from musekern.cli.doctor_cmd import bindings_driver_problem
 from musekern.store import keys
+from musekern.targets import get_target, target_from_device
 
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 HAVE_DSL = importlib.util.find_spec("cutlass") is not None
 needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="needs the build extra (nvidia-cutlass-dsl)")
 QK = ["--variant", "qk_norm[dtype=bfloat16,has_scale=False,head_dim=64]",
@@ -94,7 +98,9 @@ def test_doctor_reports_missing_then_ok(run, tmp_path):
     assert doc["nvidia-cutlass-dsl"] == keys.dsl_version() and len(doc["missing"]) == 16 and not doc["ok"]
     assert doc["cache_dir"] == str(tmp_path / "cache")
     r = run("doctor", "--target", "h200", code=1)
-    assert "missing from the cache" in r.stdout and "fix: musekern prepare --target h200" in r.stdout
+    assert "16 planned variant(s) missing from the cache" in r.stdout
+    assert all(m["variant"] in r.stdout for m in doc["missing"])  # every one, not "e.g." the first
+    assert "fix: musekern prepare --target h200" in r.stderr  # fix commands go with the errors
 
 
 @needs_dsl
@@ -139,3 +145,222 @@ def test_doctor_counts_a_corrupt_entry_as_missing(run, tmp_path):
     e.cubin_path.write_bytes(b"\x7fELF-not-the-built-cubin")
     doc = json.loads(run("doctor", "--target", "h200", "--json", code=1).stdout)
     assert [m["variant"] for m in doc["missing"]] == [e.manifest["label"]]
+
+
+# ---------------------------------------------------------------- --tp on every command that plans
+def _planned_count(run, args):
+    """How many variants a command planned, read from what each one reports."""
+    cmd = args[0]
+    if cmd == "plan":
+        return len(json.loads(run(*args, "--json").stdout)["variants"])
+    if cmd == "doctor":
+        return len(json.loads(run(*args, "--json", code=1).stdout)["missing"])  # an empty cache misses all
+    if cmd == "export":
+        r = run(*args, "-o", "x.tar", code=1)
+        return int(r.stderr.split(" of the ")[1].split()[0])  # "N of the M variants of the plan are not in"
+    if cmd == "explain":
+        return len(json.loads(run(*args, "--json").stdout)["planned"])
+
+
+# --tp 8 plans TP 8's 7 variants (4 qk_norm + 3 qkv_front) where the bundled config plans 16; explain asks for
+# one label (a TP 8 qkv_front one) and finds it planned once, or not at all under --tp 1.
+TP8_LABEL = ("qkv_front[fixed_m=8,k_rotate=1,n=2176,num_kv_heads=1,splits=2,stages=6,tiles=1,trigger=late,"
+             "trigger_ahead=6]")
+
+
+@pytest.mark.parametrize("args,full,tp8", [
+    (["plan", "--target", "h200"], 16, 7),
+    (["doctor", "--target", "h200"], 16, 7),
+    (["export", "--target", "h200"], 16, 7),
+    (["explain", TP8_LABEL, "--target", "h200"], 1, 1),
+])
+def test_tp_overrides_the_config_on_every_planning_command(run, args, full, tp8):
+    assert _planned_count(run, args) == full
+    assert _planned_count(run, [*args, "--tp", "8"]) == tp8
+    if args[0] == "explain":
+        assert "not in the plan" in run(*args, "--tp", "1", code=1).stderr  # TP 1 has no N=2176 front
+
+
+def test_prepare_takes_tp(run, monkeypatch):
+    monkeypatch.setattr("musekern.build.prepare.dsl_version", lambda: None)  # stop before compiling anything
+    monkeypatch.setattr("musekern.build.compile.dsl_version", lambda: None)
+    r = run("prepare", "--target", "h200", "--tp", "8", code=1)
+    assert "musekern prepare: 7 variant(s) for h200" in r.stderr
+
+
+def test_every_planning_command_has_tp():
+    for name in ("plan", "prepare", "doctor", "export", "explain"):
+        assert "--tp" in {o for p in main.commands[name].params for o in getattr(p, "opts", [])}, name
+
+
+def test_config_without_tp_sizes_warns_on_stderr_and_in_json(run):
+    cfg = os.path.join(DATA, "qwen3_style.json")
+    r = run("plan", "--model", cfg, "--target", "h200", "--json")
+    doc = json.loads(r.stdout)  # stdout is the JSON document alone
+    assert doc["tp"] == [1] and doc["tp_source"] == "default" and len(doc["variants"]) == 7
+    assert "names no tensor-parallel sizes" in doc["warnings"][0] and "--tp 1,2,4,8" in doc["warnings"][0]
+    assert "musekern: warning:" in r.stderr and "names no tensor-parallel sizes" in r.stderr
+    r = run("plan", "--model", cfg, "--target", "h200", "--tp", "1,2,4,8", "--json")
+    doc = json.loads(r.stdout)
+    assert doc["warnings"] == [] and len(doc["variants"]) == 16 and "warning" not in r.stderr
+    doc = json.loads(run("doctor", "--model", cfg, "--target", "h200", "--json", code=1).stdout)
+    assert doc["warnings"] and doc["tp_source"] == "default"
+
+
+@pytest.mark.parametrize("tp,msg", [("3", "tp=3 does not divide num_attention_heads"), ("x", "comma-separated"),
+                                    ("2,2", "duplicate"), ("", "comma-separated")])
+def test_bad_tp_is_a_usage_error(run, tp, msg):
+    assert msg in run("plan", "--target", "h200", "--tp", tp, code=2).output
+
+
+# ---------------------------------------------------------------- targets: CLI > config > local GPU
+A100 = target_from_device("NVIDIA A100-SXM4-80GB", (8, 0), 108, 166912, 40 << 20)
+
+
+def test_config_targets_win_over_a_local_gpu(run, monkeypatch):
+    monkeypatch.setattr("musekern.cli.common.local_target", lambda: A100)
+    assert json.loads(run("plan", "--json").stdout)["targets"] == ["h200"]  # the bundled config names h200
+    monkeypatch.setattr("musekern.cli.common.local_target", lambda: get_target("h100-pcie"))
+    assert json.loads(run("plan", "--json").stdout)["targets"] == ["h200"]
+    assert json.loads(run("plan", "--target", "h20", "--json").stdout)["targets"] == ["h20"]  # the CLI wins
+
+
+def test_local_gpu_is_the_last_resort(run, monkeypatch):
+    monkeypatch.setattr("musekern.cli.common.local_target", lambda: get_target("h100-pcie"))
+    cfg = os.path.join(DATA, "qwen3_style.json")  # names no targets
+    assert json.loads(run("plan", "--model", cfg, "--json").stdout)["targets"] == ["h100-pcie"]
+
+
+SUPPORTED = "supported targets: b200, h100, h100-pcie, h20, h200"
+
+
+@pytest.mark.parametrize("args", [["plan", "--target", "a100"], ["prepare", "--target", "a100"],
+                                  ["doctor", "--target", "A100"], ["export", "--target", "a100", "-o", "x.tar"]])
+def test_an_unsupported_target_is_a_usage_error_naming_the_supported_ones(run, args):
+    r = run(*args, code=2)
+    assert "a100 (sm_80, 108 SMs) is not supported" in r.stderr and SUPPORTED in r.stderr
+
+
+def test_an_unsupported_local_gpu_is_refused_not_planned(run, monkeypatch):
+    monkeypatch.setattr("musekern.cli.common.local_target", lambda: A100)
+    r = run("plan", "--model", os.path.join(DATA, "qwen3_style.json"), code=2)
+    assert "the local GPU: a100 (sm_80, 108 SMs) is not supported" in r.stderr and SUPPORTED in r.stderr
+    assert "--target" in r.stderr and "local-sm_80" not in r.output
+
+
+# ---------------------------------------------------------------- errors are one line
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc (Linux)")
+def test_prepare_into_an_impossible_cache_dir_is_one_line(run):
+    r = run("prepare", "--target", "h200", *QK, "--cache-dir", "/proc/nope", code=1)
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.output
+    assert r.stderr.startswith("musekern: error: cannot write the cache at /proc/nope") and "--cache-dir" in r.stderr
+
+
+@pytest.mark.parametrize("args", [["doctor", "--target", "h200"], ["ls"], ["stats"], ["verify"]])
+def test_an_unreadable_cache_is_one_line_naming_the_path(run, monkeypatch, args):
+    def denied(self, *a, **k):
+        raise PermissionError(13, "Permission denied", "/srv/cache/v2")
+
+    monkeypatch.setattr("musekern.store.cache.Cache.entries", denied)
+    monkeypatch.setattr("musekern.store.cache.Cache.entry_keys", denied)
+    r = run(*args, code=1)
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("musekern: error: Permission denied: /srv/cache/v2")
+    assert "--cache-dir" in r.stderr
+
+
+# ---------------------------------------------------------------- MUSEKERN_* variables
+def test_help_lists_every_musekern_variable(run):
+    out = run("--help").stdout
+    assert all(v.name in out for v in env.VARIABLES) and len(env.VARIABLES) >= 5
+
+
+def test_doctor_lists_every_variable_with_value_and_source(run, monkeypatch, tmp_path):
+    monkeypatch.setenv("MUSEKERN_REMOTE", "http://cache.example:8080/mk")
+    monkeypatch.delenv("MUSEKERN_AUTOBUILD", raising=False)
+    doc = json.loads(run("doctor", "--target", "h200", "--json", code=1).stdout)
+    got = {v["name"]: (v["value"], v["source"]) for v in doc["environment"]}
+    assert set(got) == {v.name for v in env.VARIABLES}
+    assert got["MUSEKERN_REMOTE"] == ("http://cache.example:8080/mk", "env")
+    assert got["MUSEKERN_CACHE_DIR"] == (str(tmp_path / "cache"), "env") and got["MUSEKERN_AUTOBUILD"][1] == "default"
+    out = run("doctor", "--target", "h200", code=1).stdout
+    assert "http://cache.example:8080/mk (env)" in out and all(v.name in out for v in env.VARIABLES)
+
+
+# cuda-bindings N.x needs a driver of CUDA N (cuDriverGetVersion: 1000 * major + 10 * minor).
+@pytest.mark.parametrize("bindings,driver,problem", [
+    ("13.4.4", 13000, None), ("13.0.0", 12080, "pip install 'cuda-bindings>=12.8,<13'"), ("12.9.0", 12040, None),
+    ("12.8.0", 13000, None), ("12.9.0", 11080, "R525"), (None, 12080, None), ("13.1.0", None, None)])
+def test_bindings_driver_problem(bindings, driver, problem):
+    got = bindings_driver_problem(bindings, driver)
+    assert (got is None) if problem is None else (problem in got)
+
+
+# ---------------------------------------------------------------- stdout vs stderr (cli/__init__.py)
+def test_json_stdout_is_one_document_and_logs_go_to_stderr(run, tmp_path):
+    for args in (["plan", "--target", "h200"], ["ls"], ["stats"], ["verify"]):
+        json.loads(run(*args, "--json").stdout)
+    r = run("plan", "--target", "h200")
+    assert "16 distinct variants" in r.stdout.splitlines()[-1] and r.stderr == ""
+    r = run("ls")
+    assert r.stdout.splitlines()[-1].startswith("0 entries in ") and r.stderr == ""  # summary with the result
+
+
+def test_clean_dry_run_never_says_removed(run, tmp_path, monkeypatch):
+    from musekern.store.cache import Cache
+    from musekern.store.keys import KeyParts
+
+    c = Cache(tmp_path / "cache")
+    for i in range(2):
+        p = KeyParts.make("qk_norm", {"i": i}, "sm_90a", "ab" * 32, "4.8.1", 1)
+        c.put(p, b"\x7fELF" + bytes(64), {"kernel": "qk_norm", "label": p.label, "variant": p.variant_params,
+                                            "symbol": "k", "arch": "sm_90a", "abi": {}, "built_with": {}})
+    c.record_plan("other", [])
+    for args in (["clean", "--dry-run"], ["clean", "--stale", "--dry-run"], ["clean", "--all", "--dry-run"]):
+        out = run(*args).stdout
+        assert "removed" not in out.replace("would be removed", "").replace("would remove", ""), (args, out)
+    assert len(c.entries()) == 2
+
+
+# ---------------------------------------------------------------- export --shard K/N = what prepare --shard K/N built
+@needs_dsl
+@pytest.mark.slow
+def test_export_shard_is_what_prepare_shard_built(run, tmp_path):
+    built = {}
+    for k in (1, 2):
+        cd = str(tmp_path / f"shard{k}")
+        doc = json.loads(run("prepare", "--target", "h200", "--tp", "8", "--shard", f"{k}/2", "--cache-dir", cd,
+                             "--json").stdout)
+        built[k] = sorted(r["key"] for r in doc["results"])
+        out = tmp_path / f"shard{k}.tar"
+        doc = json.loads(run("export", "--target", "h200", "--tp", "8", "--shard", f"{k}/2", "--cache-dir", cd,
+                             "-o", str(out), "--json").stdout)
+        assert sorted(doc["keys"]) == built[k] and doc["plan"].endswith(f"|shard {k}/2")
+    assert len(built[1]) + len(built[2]) == 7 and not set(built[1]) & set(built[2])
+    # the whole plan is not in one shard's cache: the fix names the shard's own prepare
+    r = run("export", "--target", "h200", "--tp", "8", "--cache-dir", str(tmp_path / "shard1"), "-o", "all.tar",
+            code=1)
+    assert "--tp 8" in r.stderr and f"{len(built[2])} of the 7 variants of the plan" in r.stderr
+    merged = str(tmp_path / "merged")
+    for k in (1, 2):
+        run("import", str(tmp_path / f"shard{k}.tar"), "--cache-dir", merged)
+    # both shards' plans are recorded, so clean --stale keeps everything; the merged cache is complete
+    assert json.loads(run("clean", "--stale", "--cache-dir", merged, "--json").stdout)["removed"] == []
+    assert json.loads(run("doctor", "--target", "h200", "--tp", "8", "--cache-dir", merged, "--json").stdout)["ok"]
+
+
+# TP 8 alone (7 builds per target) and the full plan (16) in 2 and 3 shards: a round robin over entries lined
+# the two targets' builds up only when the builds per target were a multiple of the shard count.
+@pytest.mark.parametrize("tp,builds_total", [((8,), 7), ((1, 2, 4, 8), 16)])
+@pytest.mark.parametrize("n", [2, 3])
+def test_shards_split_the_builds_not_just_the_entries(tp, builds_total, n):
+    """h100 and h200 share every sm_90a build: sharding the README's two-target plan must split the compiles."""
+    from musekern.config import load_config, with_tensor_parallel
+    from musekern.variants import plan_model, shard_plan
+
+    plan = plan_model(with_tensor_parallel(load_config(), tp), [get_target("h200"), get_target("h100")])
+    shards = [shard_plan(plan, k, n) for k in range(1, n + 1)]
+    builds = [{(e.arch, e.variant) for e in s} for s in shards]
+    assert sum(map(len, builds)) == len(set().union(*builds)) == builds_total  # each build in one shard only
+    assert max(map(len, builds)) - min(map(len, builds)) <= 1
+    flat = [e for s in shards for e in s]
+    assert len(flat) == len(set(flat)) and set(flat) == set(plan)  # and every entry in exactly one shard

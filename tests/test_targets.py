@@ -1,7 +1,25 @@
+import ast
+from pathlib import Path
+
 import pytest
 
 from musekern import targets
-from musekern.targets import TARGETS, UnknownTargetError, arch_for_capability, get_target, target_from_device
+from musekern.config import load_config
+from musekern.store.keys import KERNEL_SOURCES
+from musekern.targets import (
+    SUPPORTED_ARCHES,
+    TARGETS,
+    UnknownTargetError,
+    UnsupportedTargetError,
+    arch_for_capability,
+    get_target,
+    target_from_device,
+)
+from musekern.variants import plan_model
+
+PKG = Path(targets.__file__).parent
+H200_DEV = ("NVIDIA H200", (9, 0), 132, 232448, 60 << 20)
+A100_DEV = ("NVIDIA A100-SXM4-80GB", (8, 0), 108, 166912, 40 << 20)
 
 
 @pytest.mark.parametrize("name,arch,sms", [("h100", "sm_90a", 132), ("h200", "sm_90a", 132),
@@ -14,8 +32,55 @@ def test_named_targets(name, arch, sms):
 
 
 def test_unknown_target_lists_known():
-    with pytest.raises(UnknownTargetError, match="known targets: b200, h100, h100-pcie, h20, h200"):
+    with pytest.raises(UnknownTargetError, match="supported targets: b200, h100, h100-pcie, h20, h200"):
         get_target("a100x")
+
+
+def test_every_named_target_is_supported():
+    assert {t.arch for t in TARGETS.values()} <= set(SUPPORTED_ARCHES)
+
+
+def _literal(path: Path, name: str):
+    """A module-level constant read from the source (the kernels import cutlass; the planner never does)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    return None
+
+
+def test_kernels_supported_arches_agree_with_the_planner():
+    """targets.SUPPORTED_ARCHES is what every kernel of the plan builds for: the intersection of the kernels'
+    own SUPPORTED_ARCHES (a kernel without one, qk_norm, builds for any arch the DSL knows)."""
+    declared = [set(a) for kernel, files in KERNEL_SOURCES.items()
+                if (a := _literal(PKG / files[0], "SUPPORTED_ARCHES")) is not None]
+    assert declared, "no kernel declares SUPPORTED_ARCHES"
+    assert set.intersection(*declared) == set(SUPPORTED_ARCHES)
+
+
+def test_a_gpu_we_cannot_build_for_is_named_and_refused():
+    with pytest.raises(UnsupportedTargetError, match=r"a100 \(sm_80, 108 SMs\) is not supported.*"
+                                                     r"supported targets: b200, h100, h100-pcie, h20, h200"):
+        get_target("a100")
+    a100 = target_from_device(*A100_DEV)
+    assert a100.name == "a100" and a100.arch == "sm_80"
+    with pytest.raises(UnsupportedTargetError, match="supported targets"):
+        plan_model(load_config(), [a100])  # rejected at plan time, before anything compiles
+
+
+# The fix command of a kernel missing at run time names the GPU it runs on; without one, the first of the arch.
+@pytest.mark.parametrize("devices,arch,name", [([H200_DEV], "sm_90a", "h200"),
+                                               ([("NVIDIA H20", (9, 0), 78, 232448, 60 << 20)], "sm_90a", "h20"),
+                                               ([], "sm_90a", "h100"), ([H200_DEV], "sm_100a", "b200"),
+                                               ([], "sm_80", None)])
+def test_missing_kernel_hint_names_the_users_target(monkeypatch, tmp_path, devices, arch, name):
+    from musekern.runtime.loader import prepare_command
+    from musekern.store.cache import Cache
+    from musekern.variants import QkNormVariant
+
+    monkeypatch.setattr(targets, "_driver_devices", lambda: devices)
+    assert targets.target_name_for_arch(arch) == name
+    cmd = prepare_command(QkNormVariant("bfloat16", 64, False), arch, Cache(tmp_path))
+    assert cmd.startswith(f"musekern prepare --target {name} --variant" if name else "musekern prepare --variant")
 
 
 def test_case_insensitive():

@@ -16,8 +16,11 @@ from .common import (
     log,
     model_option,
     resolve_targets,
+    shard_option,
     table,
     target_option,
+    tp_option,
+    warn,
 )
 
 
@@ -59,30 +62,33 @@ def _entries_for(model, targets, variant_labels) -> list[PlanEntry]:
     return sorted({PlanEntry(t, v, ()) for t in targets for v in variants}, key=PlanEntry.sort_key)
 
 
-def _parse_shard(value):
-    if value is None:
-        return None
-    try:
-        k, n = (int(x) for x in value.split("/"))
-        if n < 1 or not 1 <= k <= n:
-            raise ValueError
-    except ValueError:
-        raise click.BadParameter(f"expected K/N with 1 <= K <= N, got {value!r}", param_hint="--shard") from None
-    return k, n
+def _cache_failure(cache, e: OSError) -> Failure:
+    """The cache directory cannot be created or written (a path under /proc, a file in the way)."""
+    return Failure(f"cannot write the cache at {cache.root}: {e.strerror or type(e).__name__}"
+                   f"{f' ({e.filename})' if e.filename and str(e.filename) != str(cache.root) else ''}; "
+                   f"pass a writable --cache-dir DIR or set MUSEKERN_CACHE_DIR")
+
+
+def model_json(model) -> dict:
+    """What every --json result that plans says about the model: source, TP sizes and where they came
+    from, dtypes, and the warnings (also said on stderr)."""
+    return {"model": model.source, "tp": list(model.tensor_parallel_sizes), "tp_source": model.tp_source,
+            "dtype": model.dtype, "checkpoint_dtype": model.checkpoint_dtype, "warnings": list(model.warnings)}
 
 
 @click.command("plan")
 @model_option
 @target_option
+@tp_option
 @json_option
-def plan_cmd(model_path, target_names, as_json):
+def plan_cmd(model_path, target_names, tp, as_json):
     """List every kernel variant the model needs, per target and TP rank."""
-    model = load_model(model_path)
+    model = load_model(model_path, tp)
     targets = resolve_targets(target_names, model)
     entries = plan_model(model, targets)
     rows = _plan_rows(entries, model)
     if as_json:
-        emit_json({"model": model.source, "targets": [t.name for t in targets],
+        emit_json({**model_json(model), "targets": [t.name for t in targets],
                    "variants": [e.to_json() for e in entries], "rows": rows})
         return
     cols = ["target", "tp", "kernel", "N", "heads", "k_split", "stages", "tiles", "fixed_rows", "tokens", "label"]
@@ -93,26 +99,26 @@ def plan_cmd(model_path, target_names, as_json):
 @click.command("prepare")
 @model_option
 @target_option
+@tp_option
 @click.option("--variant", "variant_labels", multiple=True,
               help="Build this variant (a label from `musekern plan`) instead of the model's plan. Repeatable.")
 @cache_dir_option
 @click.option("-j", "--jobs", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Parallel compiles (processes).")
-@click.option("--shard", "shard", default=None, metavar="K/N", help="Build only shard K of N of the plan (CI).")
+@shard_option
 @click.option("--remote", default=None, envvar="MUSEKERN_REMOTE",
               help="HTTP cache (Bazel protocol) to pull from [env: MUSEKERN_REMOTE].")
 @click.option("--upload", is_flag=True, help="Push entries this run built or has to --remote.")
 @json_option
-def prepare_cmd(model_path, target_names, variant_labels, cache_dir, jobs, shard, remote, upload, as_json):
+def prepare_cmd(model_path, target_names, tp, variant_labels, cache_dir, jobs, shard, remote, upload, as_json):
     """Compile every kernel variant the model needs into the cache (no GPU needed)."""
     from ..build import BuildExtraMissing
     from ..build.prepare import BUILT, FAILED, HIT, PULLED, prepare
     from ..store.cache import Cache, ReadOnlyCacheError, default_cache_dir
 
-    model = load_model(model_path)
+    model = load_model(model_path, tp)
     targets = resolve_targets(target_names, model)
     entries = _entries_for(model, targets, variant_labels)
-    sh = _parse_shard(shard)
     if upload and not remote:
         raise UsageFailure("--upload needs --remote URL (or MUSEKERN_REMOTE)")
     cache = Cache(default_cache_dir(cache_dir))
@@ -124,27 +130,35 @@ def prepare_cmd(model_path, target_names, variant_labels, cache_dir, jobs, shard
             rem = RemoteCache.from_env(remote, upload=upload)
         except RemoteError as e:
             raise UsageFailure(f"--remote: {e}") from None
+    if not cache.read_only:  # a root that cannot exist (under /proc, below a file) fails here, in one line
+        try:
+            cache.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _cache_failure(cache, e) from None
     # the whole plan is recorded (also in a shard run): `musekern clean --stale` keeps what some plan needs
     plan_name = None if variant_labels else f"{model.source}|{','.join(t.name for t in targets)}"
-    n = len(shard_plan(entries, *sh)) if sh else len(entries)
+    n = len(shard_plan(entries, *shard)) if shard else len(entries)
     log(f"musekern prepare: {n} variant(s) for {', '.join(t.name for t in targets)} -> {cache.root}")
     bar = click.progressbar(length=n, label="prepare", file=sys.stderr, show_pos=True,
                             item_show_func=lambda r: r.label if r else None)
     try:
         with bar:
             report = prepare(entries, cache, jobs=jobs, remote=rem, upload=upload,
-                             on_done=lambda r: bar.update(1, r), plan_name=plan_name, shard=sh)
+                             on_done=lambda r: bar.update(1, r), plan_name=plan_name, shard=shard)
     except BuildExtraMissing as e:
         raise Failure(str(e)) from None
     except ReadOnlyCacheError as e:
         raise Failure(str(e)) from None
+    except OSError as e:
+        raise _cache_failure(cache, e) from None
     for w in report.warnings:
-        log(f"musekern: warning: {w}")
+        warn(w)
     for r in report.results:
         if r.status == FAILED:
             log(f"musekern: error: {r.label} ({r.target}): {r.error}")
     if as_json:
-        emit_json({"cache_dir": str(cache.root), "targets": [t.name for t in targets], **report.to_json()})
+        emit_json({**model_json(model), "cache_dir": str(cache.root), "targets": [t.name for t in targets],
+                   **report.to_json(), "warnings": [*model.warnings, *report.warnings]})
     else:
         rows = [[r.target, r.arch, r.status, f"{r.seconds:.1f}s" if r.status == BUILT else "", r.key[:12], r.label]
                 for r in report.results]

@@ -1,7 +1,8 @@
 """Cache commands: ls, verify, clean, stats, gc, explain, export, import.
 
-Every command takes --cache-dir and --json; results go to stdout, logs and errors to stderr;
-exit 0 ok, 1 failure (the message names what is wrong and the command that fixes it), 2 usage.
+Every command takes --cache-dir and --json; results (and their summary line) go to stdout, progress,
+warnings, errors and fix commands to stderr (the rule is written in cli/__init__.py); exit 0 ok,
+1 failure (the message names what is wrong and the command that fixes it), 2 usage.
 Nothing here imports cutlass: these commands work on a deploy machine with the runtime only.
 """
 from __future__ import annotations
@@ -20,8 +21,10 @@ from .common import (
     json_option,
     log,
     model_option,
+    shard_option,
     table,
     target_option,
+    tp_option,
 )
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -66,6 +69,11 @@ def _cd(cache) -> str:
     return f" --cache-dir {cache.root}"
 
 
+def _tp(tp) -> str:
+    """The --tp spelling to put in a suggested fix command."""
+    return f" --tp {','.join(map(str, tp))}" if tp else ""
+
+
 def _writable(cache, what: str) -> None:
     from ..store.cache import ReadOnlyCacheError
 
@@ -92,7 +100,7 @@ def ls_cmd(kernel, arch, cache_dir, as_json):
         return
     rows = [[e.key[:16], e.kernel, e.arch, e.dsl_version, _human(e.size_bytes), e.label] for e in entries]
     click.echo(table(rows, ["key", "kernel", "arch", "dsl", "size", "label"]))
-    log(f"{len(entries)} entries in {cache.root}")
+    click.echo(f"{len(entries)} entries in {cache.root}")
 
 
 # ---------------------------------------------------------------- verify
@@ -166,8 +174,10 @@ def clean_cmd(stale, all_, dry_run, cache_dir, as_json):
     else:
         for s in removed:
             click.echo(f"{'would remove' if dry_run else 'removed'} {s['key'][:16]} {s['label']}")
-        click.echo(f"{len(removed)} entries {'would be ' if dry_run else ''}removed, {tmp} temp dirs removed "
-                   f"({cache.root})")
+        if dry_run:
+            click.echo(f"{len(removed)} entries would be removed; nothing was touched ({cache.root})")
+        else:
+            click.echo(f"{len(removed)} entries removed, {tmp} temp dirs removed ({cache.root})")
 
 
 # ---------------------------------------------------------------- stats
@@ -188,7 +198,8 @@ def stats_cmd(cache_dir, as_json):
     if rows:
         click.echo(table(rows, ["by", "name", "entries", "size"]))
     if s["uncommitted"]:
-        click.echo(f"{s['uncommitted']} uncommitted/damaged entry dirs: run `musekern verify --repair{_cd(cache)}`")
+        log(f"musekern: warning: {s['uncommitted']} uncommitted/damaged entry dirs: run "
+            f"`musekern verify --repair{_cd(cache)}`")
 
 
 # ---------------------------------------------------------------- gc
@@ -233,15 +244,18 @@ def gc_cmd(max_size, older_than, dry_run, cache_dir, as_json):
 
 
 # ---------------------------------------------------------------- explain
-def _planned_parts(model_path, target_names):
-    """(model, targets, [(PlanEntry, KeyParts)]) of the model's plan, keyed as prepare keys them."""
+def _planned_parts(model_path, target_names, tp=None, shard=None):
+    """(model, targets, [(PlanEntry, KeyParts)]) of the model's plan, or of its shard (K, N): the variants
+    `prepare --shard K/N` of the same plan builds (variants.shard_plan), keyed as prepare keys them."""
     from ..build.prepare import plan_keys
-    from ..variants import plan_model
+    from ..variants import plan_model, shard_plan
     from .common import load_model, resolve_targets
 
-    model = load_model(model_path)
+    model = load_model(model_path, tp)
     targets = resolve_targets(target_names, model)
     entries = plan_model(model, targets)
+    if shard:
+        entries = shard_plan(entries, *shard)
     return model, targets, list(zip(entries, plan_keys(entries), strict=True))
 
 
@@ -253,9 +267,10 @@ def _parts_json(entry) -> dict:
 @click.argument("what", metavar="LABEL_OR_KEY")
 @model_option
 @target_option
+@tp_option
 @cache_dir_option
 @json_option
-def explain_cmd(what, model_path, target_names, cache_dir, as_json):
+def explain_cmd(what, model_path, target_names, tp, cache_dir, as_json):
     """Print the key parts of an entry (key or key prefix) or of a variant label.
 
     For a label, the matching entries are shown; with --model/--target the planned key is
@@ -291,8 +306,9 @@ def explain_cmd(what, model_path, target_names, cache_dir, as_json):
     entries = [e for e in cache.entries() if e.label.replace(" ", "") == label]
     result.update(kind="label", entries=[_parts_json(e) for e in entries])
     planned = []
-    if model_path or target_names:
-        _, _, pairs = _planned_parts(model_path, target_names)
+    if model_path or target_names or tp:
+        model, _, pairs = _planned_parts(model_path, target_names, tp)
+        result["warnings"] = list(model.warnings)
         policy = lookup.Policy.build(verify=False)
         for pe, parts in pairs:
             if pe.variant.label.replace(" ", "") != label:
@@ -328,8 +344,8 @@ def explain_cmd(what, model_path, target_names, cache_dir, as_json):
                    + ("present" if p["present"] else "MISSING"))
         if not p["present"]:
             click.echo(f"  {p['message']}")
-            click.echo(f"  fix: musekern prepare --target {p['target']}"
-                       f"{f' --model {model_path}' if model_path else ''}{_cd(cache)}")
+            log(f"fix: musekern prepare --target {p['target']}{f' --model {model_path}' if model_path else ''}"
+                f"{_tp(tp)}{_cd(cache)}")
 
 
 def _print_parts(entry) -> None:
@@ -349,22 +365,26 @@ def _print_parts(entry) -> None:
 @click.command("export")
 @model_option
 @target_option
+@tp_option
+@shard_option
 @click.option("--all", "all_", is_flag=True, help="Export every entry instead of a model's plan.")
 @click.option("--key", "keys", multiple=True, help="Export this entry (repeatable) instead of a model's plan.")
 @click.option("-o", "--output", "output", required=True, type=click.Path(dir_okay=False),
               help="Bundle to write (.tar, or .tar.gz).")
 @cache_dir_option
 @json_option
-def export_cmd(model_path, target_names, all_, keys, output, cache_dir, as_json):
-    """Write a reproducible bundle (tar) of the model's planned entries (or --all / --key)."""
+def export_cmd(model_path, target_names, tp, shard, all_, keys, output, cache_dir, as_json):
+    """Write a reproducible bundle (tar) of the model's planned entries, or of shard K/N of them (what
+    `prepare --shard K/N` built), or --all / --key entries."""
     from ..store.bundle import export_bundle
     from ..store.cache import CacheError
 
     cache = _open(cache_dir)
     plan_name = None
+    warnings: list[str] = []
     if all_ or keys:
-        if model_path or target_names:
-            raise click.UsageError("give either --model/--target or --all/--key, not both")
+        if model_path or target_names or tp or shard:
+            raise click.UsageError("give either --model/--target/--tp/--shard or --all/--key, not both")
         chosen = [e.key for e in cache.entries()] if all_ else []
         for k in keys:
             matches = [x for x in cache.entry_keys() if x.startswith(k.lower())]
@@ -373,20 +393,26 @@ def export_cmd(model_path, target_names, all_, keys, output, cache_dir, as_json)
                               f"{cache.root}; `musekern ls{_cd(cache)}` lists them")
             chosen.append(matches[0])
     else:
-        model, targets, pairs = _planned_parts(model_path, target_names)
+        model, targets, pairs = _planned_parts(model_path, target_names, tp, shard)
+        warnings = list(model.warnings)
         policy = lookup.Policy.build(verify=False)
         chosen, missing = [], []
         for pe, parts in pairs:
             hit = lookup.find(cache, parts, policy)
             (chosen.append(hit.key) if hit else missing.append(pe))
+        sh = f" --shard {shard[0]}/{shard[1]}" if shard else ""
+        what = f"shard {shard[0]}/{shard[1]} of the plan" if shard else "the plan"
         if missing:
             tnames = " ".join(f"--target {t.name}" for t in targets)
             mpart = f" --model {model_path}" if model_path else ""
-            for pe in missing[:10]:
+            for pe in missing:
                 log(f"missing: {pe.target.name} {pe.variant.label}")
-            raise Failure(f"{len(missing)} of {len(pairs)} planned variants are not in {cache.root}; run "
-                          f"`musekern prepare{mpart} {tnames}{_cd(cache)}` first")
-        plan_name = f"{model.source}|{','.join(t.name for t in targets)}"
+            raise Failure(f"{len(missing)} of the {len(pairs)} variants of {what} are not in {cache.root}; "
+                          f"run `musekern prepare{mpart} {tnames}{_tp(tp)}{sh}{_cd(cache)}` first")
+        # A shard's bundle records its own plan name: importing every shard into one cache then records every
+        # shard's keys (one shared name would keep only the last import's, and `clean --stale` would drop the rest).
+        plan_name = f"{model.source}|{','.join(t.name for t in targets)}" + (f"|shard {shard[0]}/{shard[1]}"
+                                                                           if shard else "")
     try:
         index = export_bundle(cache, chosen, output, plan_name=plan_name)
     except CacheError as e:
@@ -396,7 +422,7 @@ def export_cmd(model_path, target_names, all_, keys, output, cache_dir, as_json)
     n = len(index["entries"])
     if as_json:
         emit_json({"cache_dir": str(cache.root), "output": str(output), "entries": n,
-                   "keys": [x["key"] for x in index["entries"]], "plan": plan_name})
+                   "keys": [x["key"] for x in index["entries"]], "plan": plan_name, "warnings": warnings})
     else:
         click.echo(f"exported {n} entries to {output}")
 

@@ -1,12 +1,13 @@
 """Options and output helpers shared by every musekern command (defined once, here)."""
 from __future__ import annotations
 
+import errno
 import json
 
 import click
 
-from ..config import ConfigError, load_config
-from ..targets import UnknownTargetError, get_target, local_target
+from ..config import ConfigError, load_config, with_tensor_parallel
+from ..targets import TargetError, check_supported, get_target, local_target, supported_targets
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2  # the exit codes of every command
 
@@ -16,11 +17,48 @@ cache_dir_option = click.option(
     help="Cache directory (default: $MUSEKERN_CACHE_DIR, else the user cache dir).")
 model_option = click.option(
     "--model", "model_path", type=click.Path(dir_okay=False), default=None,
-    help="Model config (cfg.json); default: the bundled Muse Spark config.")
+    help="Model config: your model's config.json as published (text_config, head_dim null, dtype are read), "
+         "optionally with a `musekern` block. Default: the bundled Muse Spark config.")
 target_option = click.option(
     "--target", "target_names", multiple=True,
-    help="GPU target (repeatable): h100, h200, h100-pcie, h20, b200. Default: the local GPU, "
-         "else the config's targets.")
+    help=f"GPU target (repeatable): {supported_targets()}. Default: the config's `targets`, else the local GPU.")
+
+
+def _parse_tp(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        tps = tuple(int(x) for x in value.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated sizes such as 1,2,4,8, got {value!r}") from None
+    if not tps:
+        raise click.BadParameter(f"expected comma-separated sizes such as 1,2,4,8, got {value!r}")
+    return tps
+
+
+tp_option = click.option(
+    "--tp", "tp", default=None, metavar="1,2,4,8", callback=_parse_tp,
+    help="Tensor-parallel sizes to plan (overrides the config's musekern.tensor_parallel_sizes; a config that "
+         "names none plans TP 1 and warns).")
+
+
+def parse_shard(value):
+    """'K/N' -> (K, N), the shard of variants.shard_plan; a usage error otherwise."""
+    if value is None:
+        return None
+    try:
+        k, n = (int(x) for x in value.split("/"))
+        if n < 1 or not 1 <= k <= n:
+            raise ValueError
+    except ValueError:
+        raise click.BadParameter(f"expected K/N with 1 <= K <= N, got {value!r}", param_hint="--shard") from None
+    return k, n
+
+
+shard_option = click.option(
+    "--shard", "shard", default=None, metavar="K/N", callback=lambda ctx, p, v: parse_shard(v),
+    help="Only shard K of N of the plan (a deterministic round robin over the sorted plan: `prepare --shard K/N` "
+         "and `export --shard K/N` of one plan name the same variants).")
 
 
 class Failure(click.ClickException):
@@ -39,26 +77,53 @@ class UsageFailure(click.UsageError):
         click.echo(f"musekern: error: {self.format_message()}", err=True)
 
 
-def load_model(path):
+def os_failure(e: OSError, what: str = "") -> Failure:
+    """One line for an OSError a command did not expect (a cache dir under /proc, a directory it may not
+    read): what failed, on which path, and where that path comes from."""
+    path = e.filename or ""
+    reason = e.strerror or type(e).__name__
+    doing = f"{what}: " if what else ""
+    return Failure(f"{doing}{reason}: {path} (check the path and its permissions: --cache-dir / "
+                   f"MUSEKERN_CACHE_DIR for the cache, --model for the config, -o for an output file)")
+
+
+def is_broken_pipe(e: OSError) -> bool:
+    return e.errno == errno.EPIPE
+
+
+def load_model(path, tp=None):
+    """The validated config (with --tp applied); its warnings go to stderr here, and every --json result
+    that plans carries them too (`model.warnings`)."""
     try:
-        return load_config(path)
+        model = load_config(path)
+        if tp is not None:
+            model = with_tensor_parallel(model, tp)
     except ConfigError as e:
         raise UsageFailure(str(e)) from None
+    for w in model.warnings:
+        warn(w)
+    return model
 
 
 def resolve_targets(names, model):
-    """--target names > the local GPU > the config's targets; else a usage error that says what to pass."""
+    """--target names > the config's `targets` > the local GPU; each must be one musekern builds for.
+
+    A local GPU that no kernel supports (an A100) is refused with the supported targets, never planned."""
     try:
         if names:
             return [get_target(n) for n in dict.fromkeys(names)]
-    except UnknownTargetError as e:
+        if model is not None and model.targets:
+            return [get_target(n) for n in model.targets]
+        local = local_target()
+        if local is not None:
+            try:
+                return [check_supported(local)]
+            except TargetError as e:
+                raise UsageFailure(f"the local GPU: {e}; pass one with --target") from None
+    except TargetError as e:
         raise UsageFailure(str(e)) from None
-    local = local_target()
-    if local is not None:
-        return [local]
-    if model is not None and model.targets:
-        return [get_target(n) for n in model.targets]
-    raise UsageFailure("no GPU here and no target named: pass one, e.g. `musekern prepare --target h200`")
+    raise UsageFailure("no target: none named (--target), none in the config (musekern.targets), no GPU here; "
+                       f"pass one, e.g. `musekern prepare --target h200` (supported: {supported_targets()})")
 
 
 def emit_json(obj) -> None:
@@ -66,8 +131,12 @@ def emit_json(obj) -> None:
 
 
 def log(msg: str) -> None:
-    """Progress and diagnostics go to stderr; results go to stdout."""
+    """Progress, warnings, errors and fix hints go to stderr; results (tables, JSON, summaries) to stdout."""
     click.echo(msg, err=True)
+
+
+def warn(msg: str) -> None:
+    log(f"musekern: warning: {msg}")
 
 
 def table(rows: list[list], headers: list[str]) -> str:
@@ -76,3 +145,13 @@ def table(rows: list[list], headers: list[str]) -> str:
     fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()  # noqa: E731
     return "\n".join([fmt(cells[0]), fmt(["-" * w for w in widths])] + [fmt(r) for r in cells[1:]])
 
+
+def environment() -> list[dict]:
+    """Every MUSEKERN_* variable: name, value, source ("env" or "default") and meaning (musekern/env.py)."""
+    from .. import env
+
+    out = []
+    for var in env.VARIABLES:
+        value, source = env.value(var)
+        out.append({"name": var.name, "value": value, "source": source, "meaning": var.meaning})
+    return out

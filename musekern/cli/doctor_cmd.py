@@ -1,4 +1,5 @@
-"""`musekern doctor`: what is installed, which GPU, which cache, and what the model still misses."""
+"""`musekern doctor`: what is installed, which GPU and driver, which cache, every MUSEKERN_* variable
+(value and source), and every planned variant the cache still misses."""
 from __future__ import annotations
 
 import platform
@@ -11,12 +12,15 @@ from ..variants import plan_model
 from .common import (
     cache_dir_option,
     emit_json,
+    environment,
     json_option,
     load_model,
+    log,
     model_option,
     resolve_targets,
     table,
     target_option,
+    tp_option,
 )
 
 
@@ -46,18 +50,46 @@ def _driver_version() -> int | None:
         return None
 
 
+def bindings_driver_problem(bindings: str | None, driver: int | None) -> str | None:
+    """Why this cuda-bindings cannot drive this driver, or None. cuda-bindings N.x needs a driver of CUDA N
+    (12.x: R525.60.13 or later; 13.x: R580.65.06 or later, cuda-python's install notes); cuDriverGetVersion
+    gives the driver's CUDA version as 1000 * major + 10 * minor."""
+    if not bindings or not driver:
+        return None
+    try:
+        major = int(bindings.split(".")[0])
+    except ValueError:
+        return None
+    if driver // 1000 >= major:
+        return None
+    fix = ("pip install 'cuda-bindings>=12.8,<13'  (or musekern[cu12]), or update the driver to R580+"
+           if major >= 13 else "update the driver to R525.60.13 or later")
+    return (f"cuda-bindings {bindings} needs a driver for CUDA {major}.x; this driver supports CUDA "
+            f"{driver // 1000}.{driver % 1000 // 10}: {fix}")
+
+
+def _fix_command(model_path, tp, cache_dir, missing) -> str:
+    """The one `musekern prepare` that builds every missing variant (same model, TP sizes, targets, cache)."""
+    tnames = dict.fromkeys(m["target"] for m in missing)
+    return ("musekern prepare" + (f" --model {model_path}" if model_path else "")
+            + "".join(f" --target {t}" for t in tnames) + (f" --tp {','.join(map(str, tp))}" if tp else "")
+            + (f" --cache-dir {cache_dir}" if cache_dir else ""))
+
+
 @click.command("doctor")
 @model_option
 @target_option
+@tp_option
 @cache_dir_option
 @json_option
-def doctor_cmd(model_path, target_names, cache_dir, as_json):
-    """Report versions, GPU and driver, the cache, and the model's variants missing from it (exit 1 if any)."""
+def doctor_cmd(model_path, target_names, tp, cache_dir, as_json):
+    """Report versions, GPU and driver, the cache, MUSEKERN_* variables, and the model's variants missing
+    from the cache (exit 1 if any, or if cuda-bindings cannot drive this driver)."""
     from ..store import lookup
     from ..store.cache import Cache, default_cache_dir
     from ..store.keys import key_parts
 
-    model = load_model(model_path)
+    model = load_model(model_path, tp)
     targets = resolve_targets(target_names, model)
     cache = Cache(default_cache_dir(cache_dir))
     gpus, gpu_error = _gpus()
@@ -66,22 +98,30 @@ def doctor_cmd(model_path, target_names, cache_dir, as_json):
     for e in plan_model(model, targets):
         if lookup.find(cache, key_parts(e.variant, e.arch), policy) is None:
             missing.append({"target": e.target.name, "variant": e.variant.label})
+    bindings = dist_version("cuda-bindings") or dist_version("cuda-python")
+    driver = _driver_version()
+    problems = [p for p in (bindings_driver_problem(bindings, driver),) if p]
     report = {
         "musekern": __version__,
         "python": platform.python_version(),
         "nvidia-cutlass-dsl": dist_version("nvidia-cutlass-dsl"),
-        "cuda-bindings": dist_version("cuda-bindings") or dist_version("cuda-python"),
+        "cuda-bindings": bindings,
         "torch": dist_version("torch"),
-        "driver_version": _driver_version(),
+        "driver_version": driver,
         "gpus": gpus,
         "gpu_error": gpu_error,
         "cache_dir": str(cache.root),
         "cache_writable": not cache.read_only,
         "cache_entries": len(cache.entries()),
         "model": model.source,
+        "tp": list(model.tensor_parallel_sizes),
+        "tp_source": model.tp_source,
         "targets": [t.name for t in targets],
+        "environment": environment(),
+        "warnings": list(model.warnings),
+        "problems": problems,
         "missing": missing,
-        "ok": not missing,
+        "ok": not missing and not problems,
     }
     if as_json:
         emit_json(report)
@@ -93,15 +133,19 @@ def doctor_cmd(model_path, target_names, cache_dir, as_json):
         rows.append(["gpus", "; ".join(f"{g['name']} ({g['arch']}, {g['sm_count']} SMs, target {g['target']})"
                                       for g in gpus) or (gpu_error or "none")])
         rows.append(["targets", ", ".join(report["targets"])])
+        rows.append(["tp", f"{','.join(map(str, report['tp']))} (from {model.tp_source})"])
+        rows += [[v["name"], f"{v['value'] or '(unset)'} ({v['source']})"] for v in report["environment"]]
         click.echo(table(rows, ["check", "value"]))
+        for prob in problems:
+            click.echo(f"problem: {prob}")
         if missing:
-            click.echo(f"{len(missing)} planned variant(s) missing from the cache, e.g. {missing[0]['variant']}; "
-                       f"fix: musekern prepare --target {missing[0]['target']}"
-                       + (f" --model {model_path}" if model_path else "")
-                       + (f" --cache-dir {cache_dir}" if cache_dir else ""))
+            click.echo("")
+            click.echo(table([[m["target"], m["variant"]] for m in missing], ["target", "missing variant"]))
+            click.echo(f"{len(missing)} planned variant(s) missing from the cache {cache.root}")
+            log(f"fix: {_fix_command(model_path, tp, cache_dir, missing)}")
         else:
             click.echo("every planned variant is in the cache")
-    if missing:
+    if missing or problems:
         raise SystemExit(1)
 
 

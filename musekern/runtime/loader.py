@@ -207,8 +207,8 @@ def device_arch(device_index: int) -> str:
 
 def prepare_command(variant, arch: str, cache: Cache) -> str:
     """The exact command that builds `variant` for `arch` into `cache`."""
-    names = [t.name for t in targets.TARGETS.values() if t.arch == arch]
-    tgt = f" --target {names[0]}" if names else ""
+    name = targets.target_name_for_arch(arch)  # the local GPU's target (h200 on an H200), not the first
+    tgt = f" --target {name}" if name else ""
     return f"musekern prepare{tgt} --variant '{variant.label}' --cache-dir {cache.root}"
 
 

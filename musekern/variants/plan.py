@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ModelConfig
-from ..targets import Target
+from ..targets import Target, check_supported
 from .qk_norm import qk_norm_variants
 from .qkv_front import qkv_front_variants, supports_shape
 
@@ -33,7 +33,11 @@ class PlanEntry:
 
 
 def plan_model(model: ModelConfig, targets: list[Target]) -> list[PlanEntry]:
-    """Every variant `model` needs on each target; one entry per distinct (target, variant)."""
+    """Every variant `model` needs on each target; one entry per distinct (target, variant).
+
+    A target whose arch no kernel builds for (an A100) raises UnsupportedTargetError naming the supported ones."""
+    for target in targets:
+        check_supported(target)
     by_key: dict = {}
     for target in targets:
         for shard in model.shards():
@@ -50,10 +54,15 @@ def plan_model(model: ModelConfig, targets: list[Target]) -> list[PlanEntry]:
 
 
 def shard_plan(entries: list[PlanEntry], index: int, count: int) -> list[PlanEntry]:
-    """Deterministic 1/count of a plan (round robin over the sorted plan): shard `index` of `count` (1-based)."""
+    """Deterministic 1/count of a plan: shard `index` of `count` (1-based), a round robin over the plan's
+    distinct builds (arch, variant label) in sorted order. Entries that compile to one cubin (h100 and h200
+    share every sm_90a build) fall in one shard, so N CI jobs split the compiles, not just the entries.
+    `prepare --shard K/N` builds and `export --shard K/N` exports exactly this."""
     if count < 1 or not 1 <= index <= count:
         raise ValueError(f"shard must be K/N with 1 <= K <= N, got {index}/{count}")
-    return [e for i, e in enumerate(sorted(entries, key=PlanEntry.sort_key)) if i % count == index - 1]
+    builds = sorted({(e.arch, e.variant.label) for e in entries})
+    mine = {b for i, b in enumerate(builds) if i % count == index - 1}
+    return [e for e in sorted(entries, key=PlanEntry.sort_key) if (e.arch, e.variant.label) in mine]
 
 
 def variant_types() -> dict:

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from musekern import env
 from musekern.cli import main
 from musekern.cli.doctor_cmd import bindings_driver_problem
-from musekern.store import keys
+from musekern.store import hygiene, keys
 from musekern.targets import get_target, target_from_device
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
@@ -314,7 +314,7 @@ def test_clean_dry_run_never_says_removed(run, tmp_path, monkeypatch):
         p = KeyParts.make("qk_norm", {"i": i}, "sm_90a", "ab" * 32, "4.8.1", 1)
         c.put(p, b"\x7fELF" + bytes(64), {"kernel": "qk_norm", "label": p.label, "variant": p.variant_params,
                                             "symbol": "k", "arch": "sm_90a", "abi": {}, "built_with": {}})
-    c.record_plan("other", [])
+    hygiene.record_plan(c, "other", [])
     for args in (["clean", "--dry-run"], ["clean", "--stale", "--dry-run"], ["clean", "--all", "--dry-run"]):
         out = run(*args).stdout
         assert "removed" not in out.replace("would be removed", "").replace("would remove", ""), (args, out)

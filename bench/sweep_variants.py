@@ -23,61 +23,15 @@ from musekern.bench.report import commit_info
 from musekern.bench.timing import Graph, copy_bandwidth, time_graphs
 from musekern.ops.qkv_front import launch_args
 from musekern.runtime import get_kernel
-from musekern.variants import QkvFrontVariant, variant_from_label
-from musekern.variants.qkv_front import HIDDEN, fixed_rows, launch_grid, token_tiles
+from musekern.variants import QkvFrontVariant, fixed_rows, token_tiles, variant_from_label
+from musekern.variants.qkv_front import HIDDEN, launch_grid
 
 LAYERS, REPS, LOOPS = 8, 7, 8
 DISTINCT_OUT = False  # --distinct-out: one y buffer per layer (as musekern bench does) instead of a shared one
-# The default sweep. Rounds 1-7 (bench/NOTES.md) swept ring depth x k_split x PDL trigger, the L2 prefetch,
-# the k-tile rotation and a 5-stage ring; round 8 the consumer warps' split of a k-tile (warp_split) at every
-# planned N (h200-sweep-warp-split.json); round 9 the TP8 split A/B with repeats, k_split 4 and the early
-# trigger at TP8 (h200-sweep-round9.json); round 10 TP1's deep ring at 8-10 stages (h200-sweep-round10.json).
-# Round 11 (--repeat 2): no explicit PDL trigger ("exit") against "late" where the chain is slower than the
-# isolated launches (TP4) and at TP2 / TP8; TP1's one-tile deep ring at 11 stages against 10
-# (h200-sweep-round11.json). Round 12: the skeleton probe (h200-skeleton-probe.json) bounds the chain at
-# 79% (TP8) / 94% (TP4) of copy bandwidth while only the ring streams before the wait; can the L2 take the
-# rest? The whole W slice prefetched into L2 before the wait (l2_prefetch 64), with the next grid let in
-# once the wait returned ("wait": at most two layers' weights in flight), against the plan.
-# Round 13 (--repeat 3): L2 prefetch and "wait" were slower everywhere (h200-sweep-round12.json). With TP4's
-# dependents now launched at exit, its chain follows its isolated launches, where "k" was faster (round 9):
-# TP4 "rows" vs "k" under "exit", both tile counts; TP2's two-tile build with "k" under "late" and "exit".
-# Round 16 (--repeat 2): the skeleton probe (h200-skeleton-probe-ahead-r*.json) streams TP8's chain at 92-96% of
-# copy bandwidth when "late" triggers one ring turn before the last load (trigger_ahead) and the consumers stash
-# k-tiles of W in registers before x exists; the front with both, at TP8 (one tile: "rows" with stash; two
-# tiles: "k", trigger_ahead only) and at TP2's "late" builds (h200-sweep-round16.json).
-# Round 17 (--repeat 3): the trace probe (h200-tail-trace.json) says TP8 streams at ~3 TB/s between x and its last
-# k-tile: 5 stages do not keep enough bytes in flight. With the smem outside the ring sized by owned tokens a
-# 6-stage one-tile ring still fits two CTAs per SM: 5 vs 6 stages x trigger_ahead 4-6 at TP8, and the two-tile
-# build (5 stages, smaller smem now) for reference.
-# Round 18 (--repeat 2): the trace probe shows TP4's "exit" overlapping nothing (the next grid starts 1.5 us after
-# the last epilogue, every layer); the next grid cannot land early because 2 x 136 CTAs exceed 2 x 132 slots.
-# A 3-stage ring fits three CTAs per SM (59 KiB; "k" with one tile: 106 registers): TP4 and TP2 with 3 stages
-# under "exit" and under "late" with trigger_ahead, both tile counts ("rows" where "k"'s registers allow two
-# per SM only).
-# Round 19 (--repeat 2): the trace (round 17) puts TP8's streaming phase at ~3.8 TB/s, bound by the bytes in
-# flight (68 CTAs x 6 stages); a deep ring (one CTA per SM, up to 11 stages) doubles them, and under "late" with
-# trigger_ahead the next grid has 64 free SMs to land on (only 2 of its 34 clusters wait). Round 9's deep ring
-# at TP8 was measured with the early trigger (grids stacking up), never with trigger_ahead.
-# Round 20 (--repeat 2): TP8 isolated (plain stream order, what engines without PDL see) is at 66-70% of copy
-# bandwidth: k_split 4 (136 CTAs, 256 KiB of W each: more CTAs streaming, twice the bytes in flight at two per
-# SM) was last measured at round 9 with the early trigger; against the plan, under "late" + trigger_ahead and
-# "exit".
-# Round 23 (--repeat 2): the trace (h200-tail-trace-r22.json) says the deep ring's chain wants the next grid's
-# prefill to fill this grid's drain, the after-norm mode a trigger ~1.3 us earlier (h200-tail-trace-r21*.json): a
-# stash (up to 4 k-tiles of W in the consumers' registers before x exists; one CTA per SM leaves the register file
-# free) makes an early-landing grid's prefill longer. 11 stages x stash 0 / 2 / 4 x trigger_ahead 6 / 8 / 11 / 14.
-# Round 25 (--repeat 2): round 23 found the stash slows the deep ring; the deep ring itself is what streams TP8's
-# chain at 91%: 68 CTAs alone on their SMs, the next grid landing on the 64 left free, the trigger 6 k-tiles ahead.
-# TP4 has the same CTA count at k_split 1 (68 heads, one CTA each, 1 MiB of W), never measured with a deep ring
-# and trigger_ahead (round 16's skeleton tried S = 1 with 5 stages only): 11 stages (10 with two tiles) x
-# trigger_ahead x warp split, against the plan (S = 2, 4 stages, "exit", "k").
-# Round 26 (--repeat 2): the trace says a prefill still landing when the previous grid ends delays what waits on
-# that grid (h200-tail-trace-r21*.json); a variant field `defer` (removed again: db5d230 has it) loaded the ring's
-# last stages after griddepcontrol.wait: TP8's deep ring x trigger_ahead 6 / 8 x defer 0 / 4 / 6
-# (h200-sweep-round26.json: slower in every mode).
-# The grid below is round 25's (the last one this tree can build).
+# The default sweep: round 25's grid (bench/NOTES.md "pdl_trigger and trigger_ahead"; each earlier round's grid
+# and what it measured are in NOTES and git history).
 # Each entry: the variant's fields except tiles and fixed_m (from M), and the Ms to time.
-TP4 = dict(n=4352, num_kv_heads=2, k_rotate=1)
+TP4 = dict(n=4352, num_kv_heads=2)
 GRID = [(dict(TP4, splits=2, stages=4, trigger="exit", warp_split="k"), (1, 16))] \
     + [(dict(TP4, splits=1, stages=11, trigger="late", trigger_ahead=a, warp_split=ws), (1,))
        for ws, a in (("rows", 6), ("rows", 8), ("rows", 11), ("rows", 16), ("k", 8))] \
@@ -115,8 +69,7 @@ def run(v: QkvFrontVariant, m: int, weights, bw: float, pred) -> dict:
     args = [launch_args(x, w, pos, cs, slots, kv[0], kv[1], 1e-5, outs[j % len(outs)]) for j, w in enumerate(weights)]
     grid = launch_grid(v)
     row = {"label": v.label, "N": v.n, "M": m, "stages": v.stages, "splits": v.splits, "trigger": v.trigger,
-           "l2_prefetch": v.l2_prefetch, "k_rotate": v.k_rotate, "warp_split": v.warp_split,
-           "trigger_ahead": v.trigger_ahead, "stash": v.stash, **occupancy(k)}
+           "warp_split": v.warp_split, "trigger_ahead": v.trigger_ahead, **occupancy(k)}
     for mode, pdl in (("chain", True), ("isolated", False)):
         us = time_graph(mode, [lambda a=a, pdl=pdl: k.launch(grid, a, pdl=pdl) for a in args])
         row[f"{mode}_us"] = round(us, 2)
@@ -212,7 +165,7 @@ def main(argv=None) -> int:
     json.dump({"commit": build_commit(), "command": "python3 bench/sweep_variants.py " + " ".join(sys.argv[1:]),
                "copy_TBps": round(bw, 3), "device": torch.cuda.get_device_name(), "repeats": a.repeat, "rows": rows},
               open(a.out, "w"), indent=1)
-    print(f"{'N':>5} {'S':>2} {'st':>2} {'trig':5} {'ahd':>3} {'sts':>3} {'pf':>3} {'rot':>3} {'warps':5} "
+    print(f"{'N':>5} {'S':>2} {'st':>2} {'trig':5} {'ahd':>3} {'warps':5} "
           f"{'M':>3} {'blk/SM':>6} "
           f"{'chain us':>9} {'frac':>6} {'isol us':>8} {'frac':>6} {'added us':>8}")
     for r in rows:
@@ -220,7 +173,6 @@ def main(argv=None) -> int:
             print(f"{r['label']:72} {r['M']:3} ERROR {r['error'][:60]}")
         else:
             print(f"{r['N']:5} {r['splits']:2} {r['stages']:2} {r['trigger']:5} {r.get('trigger_ahead', 0):3} "
-                  f"{r.get('stash', 0):3} {r['l2_prefetch']:3} {r['k_rotate']:3} "
                   f"{r.get('warp_split', 'rows'):5} "
                   f"{r['M']:3} "
                   f"{r['blocks_per_sm']:6} "

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from qkv_front_builds import other_warp_split, same_bits_alternatives
 
 from musekern.config import load_config
 from musekern.ops import qkv_front as ops
@@ -185,34 +186,13 @@ def test_bitwise_deterministic_20_launches(weights, tp, m):
         assert torch.equal(p["backing"], k0)
 
 
-# k_rotate changes each head's summation order (not the result's accuracy): the rotated builds of the
-# sweep (bench/sweep_variants.py, built by gpu_cache.sh) against the fp64 pipeline, both tile counts.
-@pytest.mark.parametrize("tp,m,rot", [(8, 5, 1), (8, 16, 3), (1, 16, 1), (4, 1, 3)])
-def test_rotated_k_order_is_correct_and_deterministic(weights, tp, m, rot):
-    import dataclasses
-
-    from musekern.targets import local_target
-    from musekern.variants.qkv_front import variant
-
-    nkv = SHARDS[tp].num_kv_heads
-    v = dataclasses.replace(variant(SHARDS[tp].n, m, nkv, local_target()), k_rotate=rot)
-    p = problem(m, nkv, seed=13)
-    y = _launch_variant(v, p, weights[tp], torch.full((m, SHARDS[tp].n), float("nan"), dtype=torch.bfloat16,
-                                                      device="cuda"))
-    torch.cuda.synchronize()
-    check_against_truth(p, weights[tp], nkv, y)
-    again = _launch_variant(v, p, weights[tp], torch.empty_like(y))
-    torch.cuda.synchronize()
-    assert torch.equal(again, y)
-
-
 # warp_split "rows" vs "k" (how the 4 consumer warps share a k-tile) changes the summation order: the build
 # the planner does not pick, against the fp64 pipeline at every planned N and both tile counts, repeated
 # bitwise, and at a second ring depth bit for bit (gpu_cache.sh builds both).
 @pytest.mark.parametrize("tp,m", [(8, 1), (8, 8), (8, 16), (4, 5), (4, 16), (2, 9), (1, 3), (1, 16)])
 def test_other_warp_split_is_correct_deterministic_and_ring_independent(weights, tp, m):
     from musekern.targets import local_target
-    from musekern.variants.qkv_front import other_warp_split, same_bits_alternatives, variant
+    from musekern.variants import variant
 
     nkv = SHARDS[tp].num_kv_heads
     v = other_warp_split(variant(SHARDS[tp].n, m, nkv, local_target()))
@@ -235,7 +215,8 @@ def test_other_warp_split_is_correct_deterministic_and_ring_independent(weights,
 def test_huge_cache_slot_path_matches(weights, tp, m):
     from musekern.runtime import get_kernel
     from musekern.targets import local_target
-    from musekern.variants.qkv_front import launch_grid, variant
+    from musekern.variants import variant
+    from musekern.variants.qkv_front import launch_grid
 
     nkv = SHARDS[tp].num_kv_heads
     v = variant(SHARDS[tp].n, m, nkv, local_target())
@@ -265,20 +246,18 @@ def _launch_variant(v, p, weight, out):
 
 
 # TP8 (one tile "rows" under "late", and two tiles "k"; M = 8 its own build) and TP4 ("k" under "exit"); every
-# lever that applies to the planned build (stash: "rows" only; trigger_ahead: "late" only), and TP2's one-tile
-# "late" build for the two levers that keep weights streaming before x exists.
-BIT_LEVERS = [(tp, m, what) for tp, m in ((8, 3), (8, 8), (8, 12), (4, 16))
-              for what in ("stages", "trigger", "l2_prefetch")] \
-    + [(8, 3, "stash"), (8, 8, "stash"), (8, 3, "trigger_ahead"), (8, 12, "trigger_ahead"), (2, 5, "stash"),
-       (2, 5, "trigger_ahead")]
+# lever that applies to the planned build (trigger_ahead: "late" only), and TP2's one-tile "late" build for
+# trigger_ahead (planned 0 there: the alternative fires 4 k-tiles ahead).
+BIT_LEVERS = [(tp, m, what) for tp, m in ((8, 3), (8, 8), (8, 12), (4, 16)) for what in ("stages", "trigger")] \
+    + [(8, 3, "trigger_ahead"), (8, 8, "trigger_ahead"), (8, 12, "trigger_ahead"), (2, 5, "trigger_ahead")]
 
 
 @pytest.mark.parametrize("tp,m,what", BIT_LEVERS)
 def test_ring_stages_and_trigger_do_not_change_a_bit(weights, tp, m, what):
-    """Builds that differ only in ring depth, PDL trigger, L2 prefetch, stash or trigger_ahead give identical
-    bits (musekern.variants.qkv_front.same_bits_alternatives; gpu_cache.sh builds them)."""
+    """Builds that differ only in ring depth, PDL trigger or trigger_ahead give identical bits
+    (tests/qkv_front_builds.py::same_bits_alternatives; gpu_cache.sh builds them)."""
     from musekern.targets import local_target
-    from musekern.variants.qkv_front import same_bits_alternatives, variant
+    from musekern.variants import variant
 
     nkv = SHARDS[tp].num_kv_heads
     v = variant(SHARDS[tp].n, m, nkv, local_target())
@@ -291,7 +270,6 @@ def test_ring_stages_and_trigger_do_not_change_a_bit(weights, tp, m, what):
     b = _launch_variant(alt, p, weights[tp], torch.full_like(a, float("nan")))
     torch.cuda.synchronize()
     assert torch.equal(a, b), f"{v.label} vs {alt.label} differ"
-
 
 
 

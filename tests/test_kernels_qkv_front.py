@@ -22,7 +22,6 @@ import pytest
 
 from musekern.targets import SM90_REGS_PER_SM, TARGETS, get_target
 from musekern.variants.qkv_front import (
-    CTAS_PER_SM,
     HEAD_COLS,
     K_TILE,
     K_TILES,
@@ -31,9 +30,9 @@ from musekern.variants.qkv_front import (
     QkvFrontVariant,
     launch_grid,
     padded_tokens,
-    qkv_front_variants,
     smem_bytes,
 )
+from musekern.variants.qkv_front_rules import CTAS_PER_SM, qkv_front_variants
 
 
 def planned_variants():
@@ -44,17 +43,11 @@ def planned_variants():
 
 
 PLANNED = planned_variants()
-# not planned for the H200, but legal: S = 4 and 8 exercise the multi-owner paths (owned tokens 1..4), in
-# both warp splits; the planned variants' other warp split at the S = 1 and S = 2 shapes (both tile counts).
-EXTRA = [QkvFrontVariant(2176, 1, 2, 4, 4, 0), QkvFrontVariant(2176, 1, 1, 8, 8, 8),
-         QkvFrontVariant(2176, 1, 2, 4, 4, 0, warp_split="k"), QkvFrontVariant(2176, 1, 1, 8, 8, 8, warp_split="k"),
-         QkvFrontVariant(4352, 2, 1, 4, 2, 0, "exit")] \
-    + [dataclasses.replace(v, warp_split="k" if v.warp_split == "rows" else "rows", stash=0)
+# not planned for the H200, but legal: TP4's one-tile shape under "exit" with "rows", and the planned variants'
+# other warp split at the S = 1 and S = 2 shapes (both tile counts).
+EXTRA = [QkvFrontVariant(4352, 2, 1, 4, 2, 0, "exit")] \
+    + [dataclasses.replace(v, warp_split="k" if v.warp_split == "rows" else "rows")
        for v in PLANNED if v.n in (2176, 8704) and not v.fixed_m]
-# the stash (a lever no plan takes: bench/NOTES.md round 16b), both tile counts, S = 2 and 1
-STASHED = [QkvFrontVariant(2176, 1, 1, 5, 2, 0, "late", k_rotate=1, trigger_ahead=5, stash=4),
-           QkvFrontVariant(8704, 4, 2, 4, 1, 0, "late", k_rotate=1, trigger_ahead=4, stash=2)]
-EXTRA += STASHED
 ARGS_FIELDS = {"weight", "x", "weight_ptr", "M", "y", "positions", "cos_sin_cache", "slot_mapping", "key_cache",
                "value_cache", "max_pos", "block_size", "num_blocks", "k_block_stride", "v_block_stride", "eps"}
 
@@ -124,20 +117,6 @@ def test_abi_declaration(kmod, v):
     assert tm["tma_x"].oob_fill == "none"  # rows >= M read as zeros
 
 
-@pytest.mark.parametrize("pf", [0, 16, 64])
-def test_l2_prefetch_is_in_the_ptx_only_when_asked(kmod, pf):
-    """cp.async.bulk.prefetch.L2 of the CTA's W rows, before griddepcontrol.wait, iff l2_prefetch > 0."""
-    import dataclasses
-
-    v = dataclasses.replace(PLANNED[0], l2_prefetch=pf)
-    ptx = _compile(kmod, v)[0].ptx
-    body = ptx[ptx.index(".entry"):]
-    n = len(re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global", body))
-    assert (n > 0) == (pf > 0)
-    if pf:
-        assert body.index("cp.async.bulk.prefetch.L2") < body.index("griddepcontrol.wait")
-
-
 def test_unsupported_arch(kmod):
     with pytest.raises(NotImplementedError, match="sm_80"):
         kmod.compile_variant(PLANNED[0], "sm_80")
@@ -176,26 +155,22 @@ def test_compile_ptx(kmod, v):
     ptx = ck.ptx
     tt = padded_tokens(v)
     assert ".target sm_90a" in ptx and f".reqntid {THREADS}, 1, 1" in ptx
-    # TMA ring: prefill ((stages + stash) x (2 W + 2 x boxes)) + the steady-state loop body (4 boxes)
-    pre = v.stages + v.stash
+    # TMA ring: prefill (stages x (2 W + 2 x boxes)) + the steady-state loop body (4 boxes)
+    pre = v.stages
     assert _count(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\.mbarrier::complete_tx", ptx) == \
         4 * pre + (4 if pre < K_TILES // v.splits else 0)
     # before the producer's griddepcontrol.wait (the first in the text): the W boxes of the prefill only
     assert _count(r"cp\.async\.bulk\.tensor", ptx.split("griddepcontrol.wait")[0]) == 2 * pre
     stage_tx = W_STAGE_BYTES + tt * K_TILE * 2
     assert re.search(rf"mov\.b32\s+%r\d+, {stage_tx};\s*\n\s*mbarrier\.arrive\.expect_tx", ptx)
-    if v.stash:  # stashed k-tiles: W only before the wait, their x on one barrier after it
-        for tx in (W_STAGE_BYTES, v.stash * tt * K_TILE * 2):
-            assert re.search(rf"mov\.b32\s+%r\d+, {tx};\s*\n\s*mbarrier\.arrive\.expect_tx", ptx), tx
     n_mma = _count(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)
     n_x4 = _count(r"ldmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16", ptx)
     n_x2 = _count(r"ldmatrix\.sync\.aligned\.m8n8\.x2\.shared\.b16", ptx)
     if v.warp_split == "rows":
         # per k-tile a warp: 8 k-steps x (TT / 8) n8 atoms, ldmatrix x4 for W, x4 (TT=16) / x2 (TT=8) for x
-        # (and the same once per stashed k-tile, unrolled)
         per_tile = (8 + (8 if tt == 16 else 0), 8 if tt == 8 else 0)
-        assert n_mma == 8 * (tt // 8) * (1 + v.stash)
-        assert (n_x4, n_x2) == (per_tile[0] * (1 + v.stash), per_tile[1] * (1 + v.stash))
+        assert n_mma == 8 * (tt // 8)
+        assert (n_x4, n_x2) == per_tile
         per_thread_sends = 4 * (tt // 8)  # one st.async per accumulator element
     else:
         # per k-tile a warp: 2 k-steps x 4 m16 x (TT / 8) n8; the loop is unrolled by two (two register
@@ -234,7 +209,7 @@ def _nv_bin(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("v", PLANNED + STASHED, ids=lambda v: v.label)
+@pytest.mark.parametrize("v", PLANNED, ids=lambda v: v.label)
 def test_sass(kmod, v, tmp_path):
     cuobjdump = _nv_bin("cuobjdump")
     if not cuobjdump:

@@ -300,10 +300,10 @@ def test_lazy_kernel_class():
 # tests/test_gpu_qkv_front.py against an fp64 pipeline with the error bound.
 
 
-# every planned variant (tiles 1 and 2, the M == 8 build) and an S = 4 build: the positional hot path binds
+# every planned variant (tiles 1 and 2, the M == 8 build) and an unplanned S = 1 build: the positional hot path binds
 # LAUNCH_ORDER, which must be the ABI's parameter order as the loader packs it
 @pytest.mark.parametrize("v", [e.variant for e in plan_model(load_config(), [get_target("h200")])
-                               if e.kernel == "qkv_front"] + [QkvFrontVariant(2176, 1, 2, 4, 4, 0)],
+                               if e.kernel == "qkv_front"] + [QkvFrontVariant(2176, 1, 2, 4, 1, 0)],
                          ids=lambda v: v.label)
 def test_launch_order_is_the_abi_order(v):
     pytest.importorskip("cutlass")  # abi_for is pure, but lives in the kernel module

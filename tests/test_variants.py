@@ -23,13 +23,8 @@ from musekern.variants import (
     variant,
     variant_from_label,
 )
-from musekern.variants.qkv_front import (
-    K_TILES,
-    MAX_RING_STAGES,
-    SMEM_RESERVE_BYTES,
-    smem_bytes,
-    stage_bytes,
-)
+from musekern.variants.qkv_front import K_TILES, SPLIT_CHOICES, smem_bytes, stage_bytes
+from musekern.variants.qkv_front_rules import MAX_RING_STAGES, SMEM_RESERVE_BYTES
 
 H200 = get_target("h200")
 
@@ -60,7 +55,7 @@ def test_k_split(n, target, s):
 # TP2 at M <= 8); the deep ring is 11 stages (all one CTA may have) with one token tile, 8 with two; no explicit
 # PDL trigger where the shallow ring doubles CTAs up on SMs with clusters (TP4) or two tiles (TP2 M > 8).
 # "late" fires one ring turn before the last load where the grid's CTAs are alone on their SMs (TP8), at the
-# last load where SMs hold two (TP2). No plan stashes.
+# last load where SMs hold two (TP2).
 # Each row: (M = 1 value, M = 16 value) of stages, trigger, warp split and trigger_ahead.
 @pytest.mark.parametrize("n,target,stages,trigger,split,ahead", [
     (2176, "h200", (6, 5), ("late", "late"), ("rows", "k"), (6, 5)),
@@ -74,14 +69,13 @@ def test_planned_ring_trigger_and_warp_split(n, target, stages, trigger, split, 
     t = get_target(target)
     v = variant(n, m, {2176: 1, 4352: 2, 8704: 4, 17408: 8}[n], t)
     i = int(m > 8)
-    assert (v.stages, v.trigger, v.warp_split, v.trigger_ahead, v.stash) == (stages[i], trigger[i], split[i],
-                                                                            ahead[i], 0)
+    assert (v.stages, v.trigger, v.warp_split, v.trigger_ahead) == (stages[i], trigger[i], split[i], ahead[i])
     if v.stages < 8:  # two CTAs really fit on one SM
         assert 2 * (smem_bytes(v) + SMEM_RESERVED_PER_CTA) <= t.smem_per_sm
 
 
 def test_ring_stages_fit_shared_memory():
-    for split in (1, 2, 4, 8):
+    for split in SPLIT_CHOICES:
         for tiles in (1, 2):
             st = ring_stages(split, H200, tiles)
             assert 2 <= st <= (K_TILES if tiles == 1 else MAX_RING_STAGES)
@@ -183,11 +177,13 @@ def test_plan_is_deterministic_across_hash_seeds():
     assert len(doc["variants"]) == 32
 
 
-# each field of QkvFrontVariant that __post_init__ guards, with a value outside its domain
-@pytest.mark.parametrize("field,value,msg", [("warp_split", "cols", "warp_split"), ("trigger", "now", "trigger"),
-                                             ("k_rotate", -1, "k_rotate"), ("l2_prefetch", 65, "l2_prefetch"),
-                                             ("stages", 33, "stages"), ("stash", 7, "stash"),
-                                             ("stash", -1, "stash"), ("trigger_ahead", 26, "trigger_ahead"),
+# each field of QkvFrontVariant that __post_init__ guards, with a value outside its domain (splits 4 / 8 and the
+# trigger "wait" were levers once: measured slower, removed)
+@pytest.mark.parametrize("field,value,msg", [("warp_split", "cols", "warp_split"), ("trigger", "wait", "trigger"),
+                                             ("stages", 33, "stages"), ("stages", 1, "stages"),
+                                             ("splits", 4, "splits"), ("tiles", 3, "tiles"),
+                                             ("fixed_m", 16, "fixed_m"), ("n", 2175, "q|k|v|gate"),
+                                             ("trigger_ahead", 26, "trigger_ahead"),
                                              ("trigger_ahead", -1, "trigger_ahead")])
 def test_qkv_front_variant_rejects_out_of_domain_fields(field, value, msg):
     import dataclasses
@@ -197,36 +193,32 @@ def test_qkv_front_variant_rejects_out_of_domain_fields(field, value, msg):
         dataclasses.replace(v, **{field: value})
 
 
-# the levers that apply to one warp split / trigger only, and the largest legal values
-def test_qkv_front_stash_and_trigger_ahead_domains():
+# trigger_ahead applies to the late trigger only, up to the last k-tile past the ring prefill
+def test_qkv_front_trigger_ahead_domain():
     import dataclasses
 
     v = variant(2176, 1, 1, H200)
-    assert dataclasses.replace(v, stash=6, trigger_ahead=19).stash == 6  # 31 - 6 - 6
-    with pytest.raises(ValueError, match="trigger_ahead"):
-        dataclasses.replace(v, stash=6, trigger_ahead=20)
-    with pytest.raises(ValueError, match="stash needs warp_split='rows'"):
-        dataclasses.replace(v, stash=2, warp_split="k")
+    assert dataclasses.replace(v, trigger_ahead=25).trigger_ahead == 25  # 31 - 6
     with pytest.raises(ValueError, match="trigger_ahead needs trigger='late'"):
         dataclasses.replace(v, trigger="exit")
     assert dataclasses.replace(v, trigger="exit", trigger_ahead=0).trigger_ahead == 0
 
 
-# every lever the GPU tests move to check that a build's bits do not change (tests/test_gpu_qkv_front.py), for
-# every planned qkv_front: a legal build that differs from the plan in that lever
-def test_same_bits_alternatives_move_their_lever():
-    from musekern.config import load_config
-    from musekern.variants import plan_model
-    from musekern.variants.qkv_front import same_bits_alternatives
+# The builds the GPU tests launch beyond the plan (tests/qkv_front_builds.py), for every planned qkv_front: each
+# same-bits alternative is legal and differs from the plan in its lever only; the other warp split is legal.
+def test_gpu_test_builds_move_one_lever():
+    import dataclasses
 
-    for e in plan_model(load_config(), [H200]):
-        if e.kernel != "qkv_front":
-            continue
-        v = e.variant
+    from qkv_front_builds import gpu_test_builds, other_warp_split, same_bits_alternatives
+
+    planned = [e.variant for e in plan_model(load_config(), [H200]) if e.kernel == "qkv_front"]
+    for v in planned:
         alts = same_bits_alternatives(v)
-        assert {"stages", "trigger", "l2_prefetch"} <= set(alts)
-        assert ("stash" in alts) == (v.warp_split == "rows") and ("trigger_ahead" in alts) == (v.trigger == "late")
+        assert set(alts) == {"stages", "trigger"} | ({"trigger_ahead"} if v.trigger == "late" else set())
         for lever, alt in alts.items():
-            assert getattr(alt, lever) != getattr(v, lever), (lever, v.label)
-            assert (alt.n, alt.tiles, alt.splits, alt.warp_split, alt.k_rotate) == \
-                (v.n, v.tiles, v.splits, v.warp_split, v.k_rotate)  # what may change the bits stays
+            moved = {f.name for f in dataclasses.fields(v) if getattr(alt, f.name) != getattr(v, f.name)}
+            assert lever in moved and moved <= {lever, "trigger_ahead"}, (lever, v.label)
+            assert (alt.n, alt.tiles, alt.splits, alt.warp_split) == (v.n, v.tiles, v.splits, v.warp_split)
+        assert other_warp_split(v).warp_split != v.warp_split
+    builds = gpu_test_builds(planned)
+    assert len(builds) == len(set(builds)) and not set(builds) & set(planned)

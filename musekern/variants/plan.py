@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from ..config import ModelConfig
 from ..targets import Target
 from .qk_norm import qk_norm_variants
-from .qkv_front import qkv_front_variants, supports_shape
+from .qkv_front import supports_shape
+from .qkv_front_rules import qkv_front_variants
 
 
 @dataclass(frozen=True)

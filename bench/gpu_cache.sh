@@ -25,6 +25,9 @@ for v in gpu_test_builds(planned):
     print(v.label)
 PY
 )
+# the front above M = 16: the builds the rules pick for M = 17..64 (the default config plans M <= 16), their
+# same-bits / other-warp-split builds and the alternatives bench/front_large_m.py times beside them
+while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python bench/front_large_m.py labels)
 # the ring-depth / k_split sweep of bench/sweep_variants.py (issue 5's levers)
 while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python bench/sweep_variants.py --print-labels)
 $MK prepare --target h200 --cache-dir "$CACHE" -j 2 "${labels[@]}" >&2

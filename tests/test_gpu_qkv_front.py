@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from qkv_front_builds import other_warp_split, same_bits_alternatives
+from qkv_front_builds import front_candidates, other_warp_split, same_bits_alternatives
 
 from musekern.config import load_config
 from musekern.ops import qkv_front as ops
@@ -271,6 +271,117 @@ def test_ring_stages_and_trigger_do_not_change_a_bit(weights, tp, m, what):
     torch.cuda.synchronize()
     assert torch.equal(a, b), f"{v.label} vs {alt.label} differ"
 
+
+
+# ---------------------------------------------------------------- above M = 16 (4 and 8 token tiles)
+# The op takes M <= 16 today; these launch the builds the rules pick for M = 17..64 directly (bench/gpu_cache.sh
+# and bench/front_large_m.py build them). Every M (every tail of both new tile counts) at the shards the issue's
+# targets name (TP8, TP4); each side of every tile boundary at TP2 and TP1.
+ABOVE_16 = [(tp, m) for tp in (8, 4) for m in range(17, 65)] \
+    + [(tp, m) for tp in (2, 1) for m in (17, 24, 31, 32, 33, 48, 63, 64)]
+
+
+def _front(tp, m):
+    from musekern.targets import local_target
+    from musekern.variants import variant
+
+    return variant(SHARDS[tp].n, m, SHARDS[tp].num_kv_heads, local_target())
+
+
+def _poisoned(m, tp):
+    return torch.full((m, SHARDS[tp].n), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+
+@pytest.mark.parametrize("tp,m", ABOVE_16)
+def test_above_16_every_m(weights, record_property, tp, m):
+    nkv = SHARDS[tp].num_kv_heads
+    p = problem(m, nkv, seed=300 * tp + m)
+    y = _launch_variant(_front(tp, m), p, weights[tp], _poisoned(m, tp))
+    torch.cuda.synchronize()
+    check_against_truth(p, weights[tp], nkv, y, record_property)
+
+
+# Both engine layouts, padding slots (-1), a slot past the end and the last slot of the cache, positions 0 and
+# max_pos - 1, with both new tile counts at TP8 / TP4 and the S = 1 shapes.
+@pytest.mark.parametrize("layout", ["vllm", "flashinfer"])
+@pytest.mark.parametrize("tp,m", [(8, 17), (8, 64), (4, 40), (2, 33), (1, 24)])
+def test_above_16_cache_layouts_padding_and_edges(weights, layout, tp, m):
+    nkv = SHARDS[tp].num_kv_heads
+    max_pos = 4096
+    pos = torch.randint(0, max_pos, (m,), device="cuda")
+    pos[0], pos[-2] = 0, max_pos - 1
+    p = problem(m, nkv, layout=layout, pad_every=5, seed=11 * m + tp, positions=pos)
+    nb, bs = p["key_cache"].shape[:2]
+    p["slot_mapping"][-1] = nb * bs + 5  # beyond the cache: must write nothing
+    p["slot_mapping"][1] = nb * bs - 1  # the last slot
+    y = _launch_variant(_front(tp, m), p, weights[tp], _poisoned(m, tp))
+    torch.cuda.synchronize()
+    check_against_truth(p, weights[tp], nkv, y)
+
+
+@pytest.mark.parametrize("tp,m", [(8, 32), (8, 64), (4, 33), (2, 64), (1, 17)])
+def test_above_16_bitwise_deterministic(weights, tp, m):
+    nkv = SHARDS[tp].num_kv_heads
+    v = _front(tp, m)
+    p = problem(m, nkv, seed=31)
+    first = _launch_variant(v, p, weights[tp], _poisoned(m, tp)).clone()
+    k0 = p["backing"].clone()
+    for _ in range(10):
+        assert torch.equal(_launch_variant(v, p, weights[tp], _poisoned(m, tp)), first)
+        assert torch.equal(p["backing"], k0)
+
+
+# every lever of every new planned build that must not change a bit (tests/qkv_front_builds.py)
+ABOVE_16_LEVERS = [(tp, m, what) for tp, m in ((8, 24), (8, 64), (4, 32), (4, 48), (2, 20), (2, 64), (1, 32), (1, 40))
+                   for what in ("stages", "trigger", "trigger_ahead")]
+
+
+@pytest.mark.parametrize("tp,m,what", ABOVE_16_LEVERS)
+def test_above_16_levers_do_not_change_a_bit(weights, tp, m, what):
+    v = _front(tp, m)
+    alts = same_bits_alternatives(v)
+    if what not in alts:
+        pytest.skip(f"{what} does not apply to {v.label}")
+    p = problem(m, SHARDS[tp].num_kv_heads, seed=5)
+    a = _launch_variant(v, p, weights[tp], _poisoned(m, tp)).clone()
+    b = _launch_variant(alts[what], p, weights[tp], _poisoned(m, tp))
+    torch.cuda.synchronize()
+    assert torch.equal(a, b), f"{v.label} vs {alts[what].label} differ"
+
+
+# the warp split the plan did not pick: correct against fp64, deterministic, independent of the ring depth
+@pytest.mark.parametrize("tp,m", [(8, 20), (8, 57), (4, 32), (4, 64), (2, 33), (1, 27)])
+def test_above_16_other_warp_split(weights, tp, m):
+    nkv = SHARDS[tp].num_kv_heads
+    v = other_warp_split(_front(tp, m))
+    p = problem(m, nkv, seed=41 + m)
+    y = _launch_variant(v, p, weights[tp], _poisoned(m, tp)).clone()
+    torch.cuda.synchronize()
+    check_against_truth(p, weights[tp], nkv, y)
+    again = _launch_variant(v, p, weights[tp], _poisoned(m, tp))
+    alt = same_bits_alternatives(v)["stages"]
+    shallow = _launch_variant(alt, p, weights[tp], _poisoned(m, tp))
+    torch.cuda.synchronize()
+    assert torch.equal(again, y)
+    assert torch.equal(shallow, y), f"{v.label}: ring depth {alt.stages} changed the result"
+
+
+def _candidates():
+    from musekern.targets import get_target
+
+    return front_candidates(get_target("h200"))
+
+
+# the alternatives bench/front_large_m.py times beside the plan: each against fp64 at its M and at a tail
+@pytest.mark.parametrize("name,v,m", _candidates(), ids=lambda x: x if isinstance(x, str) else "")
+def test_above_16_candidates(weights, name, v, m):
+    tp = int(name.split("-")[0][2:])
+    nkv = SHARDS[tp].num_kv_heads
+    for mm in (m, m - 7):
+        p = problem(mm, nkv, seed=51 + mm)
+        y = _launch_variant(v, p, weights[tp], _poisoned(mm, tp))
+        torch.cuda.synchronize()
+        check_against_truth(p, weights[tp], nkv, y)
 
 
 @pytest.mark.parametrize("tp,m", [(8, 4), (8, 8), (2, 16)])

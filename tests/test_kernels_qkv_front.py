@@ -19,9 +19,11 @@ import sys
 import time
 
 import pytest
+from qkv_front_builds import front_builds, front_candidates, gpu_test_builds
 
 from musekern.targets import SM90_REGS_PER_SM, TARGETS, get_target
 from musekern.variants.qkv_front import (
+    FRONT_MAX_TOKENS,
     HEAD_COLS,
     K_TILE,
     K_TILES,
@@ -48,6 +50,11 @@ PLANNED = planned_variants()
 EXTRA = [QkvFrontVariant(4352, 2, 1, 4, 2, 0, "exit")] \
     + [dataclasses.replace(v, warp_split="k" if v.warp_split == "rows" else "rows")
        for v in PLANNED if v.n in (2176, 8704) and not v.fixed_m]
+# above M = 16: the builds the rules pick for M = 17..64 (4 and 8 tiles, every shard) and one build of each other
+# code path the bench times beside them ("rows" and "2x2" at 4 tiles, "rows" at 8, the S = 1 deep ring at 8)
+NEW = front_builds(get_target("h200"))
+NEW_EXTRA = [v for name, v, _ in front_candidates(get_target("h200"))
+             if name in ("tp8-m32-rows", "tp8-m32-2x2", "tp8-m64-rows", "tp4-m64-s1-deep")]
 ARGS_FIELDS = {"weight", "x", "weight_ptr", "M", "y", "positions", "cos_sin_cache", "slot_mapping", "key_cache",
                "value_cache", "max_pos", "block_size", "num_blocks", "k_block_stride", "v_block_stride", "eps"}
 
@@ -63,7 +70,7 @@ def test_plan_has_every_shape():
 def test_smem_fits_every_target(target):
     t = TARGETS[target]
     for n, nkv in ((2176, 1), (4352, 2), (8704, 4), (17408, 8)):
-        for v in qkv_front_variants(n, nkv, t):
+        for v in qkv_front_variants(n, nkv, t, FRONT_MAX_TOKENS):
             assert smem_bytes(v) <= t.max_smem_optin, v
             assert K_TILES % v.splits == 0 and v.stages <= K_TILES // v.splits
             assert padded_tokens(v) % v.splits == 0  # every owner gets TT/S tokens (static expect_tx)
@@ -102,7 +109,15 @@ def kmod():
     return qkv_front
 
 
-@pytest.mark.parametrize("v", PLANNED + EXTRA, ids=lambda v: v.label)
+# every build the GPU tests and the bench launch above M = 16: the CuTe struct the kernel allocates is the size
+# the loader reserves (compiling asserts it too; this checks the builds no slow test compiles)
+@pytest.mark.parametrize("v", list(dict.fromkeys(NEW + gpu_test_builds(NEW) + [c[1] for c in front_candidates(
+    get_target("h200"))])), ids=lambda v: v.label)
+def test_smem_struct_is_smem_bytes(kmod, v):
+    assert kmod.QkvFrontKernel(v).Smem.size_in_bytes() == smem_bytes(v)
+
+
+@pytest.mark.parametrize("v", PLANNED + EXTRA + NEW + NEW_EXTRA, ids=lambda v: v.label)
 def test_abi_declaration(kmod, v):
     abi = kmod.abi_for(v)
     names = {f.name for p in abi.params for f in p.fields}
@@ -145,7 +160,7 @@ def _count(pat, text):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("v", PLANNED + EXTRA, ids=lambda v: v.label)
+@pytest.mark.parametrize("v", PLANNED + EXTRA + NEW + NEW_EXTRA, ids=lambda v: v.label)
 def test_compile_ptx(kmod, v):
     from musekern.store.abi import check_abi_against_ptx
 
@@ -167,11 +182,21 @@ def test_compile_ptx(kmod, v):
     n_x4 = _count(r"ldmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16", ptx)
     n_x2 = _count(r"ldmatrix\.sync\.aligned\.m8n8\.x2\.shared\.b16", ptx)
     if v.warp_split == "rows":
-        # per k-tile a warp: 8 k-steps x (TT / 8) n8 atoms, ldmatrix x4 for W, x4 (TT=16) / x2 (TT=8) for x
-        per_tile = (8 + (8 if tt == 16 else 0), 8 if tt == 8 else 0)
+        # per k-tile a warp: 8 k-steps x (TT / 8) n8 atoms, ldmatrix x4 for W, for x x4 per 16 tokens (x2 at TT=8)
         assert n_mma == 8 * (tt // 8)
-        assert (n_x4, n_x2) == per_tile
+        assert (n_x4, n_x2) == ((8 * (1 + tt // 16), 0) if tt >= 16 else (8, 8))
         per_thread_sends = 4 * (tt // 8)  # one st.async per accumulator element
+    elif v.warp_split == "2x2":
+        # per k-tile a warp: 8 k-steps x 2 m16 x (TT / 16) n8 atoms; ldmatrix x4: 2 for W, one per 16 of its tokens
+        assert n_mma == 8 * 2 * (tt // 16)
+        assert (n_x4, n_x2) == (8 * (2 + tt // 32), 0)
+        per_thread_sends = 4 * (tt // 8)
+    elif v.tiles > 2:
+        # "k" with 4 tiles, one register set: one load block of 2 x (4 W x4 + TT / 16 x x4), one MMA block
+        assert n_mma == 2 * 4 * (tt // 8)
+        assert (n_x4, n_x2) == (2 * (4 + tt // 16), 0)
+        per_thread_sends = tt * HEAD_COLS // 128
+        assert _count(r"bar\.sync\s+3, 128", ptx) == 2
     else:
         # per k-tile a warp: 2 k-steps x 4 m16 x (TT / 8) n8; the loop is unrolled by two (two register
         # sets) after a one-tile prologue: 3 load blocks of 2 x (4 W x4 + 1 x ldmatrix), 2 MMA blocks
@@ -209,7 +234,7 @@ def _nv_bin(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("v", PLANNED, ids=lambda v: v.label)
+@pytest.mark.parametrize("v", PLANNED + NEW + NEW_EXTRA, ids=lambda v: v.label)
 def test_sass(kmod, v, tmp_path):
     cuobjdump = _nv_bin("cuobjdump")
     if not cuobjdump:

@@ -23,20 +23,22 @@ from musekern.variants import (
     variant,
     variant_from_label,
 )
-from musekern.variants.qkv_front import K_TILES, SPLIT_CHOICES, smem_bytes, stage_bytes
+from musekern.variants.qkv_front import FRONT_MAX_TOKENS, K_TILES, SPLIT_CHOICES, smem_bytes, stage_bytes
 from musekern.variants.qkv_front_rules import MAX_RING_STAGES, SMEM_RESERVE_BYTES
 
 H200 = get_target("h200")
 
 
-@pytest.mark.parametrize("m,tiles,fixed", [(1, 1, 0), (7, 1, 0), (8, 1, 8), (9, 2, 0), (16, 2, 0)])
+# each side of every tile boundary: 8-token tiles up to 2, then M padded up to 4 and 8 tiles
+@pytest.mark.parametrize("m,tiles,fixed", [(1, 1, 0), (7, 1, 0), (8, 1, 8), (9, 2, 0), (16, 2, 0), (17, 4, 0),
+                                           (24, 4, 0), (32, 4, 0), (33, 8, 0), (48, 8, 0), (64, 8, 0)])
 def test_token_tiles_and_fixed_rows(m, tiles, fixed):
     assert token_tiles(m) == tiles and fixed_rows(m) == fixed
 
 
-@pytest.mark.parametrize("m", [0, 17, -1])
+@pytest.mark.parametrize("m", [0, 65, -1])
 def test_token_tiles_range(m):
-    with pytest.raises(ValueError, match="1..16"):
+    with pytest.raises(ValueError, match="1..64"):
         token_tiles(m)
 
 
@@ -181,7 +183,7 @@ def test_plan_is_deterministic_across_hash_seeds():
 # trigger "wait" were levers once: measured slower, removed)
 @pytest.mark.parametrize("field,value,msg", [("warp_split", "cols", "warp_split"), ("trigger", "wait", "trigger"),
                                              ("stages", 33, "stages"), ("stages", 1, "stages"),
-                                             ("splits", 4, "splits"), ("tiles", 3, "tiles"),
+                                             ("splits", 4, "splits"), ("tiles", 3, "tiles"), ("tiles", 16, "tiles"),
                                              ("fixed_m", 16, "fixed_m"), ("n", 2175, "q|k|v|gate"),
                                              ("trigger_ahead", 26, "trigger_ahead"),
                                              ("trigger_ahead", -1, "trigger_ahead")])
@@ -222,3 +224,36 @@ def test_gpu_test_builds_move_one_lever():
         assert other_warp_split(v).warp_split != v.warp_split
     builds = gpu_test_builds(planned)
     assert len(builds) == len(set(builds)) and not set(builds) & set(planned)
+
+
+# The warp splits each tile count allows: "2x2" needs 4 or 8 tiles (two warps along the tokens, n8 atoms
+# paired by ldmatrix x4), "k" at most 4 (128 accumulators a thread at 8), and "k" with 4 tiles sums its partials
+# in the W ring (34 KiB: 3 stages of 16 KiB at least).
+@pytest.mark.parametrize("tiles,split,stages,ok", [(1, "2x2", 6, False), (2, "2x2", 5, False), (4, "2x2", 4, True),
+                                                   (8, "2x2", 2, True), (8, "rows", 2, True), (8, "k", 6, False),
+                                                   (4, "k", 3, True), (4, "k", 2, False), (2, "k", 2, True)])
+def test_warp_split_by_tile_count(tiles, split, stages, ok):
+    make = lambda: QkvFrontVariant(2176, 1, tiles, stages, 2, 0, "late", warp_split=split)  # noqa: E731
+    if ok:
+        assert make().warp_split == split
+    else:
+        with pytest.raises(ValueError, match="warp_split"):
+            make()
+
+
+# Above M = 16 the rules pad M to 4 or 8 tiles: per shard of the bundled model one build for M = 17..32 and one
+# for M = 33..64 (the builds the GPU tests and bench/front_large_m.py run); the M <= 16 builds stay the plan's.
+@pytest.mark.parametrize("n,nkv", [(2176, 1), (4352, 2), (8704, 4), (17408, 8)])
+def test_front_variants_above_16(n, nkv):
+    from musekern.variants import front_serves
+
+    small = qkv_front_variants(n, nkv, H200)
+    full = qkv_front_variants(n, nkv, H200, FRONT_MAX_TOKENS)
+    assert full[:len(small)] == small
+    assert [v.tiles for v in full[len(small):]] == [4, 8]
+    for m in (17, 32, 33, 64):
+        v = variant(n, m, nkv, H200)
+        assert v in full and v.tiles == token_tiles(m) and front_serves(n, m, H200)
+        assert smem_bytes(v) <= H200.max_smem_optin
+    assert qkv_front_variants(n, nkv, H200, 1000) == full  # nothing past FRONT_MAX_TOKENS
+    assert not front_serves(n, FRONT_MAX_TOKENS + 1, H200) and not front_serves(n, 0, H200)

@@ -104,7 +104,7 @@ def operand_copies(tiled_mma, tt: int, idx):
     for x (B) per k16 step x4 covers 16 tokens, x2 covers 8."""
     cp_a = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), BFloat16), tiled_mma)
     cp_b = cute.make_tiled_copy_B(
-        cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4 if tt == 16 else 2), BFloat16), tiled_mma)
+        cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4 if tt >= 16 else 2), BFloat16), tiled_mma)
     return cp_a, cp_b, cp_a.get_slice(idx), cp_b.get_slice(idx)
 
 
@@ -166,6 +166,9 @@ class QkvFrontKernel:
             # 4 warps along M (16 W rows each); every warp covers all TT tokens (tiles n8 atoms)
             tiled_mma = cute.make_tiled_mma(mma_op, (CONSUMER_WARPS, 1, 1),
                                             permutation_mnk=(16 * CONSUMER_WARPS, self.tt, 16))
+        elif cutlass.const_expr(self.v.warp_split == "2x2"):
+            # 2 warps along M (32 W rows each: two m16 repeats) x 2 along the tokens (TT / 2 each)
+            tiled_mma = cute.make_tiled_mma(mma_op, (2, 2, 1), permutation_mnk=(16 * CONSUMER_WARPS, self.tt, 16))
         else:
             # one warp's MMA: sliced by lane; the 64 rows are 4 m16 repeats, the TT tokens 1 or 2 n8 atoms
             tiled_mma = cute.make_tiled_mma(mma_op, (1, 1, 1), permutation_mnk=(16, self.tt, 16))
@@ -223,7 +226,7 @@ class QkvFrontKernel:
         elif warp_idx == AUX_WARP:
             self.aux(st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, rank)
         else:
-            if cutlass.const_expr(self.v.warp_split == "rows"):
+            if cutlass.const_expr(self.v.warp_split != "k"):
                 acc = self.consumer(tiled_mma, sW, sX, full, empty, tidx)
                 self.send(tiled_mma, acc, st, recv_bar, tidx, rank)
             else:
@@ -297,11 +300,19 @@ class QkvFrontKernel:
         for i in cutlass.range(self.ntiles, unroll=1):
             s = i % self.stages
             cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
-            for kk in cutlass.range_constexpr(ksteps):
-                cute.copy(cp_a, tAsW[None, None, kk, s], tArA[None, None, kk])
-                cute.copy(cp_b, tBsX[None, None, kk, s], tBrB[None, None, kk])
-            for kk in cutlass.range_constexpr(ksteps):
-                cute.gemm(tiled_mma, acc, tCrA[None, None, kk], tCrB[None, None, kk], acc)
+            if cutlass.const_expr(self.v.tiles > 2):
+                # 4 or 8 tiles: one k16 step's operands at a time (a whole k-tile's x fragment would take 64 or
+                # 128 registers a thread)
+                for kk in cutlass.range_constexpr(ksteps):
+                    cute.copy(cp_a, tAsW[None, None, kk, s], tArA[None, None, kk])
+                    cute.copy(cp_b, tBsX[None, None, kk, s], tBrB[None, None, kk])
+                    cute.gemm(tiled_mma, acc, tCrA[None, None, kk], tCrB[None, None, kk], acc)
+            else:
+                for kk in cutlass.range_constexpr(ksteps):
+                    cute.copy(cp_a, tAsW[None, None, kk, s], tArA[None, None, kk])
+                    cute.copy(cp_b, tBsX[None, None, kk, s], tBrB[None, None, kk])
+                for kk in cutlass.range_constexpr(ksteps):
+                    cute.gemm(tiled_mma, acc, tCrA[None, None, kk], tCrB[None, None, kk], acc)
             cute.arch.sync_warp()  # every lane's ldmatrix of stage s is done
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive(empty + s)
@@ -326,14 +337,20 @@ class QkvFrontKernel:
         # two register sets (even / odd k-tiles): (MMA, 4 m16, 2 k16) and (MMA, 1, 2 k16) each
         rA = [thr_mma.make_fragment_A(thr_mma.partition_A(mine_w)) for _ in range(2)]
         rB = [thr_mma.make_fragment_B(thr_mma.partition_B(mine_x)) for _ in range(2)]
-        self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[0], rB[0], full, empty, warp_idx, Int32(0))
-        for p in cutlass.range(self.ntiles // 2, unroll=1):
-            i = 2 * p + 1
-            self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[1], rB[1], full, empty, warp_idx, i)
-            self._mma_k(tiled_mma, acc, rA[0], rB[0])
-            if i + 1 < self.ntiles:
-                self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[0], rB[0], full, empty, warp_idx, i + 1)
-            self._mma_k(tiled_mma, acc, rA[1], rB[1])
+        if cutlass.const_expr(self.v.tiles > 2):
+            # 4 tiles: 64 accumulators a thread leave no room for a second register set (two CTAs per SM)
+            for i in cutlass.range(self.ntiles, unroll=1):
+                self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[0], rB[0], full, empty, warp_idx, i)
+                self._mma_k(tiled_mma, acc, rA[0], rB[0])
+        else:
+            self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[0], rB[0], full, empty, warp_idx, Int32(0))
+            for p in cutlass.range(self.ntiles // 2, unroll=1):
+                i = 2 * p + 1
+                self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[1], rB[1], full, empty, warp_idx, i)
+                self._mma_k(tiled_mma, acc, rA[0], rB[0])
+                if i + 1 < self.ntiles:
+                    self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[0], rB[0], full, empty, warp_idx, i + 1)
+                self._mma_k(tiled_mma, acc, rA[1], rB[1])
         return acc
 
     @cute.jit

@@ -19,7 +19,9 @@ from .base import VariantMixin
 HIDDEN = 8192  # K of the projection (Muse Spark hidden size)
 HEAD_COLS = 64  # output columns per head = rows of W per cluster
 TOKEN_TILE = 8  # tokens per MMA N-tile (mma.sync m16n8k16: W rows are M, tokens are N)
-MAX_TOKENS = 16  # 1 <= M <= 16 decode tokens
+MAX_TOKENS = 16  # the M range the op takes today (musekern/ops/qkv_front.py); builds serve up to FRONT_MAX_TOKENS
+FRONT_MAX_TOKENS = 64  # the largest M one build serves (8 token tiles)
+TILE_CHOICES = (1, 2, 4, 8)  # 8-token tiles of a build: M is padded up to the next one
 K_TILE = 128  # K columns per ring stage: two 64-wide 128B-swizzled TMA boxes
 K_TILES = HIDDEN // K_TILE
 W_STAGE_BYTES = HEAD_COLS * K_TILE * 2  # 16 KiB of bf16 weights per stage
@@ -32,8 +34,10 @@ SPLIT_CHOICES = (1, 2)  # what the planner's k_split can pick (power-of-two clus
 PDL_TRIGGERS = ("early", "late", "exit")
 # How the consumer warps share a k-tile: "rows" = warp w owns W rows 16w..16w+15 over all 128 k columns (every
 # warp re-reads the whole x stage from shared memory); "k" = warp w owns k columns 32w..32w+31 over all 64
-# rows (x read once per stage, a fixed-order 4-way reduction in shared memory after the last k-tile).
-WARP_SPLITS = ("rows", "k")
+# rows (x read once per stage, a fixed-order 4-way reduction in shared memory after the last k-tile); "2x2"
+# (4 or 8 tiles) = warp w owns W rows 32 (w % 2)..+31 and tokens TT/2 (w // 2)..+TT/2-1 over all 128 k columns
+# (each W row and each x token read by two warps, not four; no reduction).
+WARP_SPLITS = ("rows", "k", "2x2")
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,7 @@ class QkvFrontVariant(VariantMixin):
     kernel: ClassVar[str] = "qkv_front"
     n: int  # rows of the weight = output columns (q|k|v|gate)
     num_kv_heads: int
-    tiles: int  # 8-token tiles (1 or 2)
+    tiles: int  # 8-token tiles (TILE_CHOICES)
     stages: int  # ring depth; never changes the result
     splits: int  # S, CTAs per cluster splitting K
     fixed_m: int  # 8 for the M == 8 specialisation, else 0 (M is a runtime parameter)
@@ -59,8 +63,8 @@ class QkvFrontVariant(VariantMixin):
         problems = []
         if not supports_shape(self.n, self.num_kv_heads):
             problems.append(f"N={self.n} with num_kv_heads={self.num_kv_heads} is not a q|k|v|gate layout")
-        if self.tiles not in (1, MAX_TOKENS // TOKEN_TILE):
-            problems.append(f"tiles must be 1 or {MAX_TOKENS // TOKEN_TILE}, got {self.tiles}")
+        if self.tiles not in TILE_CHOICES:
+            problems.append(f"tiles must be one of {TILE_CHOICES}, got {self.tiles}")
         if self.fixed_m not in (0, TOKEN_TILE) or (self.fixed_m and self.tiles != 1):
             problems.append(f"fixed_m must be 0, or {TOKEN_TILE} with tiles=1, got {self.fixed_m}")
         if self.splits not in SPLIT_CHOICES:
@@ -72,6 +76,15 @@ class QkvFrontVariant(VariantMixin):
             problems.append(f"trigger must be one of {PDL_TRIGGERS}, got {self.trigger!r}")
         if self.warp_split not in WARP_SPLITS:
             problems.append(f"warp_split must be one of {WARP_SPLITS}, got {self.warp_split!r}")
+        elif self.warp_split == "2x2" and self.tiles < 4:
+            problems.append(f"warp_split '2x2' needs 4 or 8 tiles, got {self.tiles}")
+        elif self.warp_split == "k" and self.tiles > K_SPLIT_MAX_TILES:
+            problems.append(f"warp_split 'k' takes at most {K_SPLIT_MAX_TILES} tiles (its 64 x TT accumulators per "
+                            f"warp), got {self.tiles}")
+        elif (self.warp_split == "k" and self.splits in SPLIT_CHOICES
+              and red_bytes(self.tiles) > self.stages * W_STAGE_BYTES):
+            problems.append(f"warp_split 'k' with {self.tiles} tiles sums its partials in the W ring: needs "
+                            f">= {-(-red_bytes(self.tiles) // W_STAGE_BYTES)} stages, got {self.stages}")
         if problems:
             raise ValueError(f"invalid qkv_front variant: {'; '.join(problems)}")
         last = K_TILES // self.splits - 1
@@ -104,13 +117,21 @@ PRODUCER_WARPS = 1
 CONSUMER_WARPS = 4  # 4 x 16 W rows = the head's 64 output columns (one m16 MMA tile per warp)
 AUX_WARPS = 1
 THREADS = 32 * (CONSUMER_WARPS + PRODUCER_WARPS + AUX_WARPS)  # 192: warps 0-3 MMA, 4 TMA, 5 aux
-MAX_OWNED_TOKENS = MAX_TOKENS  # the most tokens one owner CTA holds (TT / S)
+MAX_OWNED_TOKENS = FRONT_MAX_TOKENS  # the most tokens one owner CTA holds (TT / S)
 # warp_split="k": each consumer warp takes WARP_K of a k-tile's K_TILE columns (two k16 MMA steps) and
 # leaves its 64 x TT fp32 partial in the (then idle) W ring, rows padded to RED_STRIDE words so the
 # MMA fragment stores hit distinct banks, for the fixed-order 4-way sum.
 WARP_K = K_TILE // CONSUMER_WARPS
 RED_STRIDE = HEAD_COLS + 4
-assert CONSUMER_WARPS * MAX_TOKENS * RED_STRIDE * 4 <= MIN_RING_STAGES * W_STAGE_BYTES
+K_SPLIT_MAX_TILES = 4  # 64 x 32 fp32 accumulators per warp (64 registers a thread); 8 tiles would need 128
+
+
+def red_bytes(tiles: int) -> int:
+    """warp_split "k": the 4 warps' partials, in the W ring after the last k-tile."""
+    return CONSUMER_WARPS * tiles * TOKEN_TILE * RED_STRIDE * 4
+
+
+assert red_bytes(2) <= MIN_RING_STAGES * W_STAGE_BYTES  # one or two tiles fit any ring
 
 
 def launch_grid(v: QkvFrontVariant) -> tuple[int, int, int]:

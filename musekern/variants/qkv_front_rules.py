@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from ..targets import SMEM_RESERVED_PER_CTA, Target
 from .qkv_front import (
+    FRONT_MAX_TOKENS,
     HEAD_COLS,
     HIDDEN,
     K_TILES,
     MAX_TOKENS,
     MIN_RING_STAGES,
     SPLIT_CHOICES,
+    TILE_CHOICES,
     TOKEN_TILE,
     QkvFrontVariant,
     ring_smem_bytes,
@@ -29,12 +31,14 @@ MAX_RING_STAGES = 8  # the deep ring with two token tiles
 SMEM_RESERVE_BYTES = 24 * 1024  # the deep ring's budget outside the ring (barriers, slots, cos|sin, receive)
 
 
-# NOTES "token tiles and fixed_rows": one build per 8-token tile count, M == 8 its own static-M build.
+# NOTES "token tiles and fixed_rows": one build per 8-token tile count, M == 8 its own static-M build; above
+# M = 16 (NOTES "The fused front above M = 16") M pads up to 4 or 8 tiles.
 def token_tiles(m: int) -> int:
-    """8-token MMA tiles needed for M tokens."""
-    if not 1 <= m <= MAX_TOKENS:
-        raise ValueError(f"M must be in 1..{MAX_TOKENS}, got {m}")
-    return (m + TOKEN_TILE - 1) // TOKEN_TILE
+    """8-token MMA tiles a build for M tokens computes (M padded up to the next of TILE_CHOICES)."""
+    if not 1 <= m <= FRONT_MAX_TOKENS:
+        raise ValueError(f"M must be in 1..{FRONT_MAX_TOKENS}, got {m}")
+    need = (m + TOKEN_TILE - 1) // TOKEN_TILE
+    return next(t for t in TILE_CHOICES if t >= need)
 
 
 def fixed_rows(m: int) -> int:
@@ -81,7 +85,10 @@ def ring_stages(split: int, target: Target, tiles: int = 2, n: int | None = None
                 return min(st, per_cta_tiles)
     fit = (target.max_smem_optin - SMEM_RESERVE_BYTES) // stage_bytes(tiles)
     cap = fit if tiles == 1 else MAX_RING_STAGES
-    return max(MIN_RING_STAGES, min(cap, fit, per_cta_tiles))
+    st = max(MIN_RING_STAGES, min(cap, fit, per_cta_tiles))
+    while st > MIN_RING_STAGES and ring_smem_bytes(st, tiles, split) > target.max_smem_optin:
+        st -= 1  # 8 tiles: more than SMEM_RESERVE_BYTES outside the ring (receive buffer, cos|sin rows)
+    return st
 
 
 # NOTES "pdl_trigger and trigger_ahead": "early" with the deep ring; with the shallow ring "late", except
@@ -103,9 +110,12 @@ def trigger_ahead(n: int, split: int, target: Target, tiles: int, stages: int) -
     return stages
 
 
-# NOTES "warp_split": "k" everywhere except one token tile under the late trigger.
+# NOTES "warp_split": "k" everywhere except one token tile under the late trigger; 8 tiles: "2x2" (NOTES "The
+# fused front above M = 16": "k" would need 128 accumulators a thread, "rows" reads x from shared memory 4 times).
 def warp_split(n: int, split: int, target: Target, tiles: int) -> str:
     """How the consumer warps share a k-tile."""
+    if tiles > 4:
+        return "2x2"
     return "rows" if tiles == 1 and pdl_trigger(n, split, target, tiles) == "late" else "k"
 
 
@@ -121,10 +131,19 @@ def variant(n: int, m: int, num_kv_heads: int, target: Target) -> QkvFrontVarian
                            trigger_ahead=trigger_ahead(n, s, target, tiles, stages))
 
 
+# NOTES "The fused front above M = 16": the front where it measured faster than cuBLAS's bare GEMM, else the GEMM
+# and the fused epilogue.
+def front_serves(n: int, m: int, target: Target) -> bool:
+    """Does the fused front take a call with weight rows N and M tokens on `target` (pure)?"""
+    return 1 <= m <= FRONT_MAX_TOKENS
+
+
 def qkv_front_variants(n: int, num_kv_heads: int, target: Target, max_tokens: int = MAX_TOKENS):
-    """Every distinct variant the calls M = 1..max_tokens take, in a stable order."""
+    """Every distinct variant the calls M = 1..max_tokens take where the front serves them, in a stable order."""
     seen = []
-    for m in range(1, max_tokens + 1):
+    for m in range(1, min(max_tokens, FRONT_MAX_TOKENS) + 1):
+        if not front_serves(n, m, target):
+            continue
         v = variant(n, m, num_kv_heads, target)
         if v not in seen:
             seen.append(v)

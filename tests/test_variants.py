@@ -257,3 +257,15 @@ def test_front_variants_above_16(n, nkv):
         assert smem_bytes(v) <= H200.max_smem_optin
     assert qkv_front_variants(n, nkv, H200, 1000) == full  # nothing past FRONT_MAX_TOKENS
     assert not front_serves(n, FRONT_MAX_TOKENS + 1, H200) and not front_serves(n, 0, H200)
+
+
+# `prepare --variant` sorts any set of labels: variants whose params leave out different defaults (an int in one
+# where the other has a str) still order
+def test_plan_entries_of_mixed_fields_sort():
+    from musekern.variants import PlanEntry
+
+    a = QkvFrontVariant(2176, 1, 4, 4, 2, 0, "late", warp_split="k", trigger_ahead=4)
+    b = QkvFrontVariant(2176, 1, 4, 4, 2, 0, "late", trigger_ahead=4)
+    c = QkvFrontVariant(2176, 1, 4, 4, 2, 0, "late", warp_split="2x2")
+    entries = sorted({PlanEntry(H200, v, ()) for v in (a, b, c)}, key=PlanEntry.sort_key)
+    assert len(entries) == 3

@@ -91,8 +91,9 @@ def time_front(samples: int = SAMPLES) -> tuple[list, list, float]:
             us = pair["us"]
             v = _variant(n, m, nkv, torch.cuda.current_device())
             row = {"tp": tp, "N": n, "M": m, **variant_fields(v), "floor_us": round(floor_us(n, bw), 3),
-                   **{f"{k}_us": round(x, 3) for k, x in us.items() if x is not None},
-                   "output_checks_ok": all(r["ok"] for r in pair.get("output_checks", {}).values()) or None}
+                   **{f"{k}_us": round(x, 3) for k, x in us.items() if x is not None}}
+            checks = pair.get("output_checks")
+            row["output_checks_ok"] = all(r["ok"] for r in checks.values()) if checks else None
             if "error" in pair:
                 row["error"] = pair["error"]
             if "isolated" in us and "cublas" in us:

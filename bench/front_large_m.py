@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The fused front above M = 16 (issue 13, item 2), in one device call: the GPU tests of the new builds, then
-the front against cuBLAS's bare GEMM at M in TIMED_MS for TP8, TP4, TP2 and TP1.
+the front against cuBLAS's bare GEMM at M in TIMED_MS for TP8, TP4, TP2 and TP1 (M above FRONT_MAX_TOKENS: no
+front build, cuBLAS and the unfused chain only).
 
 Here (CPU, build extra):     bash bench/gpu_cache.sh      (builds, among the rest, every label `labels` prints)
                              python bench/front_large_m.py labels
@@ -10,8 +11,9 @@ Timing is `musekern bench`'s (musekern/bench/qkv_front.py::measure_pair: CUDA-gr
 distinct weights, medians, the chain with PDL and the isolated launches through the product path, cuBLAS's
 bare GEMM and the unfused torch chain in the same graphs' round robin, every front layer checked bitwise
 against an eager launch); the alternatives beside the plan (tests/qkv_front_builds.py::front_candidates) are
-timed by bench/sweep_variants.py::run. "front?" in the table: the planned front's isolated launch (no PDL, as
-cuBLAS) beats the bare GEMM at that (N, M).
+timed by bench/sweep_variants.py::run. In the table, "beats" says whether the front's isolated launch (no PDL, as
+cuBLAS) beats the bare GEMM at that (N, M); "path" is what the planner picks (musekern.variants.front_serves):
+the front, or cuBLAS + the fused epilogue.
 """
 import json
 import os
@@ -74,6 +76,7 @@ def time_front(samples: int = SAMPLES) -> tuple[list, list, float]:
     from musekern.config import load_config
     from musekern.ops.qkv_front import _variant
     from musekern.targets import get_target
+    from musekern.variants import FRONT_MAX_TOKENS, front_serves
 
     model = load_config()
     bw = copy_bandwidth()
@@ -84,13 +87,15 @@ def time_front(samples: int = SAMPLES) -> tuple[list, list, float]:
         shard = Shard(tp, n, nkv, model.rms_norm_eps, model.rope_theta)
         shard.allocate()
         for m in TIMED_MS:
+            has_front = m <= FRONT_MAX_TOKENS
             try:
-                pair = measure_pair(shard, m, MODES, None, bw, samples)
+                pair = measure_pair(shard, m, MODES if has_front else (), None, bw, samples)
             except Exception as e:  # a missing build: recorded, the run goes on
                 pair = {"us": {}, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             us = pair["us"]
-            v = _variant(n, m, nkv, torch.cuda.current_device())
-            row = {"tp": tp, "N": n, "M": m, **variant_fields(v), "floor_us": round(floor_us(n, bw), 3),
+            fields = variant_fields(_variant(n, m, nkv, torch.cuda.current_device())) if has_front else {}
+            row = {"tp": tp, "N": n, "M": m, **fields, "floor_us": round(floor_us(n, bw), 3),
+                   "path": "front" if front_serves(n, m, get_target("h200")) else "cublas+epilogue",
                    **{f"{k}_us": round(x, 3) for k, x in us.items() if x is not None}}
             checks = pair.get("output_checks")
             row["output_checks_ok"] = all(r["ok"] for r in checks.values()) if checks else None
@@ -121,16 +126,21 @@ def table(rows: list, alt_rows: list) -> None:
               f"chain {a.get('chain_us', '-'):>7} isolated {a.get('isolated_us', '-'):>7} "
               f"cuBLAS {cublas.get((a['tp'], a['M'])) or '-':>7}")
     print(f"{'TP':>3} {'N':>5} {'M':>3} {'tiles':>5} {'S':>2} {'st':>2} {'trig':5} {'warps':5} {'floor':>6} "
-          f"{'chain':>7} {'isol':>7} {'cuBLAS':>7} {'unfused':>7} {'isol/cuBLAS':>11} front?")
+          f"{'chain':>7} {'isol':>7} {'cuBLAS':>7} {'unfused':>7} {'isol/cuBLAS':>11} {'beats':5} path")
     for r in rows:
         if "error" in r:
             print(f"{r['tp']:3} {r['N']:5} {r['M']:3} ERROR {r['error'][:90]}")
+            continue
+        if "isolated_us" not in r:  # no front build for this M
+            print(f"{r['tp']:3} {r['N']:5} {r['M']:3} {'-':>5} {'':2} {'':2} {'':5} {'':5} {r['floor_us']:6.2f} "
+                  f"{'-':>7} {'-':>7} {r['cublas_us']:7.2f} {r.get('unfused_us', 0):7.2f} {'-':>11} {'-':5} "
+                  f"{r['path']}")
             continue
         ratio = r["isolated_us"] / r["cublas_us"]
         print(f"{r['tp']:3} {r['N']:5} {r['M']:3} {r['tiles']:5} {r['splits']:2} {r['stages']:2} {r['trigger']:5} "
               f"{r['warp_split']:5} {r['floor_us']:6.2f} {r['chain_us']:7.2f} {r['isolated_us']:7.2f} "
               f"{r['cublas_us']:7.2f} {r.get('unfused_us', 0):7.2f} {ratio:11.3f} "
-              f"{'yes' if r['front_beats_cublas'] else 'NO'}")
+              f"{'yes' if r['front_beats_cublas'] else 'NO':5} {r['path']}")
 
 
 def run(out_json: str, tests: bool = True) -> int:

@@ -5,8 +5,8 @@ bench/gpu_cache.sh compiles for them, and that bench/front_large_m.py times: no 
   a build that differs from the given one in that lever only; the GPU tests compare their outputs bit for bit.
 - other_warp_split: a warp split the planner did not pick (a different, fixed summation order), checked
   against fp64 and for determinism.
-- front_builds / front_candidates: the planned builds for M = 17..64 (the default config plans M <= 16 only),
-  and the alternatives the bench times beside them.
+- front_builds / front_candidates: the builds the rules give M = 17..32 on every shard (the default config plans
+  M <= 16 only; front_serves takes them at TP4 and TP2), and the alternatives the bench times beside them.
 """
 from __future__ import annotations
 
@@ -34,12 +34,8 @@ def same_bits_alternatives(v) -> dict:
 
 
 def other_warp_split(v):
-    """`v` with a warp split the plan did not pick: "rows" <-> "k" (up to 4 tiles), "2x2" -> "rows"."""
-    from musekern.variants.qkv_front import K_SPLIT_MAX_TILES
-
-    if v.warp_split == "rows":
-        return replace(v, warp_split="k" if v.tiles <= K_SPLIT_MAX_TILES else "2x2")
-    return replace(v, warp_split="rows")
+    """`v` with the warp split the plan did not pick ("rows" <-> "k")."""
+    return replace(v, warp_split="k" if v.warp_split == "rows" else "rows")
 
 
 def gpu_test_builds(planned) -> list:
@@ -62,35 +58,29 @@ def shards():
 
 
 def front_builds(target) -> list:
-    """The planned builds the front takes for M = 17..FRONT_MAX_TOKENS, every shard, in a stable order."""
-    from musekern.variants import qkv_front_variants
+    """The builds the rules give M = 17..FRONT_MAX_TOKENS on every shard, served or not (front_serves: the GPU
+    tests keep the unserved ones correct too), in a stable order."""
+    from musekern.variants import variant
     from musekern.variants.qkv_front import FRONT_MAX_TOKENS, MAX_TOKENS
 
     out = []
     for _, n, nkv in shards():
-        small = qkv_front_variants(n, nkv, target, MAX_TOKENS)
-        out += [v for v in qkv_front_variants(n, nkv, target, FRONT_MAX_TOKENS) if v not in small]
+        for m in range(MAX_TOKENS + 1, FRONT_MAX_TOKENS + 1):
+            v = variant(n, m, nkv, target)
+            if v not in out:
+                out.append(v)
     return out
 
 
 def front_candidates(target) -> list:
-    """(name, variant, M) the bench times beside the plan: the other warp splits at 4 and 8 tiles, and for 8
-    tiles (whose 32 KiB stages leave two CTAs per SM a 2-stage ring) rings of one CTA per SM."""
+    """(name, variant, M) the bench times beside the plan: the other warp split at 4 tiles, and TP8's 4-tile
+    build with the deep ring (one CTA per SM, 8 stages: is TP8 bound by bytes in flight or by the consumer?)."""
     from musekern.variants import variant
 
     out = []
     for tp, n, nkv in shards():
-        for m in (32, 64):
-            v = variant(n, m, nkv, target)
-            for ws in ("rows", "k", "2x2"):
-                if ws != v.warp_split and not (ws == "k" and v.tiles > 4):
-                    out.append((f"tp{tp}-m{m}-{ws}", replace(v, warp_split=ws), m))
-        v = variant(n, 64, nkv, target)
-        deep = dict(stages=6, warp_split="2x2")
-        if tp == 8:  # 68 CTAs alone on their SMs: the deep ring, the next grid landing on the 64 free SMs
-            out.append(("tp8-m64-deep", replace(v, **deep, trigger="late", trigger_ahead=6), 64))
-        elif tp == 4:  # TP8's grid shape: one CTA per head streaming all of K
-            out.append(("tp4-m64-s1-deep", replace(v, **deep, splits=1, trigger="exit", trigger_ahead=0), 64))
-        elif tp == 2:  # one CTA per SM: 136 CTAs, 4 of them in a second wave
-            out.append(("tp2-m64-deep", replace(v, **deep, trigger="early", trigger_ahead=0), 64))
+        v = variant(n, 32, nkv, target)
+        out.append((f"tp{tp}-m32-{other_warp_split(v).warp_split}", other_warp_split(v), 32))
+        if tp == 8:
+            out.append(("tp8-m32-deep", replace(v, stages=8, trigger_ahead=8), 32))
     return out

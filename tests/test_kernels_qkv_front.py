@@ -50,11 +50,10 @@ PLANNED = planned_variants()
 EXTRA = [QkvFrontVariant(4352, 2, 1, 4, 2, 0, "exit")] \
     + [dataclasses.replace(v, warp_split="k" if v.warp_split == "rows" else "rows")
        for v in PLANNED if v.n in (2176, 8704) and not v.fixed_m]
-# above M = 16: the builds the rules pick for M = 17..64 (4 and 8 tiles, every shard) and one build of each other
-# code path the bench times beside them ("rows" and "2x2" at 4 tiles, "rows" at 8, the S = 1 deep ring at 8)
+# above M = 16: the 4-tile builds the rules give M = 17..32 at every shard, and the other code path the bench
+# times beside them ("rows" at 4 tiles, S = 2 and 1)
 NEW = front_builds(get_target("h200"))
-NEW_EXTRA = [v for name, v, _ in front_candidates(get_target("h200"))
-             if name in ("tp8-m32-rows", "tp8-m32-2x2", "tp8-m64-rows", "tp4-m64-s1-deep")]
+NEW_EXTRA = [v for name, v, _ in front_candidates(get_target("h200")) if name in ("tp8-m32-rows", "tp2-m32-rows")]
 ARGS_FIELDS = {"weight", "x", "weight_ptr", "M", "y", "positions", "cos_sin_cache", "slot_mapping", "key_cache",
                "value_cache", "max_pos", "block_size", "num_blocks", "k_block_stride", "v_block_stride", "eps"}
 
@@ -186,11 +185,6 @@ def test_compile_ptx(kmod, v):
         assert n_mma == 8 * (tt // 8)
         assert (n_x4, n_x2) == ((8 * (1 + tt // 16), 0) if tt >= 16 else (8, 8))
         per_thread_sends = 4 * (tt // 8)  # one st.async per accumulator element
-    elif v.warp_split == "2x2":
-        # per k-tile a warp: 8 k-steps x 2 m16 x (TT / 16) n8 atoms; ldmatrix x4: 2 for W, one per 16 of its tokens
-        assert n_mma == 8 * 2 * (tt // 16)
-        assert (n_x4, n_x2) == (8 * (2 + tt // 32), 0)
-        per_thread_sends = 4 * (tt // 8)
     elif v.tiles > 2:
         # "k" with 4 tiles, one register set: one load block of 2 x (4 W x4 + TT / 16 x x4), one MMA block
         assert n_mma == 2 * 4 * (tt // 8)

@@ -166,9 +166,6 @@ class QkvFrontKernel:
             # 4 warps along M (16 W rows each); every warp covers all TT tokens (tiles n8 atoms)
             tiled_mma = cute.make_tiled_mma(mma_op, (CONSUMER_WARPS, 1, 1),
                                             permutation_mnk=(16 * CONSUMER_WARPS, self.tt, 16))
-        elif cutlass.const_expr(self.v.warp_split == "2x2"):
-            # 2 warps along M (32 W rows each: two m16 repeats) x 2 along the tokens (TT / 2 each)
-            tiled_mma = cute.make_tiled_mma(mma_op, (2, 2, 1), permutation_mnk=(16 * CONSUMER_WARPS, self.tt, 16))
         else:
             # one warp's MMA: sliced by lane; the 64 rows are 4 m16 repeats, the TT tokens 1 or 2 n8 atoms
             tiled_mma = cute.make_tiled_mma(mma_op, (1, 1, 1), permutation_mnk=(16, self.tt, 16))
@@ -226,7 +223,7 @@ class QkvFrontKernel:
         elif warp_idx == AUX_WARP:
             self.aux(st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, rank)
         else:
-            if cutlass.const_expr(self.v.warp_split != "k"):
+            if cutlass.const_expr(self.v.warp_split == "rows"):
                 acc = self.consumer(tiled_mma, sW, sX, full, empty, tidx)
                 self.send(tiled_mma, acc, st, recv_bar, tidx, rank)
             else:
@@ -301,8 +298,8 @@ class QkvFrontKernel:
             s = i % self.stages
             cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
             if cutlass.const_expr(self.v.tiles > 2):
-                # 4 or 8 tiles: one k16 step's operands at a time (a whole k-tile's x fragment would take 64 or
-                # 128 registers a thread)
+                # 4 tiles: one k16 step's operands at a time (a whole k-tile's x fragment takes 64 registers a
+                # thread)
                 for kk in cutlass.range_constexpr(ksteps):
                     cute.copy(cp_a, tAsW[None, None, kk, s], tArA[None, None, kk])
                     cute.copy(cp_b, tBsX[None, None, kk, s], tBrB[None, None, kk])

@@ -20,8 +20,8 @@ HIDDEN = 8192  # K of the projection (Muse Spark hidden size)
 HEAD_COLS = 64  # output columns per head = rows of W per cluster
 TOKEN_TILE = 8  # tokens per MMA N-tile (mma.sync m16n8k16: W rows are M, tokens are N)
 MAX_TOKENS = 16  # the M range the op takes today (musekern/ops/qkv_front.py); builds serve up to FRONT_MAX_TOKENS
-FRONT_MAX_TOKENS = 64  # the largest M one build serves (8 token tiles)
-TILE_CHOICES = (1, 2, 4, 8)  # 8-token tiles of a build: M is padded up to the next one
+FRONT_MAX_TOKENS = 32  # the largest M one build serves (4 token tiles)
+TILE_CHOICES = (1, 2, 4)  # 8-token tiles of a build: M is padded up to the next one
 K_TILE = 128  # K columns per ring stage: two 64-wide 128B-swizzled TMA boxes
 K_TILES = HIDDEN // K_TILE
 W_STAGE_BYTES = HEAD_COLS * K_TILE * 2  # 16 KiB of bf16 weights per stage
@@ -34,10 +34,8 @@ SPLIT_CHOICES = (1, 2)  # what the planner's k_split can pick (power-of-two clus
 PDL_TRIGGERS = ("early", "late", "exit")
 # How the consumer warps share a k-tile: "rows" = warp w owns W rows 16w..16w+15 over all 128 k columns (every
 # warp re-reads the whole x stage from shared memory); "k" = warp w owns k columns 32w..32w+31 over all 64
-# rows (x read once per stage, a fixed-order 4-way reduction in shared memory after the last k-tile); "2x2"
-# (4 or 8 tiles) = warp w owns W rows 32 (w % 2)..+31 and tokens TT/2 (w // 2)..+TT/2-1 over all 128 k columns
-# (each W row and each x token read by two warps, not four; no reduction).
-WARP_SPLITS = ("rows", "k", "2x2")
+# rows (x read once per stage, a fixed-order 4-way reduction in shared memory after the last k-tile).
+WARP_SPLITS = ("rows", "k")
 
 
 @dataclass(frozen=True)
@@ -76,11 +74,6 @@ class QkvFrontVariant(VariantMixin):
             problems.append(f"trigger must be one of {PDL_TRIGGERS}, got {self.trigger!r}")
         if self.warp_split not in WARP_SPLITS:
             problems.append(f"warp_split must be one of {WARP_SPLITS}, got {self.warp_split!r}")
-        elif self.warp_split == "2x2" and self.tiles < 4:
-            problems.append(f"warp_split '2x2' needs 4 or 8 tiles, got {self.tiles}")
-        elif self.warp_split == "k" and self.tiles > K_SPLIT_MAX_TILES:
-            problems.append(f"warp_split 'k' takes at most {K_SPLIT_MAX_TILES} tiles (its 64 x TT accumulators per "
-                            f"warp), got {self.tiles}")
         elif (self.warp_split == "k" and self.splits in SPLIT_CHOICES
               and red_bytes(self.tiles) > self.stages * W_STAGE_BYTES):
             problems.append(f"warp_split 'k' with {self.tiles} tiles sums its partials in the W ring: needs "
@@ -123,7 +116,6 @@ MAX_OWNED_TOKENS = FRONT_MAX_TOKENS  # the most tokens one owner CTA holds (TT /
 # MMA fragment stores hit distinct banks, for the fixed-order 4-way sum.
 WARP_K = K_TILE // CONSUMER_WARPS
 RED_STRIDE = HEAD_COLS + 4
-K_SPLIT_MAX_TILES = 4  # 64 x 32 fp32 accumulators per warp (64 registers a thread); 8 tiles would need 128
 
 
 def red_bytes(tiles: int) -> int:

@@ -32,7 +32,7 @@ SMEM_RESERVE_BYTES = 24 * 1024  # the deep ring's budget outside the ring (barri
 
 
 # NOTES "token tiles and fixed_rows": one build per 8-token tile count, M == 8 its own static-M build; above
-# M = 16 (NOTES "The fused front above M = 16") M pads up to 4 or 8 tiles.
+# M = 16 (NOTES "The fused front above M = 16") M pads up to 4 tiles.
 def token_tiles(m: int) -> int:
     """8-token MMA tiles a build for M tokens computes (M padded up to the next of TILE_CHOICES)."""
     if not 1 <= m <= FRONT_MAX_TOKENS:
@@ -110,12 +110,10 @@ def trigger_ahead(n: int, split: int, target: Target, tiles: int, stages: int) -
     return stages
 
 
-# NOTES "warp_split": "k" everywhere except one token tile under the late trigger; 8 tiles: "2x2" (NOTES "The
-# fused front above M = 16": "k" would need 128 accumulators a thread, "rows" reads x from shared memory 4 times).
+# NOTES "warp_split": "k" everywhere except one token tile under the late trigger (4 tiles too: NOTES "The fused
+# front above M = 16").
 def warp_split(n: int, split: int, target: Target, tiles: int) -> str:
     """How the consumer warps share a k-tile."""
-    if tiles > 4:
-        return "2x2"
     return "rows" if tiles == 1 and pdl_trigger(n, split, target, tiles) == "late" else "k"
 
 
@@ -131,11 +129,18 @@ def variant(n: int, m: int, num_kv_heads: int, target: Target) -> QkvFrontVarian
                            trigger_ahead=trigger_ahead(n, s, target, tiles, stages))
 
 
-# NOTES "The fused front above M = 16": the front where it measured faster than cuBLAS's bare GEMM, else the GEMM
-# and the fused epilogue.
+# NOTES "The fused front above M = 16": the front where it measured faster than cuBLAS's bare GEMM (isolated
+# launches), else the GEMM and the fused epilogue. Above M = 16 the 4-tile consumer needs ~0.45-0.6 us a k-tile:
+# it keeps up where a CTA's share of the stream is as slow (heads x S CTAs one wave at two per SM, but more than
+# one per SM: TP4, TP2), not where CTAs are alone on their SMs (TP8) or run in waves (TP1).
 def front_serves(n: int, m: int, target: Target) -> bool:
     """Does the fused front take a call with weight rows N and M tokens on `target` (pure)?"""
-    return 1 <= m <= FRONT_MAX_TOKENS
+    if not 1 <= m <= FRONT_MAX_TOKENS:
+        return False
+    if m <= MAX_TOKENS:
+        return True
+    s = k_split(n, target)
+    return one_wave_at_two_per_sm(n, s, target) and not alone_on_sm(n, s, target)
 
 
 def qkv_front_variants(n: int, num_kv_heads: int, target: Target, max_tokens: int = MAX_TOKENS):

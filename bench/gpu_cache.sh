@@ -13,26 +13,21 @@ for dt in bfloat16 float16; do for hd in 64 128 256; do for sc in False True; do
   labels+=(--variant "qk_norm[dtype=$dt,has_scale=$sc,head_dim=$hd,vecs_per_thread=$vpt]")
 done; done; done; done
 # qkv_front builds that differ from the planned ones only in a lever that must not change a bit (ring depth,
-# PDL trigger, L2 prefetch, stash, trigger_ahead: same_bits_alternatives, compared bit for bit by the GPU
-# tests), in k_rotate and in the warp split (different summation orders, checked against fp64).
-while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python - <<'PY'
-import dataclasses
+# PDL trigger, trigger_ahead), and in the warp split (a different summation order, checked against fp64):
+# tests/qkv_front_builds.py, which the GPU tests use too.
+while read -r lbl; do labels+=(--variant "$lbl"); done < <(PYTHONPATH=tests .venv/bin/python - <<'PY'
 from musekern.config import load_config
 from musekern.targets import get_target
 from musekern.variants import plan_model
-from musekern.variants.qkv_front import other_warp_split, same_bits_alternatives
-for e in plan_model(load_config(), [get_target("h200")]):
-    if e.kernel != "qkv_front":
-        continue
-    for alt in same_bits_alternatives(e.variant).values():
-        print(alt.label)
-    for rot in (0, 1, 3):  # test_rotated_k_order_is_correct_and_deterministic
-        print(dataclasses.replace(e.variant, k_rotate=rot).label)
-    other = other_warp_split(e.variant)  # test_other_warp_split_is_correct_deterministic_and_ring_independent
-    print(other.label)
-    print(same_bits_alternatives(other)["stages"].label)
+from qkv_front_builds import gpu_test_builds
+planned = [e.variant for e in plan_model(load_config(), [get_target("h200")]) if e.kernel == "qkv_front"]
+for v in gpu_test_builds(planned):
+    print(v.label)
 PY
 )
+# the front above M = 16: the builds the rules pick for M = 17..64 (the default config plans M <= 16), their
+# same-bits / other-warp-split builds and the alternatives bench/front_large_m.py times beside them
+while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python bench/front_large_m.py labels)
 # the ring-depth / k_split sweep of bench/sweep_variants.py (issue 5's levers)
 while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python bench/sweep_variants.py --print-labels)
 $MK prepare --target h200 --cache-dir "$CACHE" -j 2 "${labels[@]}" >&2

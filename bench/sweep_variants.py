@@ -23,16 +23,21 @@ from musekern.bench.report import commit_info
 from musekern.bench.timing import Graph, copy_bandwidth, time_graphs
 from musekern.ops.qkv_front import launch_args
 from musekern.runtime import get_kernel
-from musekern.variants import QkvFrontVariant, variant_from_label
-from musekern.variants.qkv_front import HIDDEN, fixed_rows, launch_grid, token_tiles
+from musekern.variants import QkvFrontVariant, fixed_rows, token_tiles, variant_from_label
+from musekern.variants.qkv_front import HIDDEN, launch_grid
 
 LAYERS, REPS, LOOPS = 8, 7, 8
 DISTINCT_OUT = False  # --distinct-out: one y buffer per layer (as musekern bench does) instead of a shared one
+<<<<<<< HEAD
 # The default grid is the latest tuning round's (round 25: TP4 at k_split 1 with the deep ring, TP8's grid shape,
 # against the plan, which it kept: bench/NOTES.md, k_split). Every earlier round's grid, prediction and result is in
 # bench/HISTORY.md (the grids themselves: `git log -p bench/sweep_variants.py`).
+=======
+# The default sweep: round 25's grid (bench/NOTES.md "pdl_trigger and trigger_ahead"; each earlier round's grid
+# and what it measured are in NOTES and git history).
+>>>>>>> front
 # Each entry: the variant's fields except tiles and fixed_m (from M), and the Ms to time.
-TP4 = dict(n=4352, num_kv_heads=2, k_rotate=1)
+TP4 = dict(n=4352, num_kv_heads=2)
 GRID = [(dict(TP4, splits=2, stages=4, trigger="exit", warp_split="k"), (1, 16))] \
     + [(dict(TP4, splits=1, stages=11, trigger="late", trigger_ahead=a, warp_split=ws), (1,))
        for ws, a in (("rows", 6), ("rows", 8), ("rows", 11), ("rows", 16), ("k", 8))] \
@@ -70,8 +75,7 @@ def run(v: QkvFrontVariant, m: int, weights, bw: float, pred) -> dict:
     args = [launch_args(x, w, pos, cs, slots, kv[0], kv[1], 1e-5, outs[j % len(outs)]) for j, w in enumerate(weights)]
     grid = launch_grid(v)
     row = {"label": v.label, "N": v.n, "M": m, "stages": v.stages, "splits": v.splits, "trigger": v.trigger,
-           "l2_prefetch": v.l2_prefetch, "k_rotate": v.k_rotate, "warp_split": v.warp_split,
-           "trigger_ahead": v.trigger_ahead, "stash": v.stash, **occupancy(k)}
+           "warp_split": v.warp_split, "trigger_ahead": v.trigger_ahead, **occupancy(k)}
     for mode, pdl in (("chain", True), ("isolated", False)):
         us = time_graph(mode, [lambda a=a, pdl=pdl: k.launch(grid, a, pdl=pdl) for a in args])
         row[f"{mode}_us"] = round(us, 2)
@@ -167,7 +171,7 @@ def main(argv=None) -> int:
     json.dump({"commit": build_commit(), "command": "python3 bench/sweep_variants.py " + " ".join(sys.argv[1:]),
                "copy_TBps": round(bw, 3), "device": torch.cuda.get_device_name(), "repeats": a.repeat, "rows": rows},
               open(a.out, "w"), indent=1)
-    print(f"{'N':>5} {'S':>2} {'st':>2} {'trig':5} {'ahd':>3} {'sts':>3} {'pf':>3} {'rot':>3} {'warps':5} "
+    print(f"{'N':>5} {'S':>2} {'st':>2} {'trig':5} {'ahd':>3} {'warps':5} "
           f"{'M':>3} {'blk/SM':>6} "
           f"{'chain us':>9} {'frac':>6} {'isol us':>8} {'frac':>6} {'added us':>8}")
     for r in rows:
@@ -175,7 +179,6 @@ def main(argv=None) -> int:
             print(f"{r['label']:72} {r['M']:3} ERROR {r['error'][:60]}")
         else:
             print(f"{r['N']:5} {r['splits']:2} {r['stages']:2} {r['trigger']:5} {r.get('trigger_ahead', 0):3} "
-                  f"{r.get('stash', 0):3} {r['l2_prefetch']:3} {r['k_rotate']:3} "
                   f"{r.get('warp_split', 'rows'):5} "
                   f"{r['M']:3} "
                   f"{r['blocks_per_sm']:6} "

@@ -328,8 +328,7 @@ def test_sweep_merges_repeats_into_medians_and_keeps_every_sample():
 
 def test_sweep_grid_is_buildable_variants():
     """Every default-grid job is a valid variant whose label parses back (gpu_cache.sh builds them by label)."""
-    from musekern.variants import variant_from_label
-    from musekern.variants.qkv_front import fixed_rows, token_tiles
+    from musekern.variants import fixed_rows, token_tiles, variant_from_label
 
     sv = _sweep_module()
     jobs = sv.grid_jobs()

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from qkv_front_builds import front_candidates, other_warp_split, same_bits_alternatives
 
 from musekern.config import load_config
 from musekern.ops import qkv_front as ops
@@ -185,34 +186,13 @@ def test_bitwise_deterministic_20_launches(weights, tp, m):
         assert torch.equal(p["backing"], k0)
 
 
-# k_rotate changes each head's summation order (not the result's accuracy): the rotated builds of the
-# sweep (bench/sweep_variants.py, built by gpu_cache.sh) against the fp64 pipeline, both tile counts.
-@pytest.mark.parametrize("tp,m,rot", [(8, 5, 1), (8, 16, 3), (1, 16, 1), (4, 1, 3)])
-def test_rotated_k_order_is_correct_and_deterministic(weights, tp, m, rot):
-    import dataclasses
-
-    from musekern.targets import local_target
-    from musekern.variants.qkv_front import variant
-
-    nkv = SHARDS[tp].num_kv_heads
-    v = dataclasses.replace(variant(SHARDS[tp].n, m, nkv, local_target()), k_rotate=rot)
-    p = problem(m, nkv, seed=13)
-    y = _launch_variant(v, p, weights[tp], torch.full((m, SHARDS[tp].n), float("nan"), dtype=torch.bfloat16,
-                                                      device="cuda"))
-    torch.cuda.synchronize()
-    check_against_truth(p, weights[tp], nkv, y)
-    again = _launch_variant(v, p, weights[tp], torch.empty_like(y))
-    torch.cuda.synchronize()
-    assert torch.equal(again, y)
-
-
 # warp_split "rows" vs "k" (how the 4 consumer warps share a k-tile) changes the summation order: the build
 # the planner does not pick, against the fp64 pipeline at every planned N and both tile counts, repeated
 # bitwise, and at a second ring depth bit for bit (gpu_cache.sh builds both).
 @pytest.mark.parametrize("tp,m", [(8, 1), (8, 8), (8, 16), (4, 5), (4, 16), (2, 9), (1, 3), (1, 16)])
 def test_other_warp_split_is_correct_deterministic_and_ring_independent(weights, tp, m):
     from musekern.targets import local_target
-    from musekern.variants.qkv_front import other_warp_split, same_bits_alternatives, variant
+    from musekern.variants import variant
 
     nkv = SHARDS[tp].num_kv_heads
     v = other_warp_split(variant(SHARDS[tp].n, m, nkv, local_target()))
@@ -235,7 +215,8 @@ def test_other_warp_split_is_correct_deterministic_and_ring_independent(weights,
 def test_huge_cache_slot_path_matches(weights, tp, m):
     from musekern.runtime import get_kernel
     from musekern.targets import local_target
-    from musekern.variants.qkv_front import launch_grid, variant
+    from musekern.variants import variant
+    from musekern.variants.qkv_front import launch_grid
 
     nkv = SHARDS[tp].num_kv_heads
     v = variant(SHARDS[tp].n, m, nkv, local_target())
@@ -265,20 +246,18 @@ def _launch_variant(v, p, weight, out):
 
 
 # TP8 (one tile "rows" under "late", and two tiles "k"; M = 8 its own build) and TP4 ("k" under "exit"); every
-# lever that applies to the planned build (stash: "rows" only; trigger_ahead: "late" only), and TP2's one-tile
-# "late" build for the two levers that keep weights streaming before x exists.
-BIT_LEVERS = [(tp, m, what) for tp, m in ((8, 3), (8, 8), (8, 12), (4, 16))
-              for what in ("stages", "trigger", "l2_prefetch")] \
-    + [(8, 3, "stash"), (8, 8, "stash"), (8, 3, "trigger_ahead"), (8, 12, "trigger_ahead"), (2, 5, "stash"),
-       (2, 5, "trigger_ahead")]
+# lever that applies to the planned build (trigger_ahead: "late" only), and TP2's one-tile "late" build for
+# trigger_ahead (planned 0 there: the alternative fires 4 k-tiles ahead).
+BIT_LEVERS = [(tp, m, what) for tp, m in ((8, 3), (8, 8), (8, 12), (4, 16)) for what in ("stages", "trigger")] \
+    + [(8, 3, "trigger_ahead"), (8, 8, "trigger_ahead"), (8, 12, "trigger_ahead"), (2, 5, "trigger_ahead")]
 
 
 @pytest.mark.parametrize("tp,m,what", BIT_LEVERS)
 def test_ring_stages_and_trigger_do_not_change_a_bit(weights, tp, m, what):
-    """Builds that differ only in ring depth, PDL trigger, L2 prefetch, stash or trigger_ahead give identical
-    bits (musekern.variants.qkv_front.same_bits_alternatives; gpu_cache.sh builds them)."""
+    """Builds that differ only in ring depth, PDL trigger or trigger_ahead give identical bits
+    (tests/qkv_front_builds.py::same_bits_alternatives; gpu_cache.sh builds them)."""
     from musekern.targets import local_target
-    from musekern.variants.qkv_front import same_bits_alternatives, variant
+    from musekern.variants import variant
 
     nkv = SHARDS[tp].num_kv_heads
     v = variant(SHARDS[tp].n, m, nkv, local_target())
@@ -293,6 +272,118 @@ def test_ring_stages_and_trigger_do_not_change_a_bit(weights, tp, m, what):
     assert torch.equal(a, b), f"{v.label} vs {alt.label} differ"
 
 
+
+# ---------------------------------------------------------------- above M = 16 (4 token tiles)
+# The op takes M <= 16 today; these launch the builds the rules give M = 17..32 directly, on every shard (front_serves
+# takes them at TP4 and TP2; bench/gpu_cache.sh and bench/front_large_m.py build them). Every M (every tail of the
+# new tile count) at TP8 and TP4; each end of the tile and a middle at TP2 and TP1.
+ABOVE_16 = [(tp, m) for tp in (8, 4) for m in range(17, 33)] + [(tp, m) for tp in (2, 1) for m in (17, 24, 31, 32)]
+
+
+def _front(tp, m):
+    from musekern.targets import local_target
+    from musekern.variants import variant
+
+    return variant(SHARDS[tp].n, m, SHARDS[tp].num_kv_heads, local_target())
+
+
+def _poisoned(m, tp):
+    return torch.full((m, SHARDS[tp].n), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+
+@pytest.mark.parametrize("tp,m", ABOVE_16)
+def test_above_16_every_m(weights, record_property, tp, m):
+    nkv = SHARDS[tp].num_kv_heads
+    p = problem(m, nkv, seed=300 * tp + m)
+    y = _launch_variant(_front(tp, m), p, weights[tp], _poisoned(m, tp))
+    torch.cuda.synchronize()
+    check_against_truth(p, weights[tp], nkv, y, record_property)
+
+
+# Both engine layouts, padding slots (-1), a slot past the end and the last slot of the cache, positions 0 and
+# max_pos - 1, at every shard.
+@pytest.mark.parametrize("layout", ["vllm", "flashinfer"])
+@pytest.mark.parametrize("tp,m", [(8, 17), (8, 32), (4, 29), (2, 32), (1, 24)])
+def test_above_16_cache_layouts_padding_and_edges(weights, layout, tp, m):
+    nkv = SHARDS[tp].num_kv_heads
+    max_pos = 4096
+    pos = torch.randint(0, max_pos, (m,), device="cuda")
+    pos[0], pos[-2] = 0, max_pos - 1
+    p = problem(m, nkv, layout=layout, pad_every=5, seed=11 * m + tp, positions=pos)
+    nb, bs = p["key_cache"].shape[:2]
+    p["slot_mapping"][-1] = nb * bs + 5  # beyond the cache: must write nothing
+    p["slot_mapping"][1] = nb * bs - 1  # the last slot
+    y = _launch_variant(_front(tp, m), p, weights[tp], _poisoned(m, tp))
+    torch.cuda.synchronize()
+    check_against_truth(p, weights[tp], nkv, y)
+
+
+@pytest.mark.parametrize("tp,m", [(8, 32), (4, 17), (4, 32), (2, 25), (1, 17)])
+def test_above_16_bitwise_deterministic(weights, tp, m):
+    nkv = SHARDS[tp].num_kv_heads
+    v = _front(tp, m)
+    p = problem(m, nkv, seed=31)
+    first = _launch_variant(v, p, weights[tp], _poisoned(m, tp)).clone()
+    k0 = p["backing"].clone()
+    for _ in range(10):
+        assert torch.equal(_launch_variant(v, p, weights[tp], _poisoned(m, tp)), first)
+        assert torch.equal(p["backing"], k0)
+
+
+def _levers(cases):
+    """(tp, m, lever) for every lever that applies to the 4-tile build of (tp, m) (tests/qkv_front_builds.py)."""
+    from musekern.targets import get_target
+    from musekern.variants import variant
+
+    return [(tp, m, what) for tp, m in cases for what in same_bits_alternatives(
+        variant(SHARDS[tp].n, m, SHARDS[tp].num_kv_heads, get_target("h200")))]
+
+
+# every lever of every new build that must not change a bit
+@pytest.mark.parametrize("tp,m,what", _levers(((8, 24), (4, 32), (4, 19), (2, 20), (1, 32))))
+def test_above_16_levers_do_not_change_a_bit(weights, tp, m, what):
+    v = _front(tp, m)
+    alts = same_bits_alternatives(v)
+    p = problem(m, SHARDS[tp].num_kv_heads, seed=5)
+    a = _launch_variant(v, p, weights[tp], _poisoned(m, tp)).clone()
+    b = _launch_variant(alts[what], p, weights[tp], _poisoned(m, tp))
+    torch.cuda.synchronize()
+    assert torch.equal(a, b), f"{v.label} vs {alts[what].label} differ"
+
+
+# the warp split the plan did not pick: correct against fp64, deterministic, independent of the ring depth
+@pytest.mark.parametrize("tp,m", [(8, 20), (4, 32), (4, 23), (2, 31), (1, 27)])
+def test_above_16_other_warp_split(weights, tp, m):
+    nkv = SHARDS[tp].num_kv_heads
+    v = other_warp_split(_front(tp, m))
+    p = problem(m, nkv, seed=41 + m)
+    y = _launch_variant(v, p, weights[tp], _poisoned(m, tp)).clone()
+    torch.cuda.synchronize()
+    check_against_truth(p, weights[tp], nkv, y)
+    again = _launch_variant(v, p, weights[tp], _poisoned(m, tp))
+    alt = same_bits_alternatives(v)["stages"]
+    shallow = _launch_variant(alt, p, weights[tp], _poisoned(m, tp))
+    torch.cuda.synchronize()
+    assert torch.equal(again, y)
+    assert torch.equal(shallow, y), f"{v.label}: ring depth {alt.stages} changed the result"
+
+
+def _candidates():
+    from musekern.targets import get_target
+
+    return front_candidates(get_target("h200"))
+
+
+# the alternatives bench/front_large_m.py times beside the plan: each against fp64 at its M and at a tail
+@pytest.mark.parametrize("name,v,m", _candidates(), ids=lambda x: x if isinstance(x, str) else "")
+def test_above_16_candidates(weights, name, v, m):
+    tp = int(name.split("-")[0][2:])
+    nkv = SHARDS[tp].num_kv_heads
+    for mm in (m, m - 11):
+        p = problem(mm, nkv, seed=51 + mm)
+        y = _launch_variant(v, p, weights[tp], _poisoned(mm, tp))
+        torch.cuda.synchronize()
+        check_against_truth(p, weights[tp], nkv, y)
 
 
 @pytest.mark.parametrize("tp,m", [(8, 4), (8, 8), (2, 16)])

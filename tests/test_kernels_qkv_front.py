@@ -19,10 +19,11 @@ import sys
 import time
 
 import pytest
+from qkv_front_builds import front_builds, front_candidates, gpu_test_builds
 
 from musekern.targets import SM90_REGS_PER_SM, TARGETS, get_target
 from musekern.variants.qkv_front import (
-    CTAS_PER_SM,
+    FRONT_MAX_TOKENS,
     HEAD_COLS,
     K_TILE,
     K_TILES,
@@ -31,9 +32,9 @@ from musekern.variants.qkv_front import (
     QkvFrontVariant,
     launch_grid,
     padded_tokens,
-    qkv_front_variants,
     smem_bytes,
 )
+from musekern.variants.qkv_front_rules import CTAS_PER_SM, qkv_front_variants
 
 
 def planned_variants():
@@ -44,17 +45,15 @@ def planned_variants():
 
 
 PLANNED = planned_variants()
-# not planned for the H200, but legal: S = 4 and 8 exercise the multi-owner paths (owned tokens 1..4), in
-# both warp splits; the planned variants' other warp split at the S = 1 and S = 2 shapes (both tile counts).
-EXTRA = [QkvFrontVariant(2176, 1, 2, 4, 4, 0), QkvFrontVariant(2176, 1, 1, 8, 8, 8),
-         QkvFrontVariant(2176, 1, 2, 4, 4, 0, warp_split="k"), QkvFrontVariant(2176, 1, 1, 8, 8, 8, warp_split="k"),
-         QkvFrontVariant(4352, 2, 1, 4, 2, 0, "exit")] \
-    + [dataclasses.replace(v, warp_split="k" if v.warp_split == "rows" else "rows", stash=0)
+# not planned for the H200, but legal: TP4's one-tile shape under "exit" with "rows", and the planned variants'
+# other warp split at the S = 1 and S = 2 shapes (both tile counts).
+EXTRA = [QkvFrontVariant(4352, 2, 1, 4, 2, 0, "exit")] \
+    + [dataclasses.replace(v, warp_split="k" if v.warp_split == "rows" else "rows")
        for v in PLANNED if v.n in (2176, 8704) and not v.fixed_m]
-# the stash (a lever no plan takes: bench/NOTES.md round 16b), both tile counts, S = 2 and 1
-STASHED = [QkvFrontVariant(2176, 1, 1, 5, 2, 0, "late", k_rotate=1, trigger_ahead=5, stash=4),
-           QkvFrontVariant(8704, 4, 2, 4, 1, 0, "late", k_rotate=1, trigger_ahead=4, stash=2)]
-EXTRA += STASHED
+# above M = 16: the 4-tile builds the rules give M = 17..32 at every shard, and the other code path the bench
+# times beside them ("rows" at 4 tiles, S = 2 and 1)
+NEW = front_builds(get_target("h200"))
+NEW_EXTRA = [v for name, v, _ in front_candidates(get_target("h200")) if name in ("tp8-m32-rows", "tp2-m32-rows")]
 ARGS_FIELDS = {"weight", "x", "weight_ptr", "M", "y", "positions", "cos_sin_cache", "slot_mapping", "key_cache",
                "value_cache", "max_pos", "block_size", "num_blocks", "k_block_stride", "v_block_stride", "eps"}
 
@@ -70,7 +69,7 @@ def test_plan_has_every_shape():
 def test_smem_fits_every_target(target):
     t = TARGETS[target]
     for n, nkv in ((2176, 1), (4352, 2), (8704, 4), (17408, 8)):
-        for v in qkv_front_variants(n, nkv, t):
+        for v in qkv_front_variants(n, nkv, t, FRONT_MAX_TOKENS):
             assert smem_bytes(v) <= t.max_smem_optin, v
             assert K_TILES % v.splits == 0 and v.stages <= K_TILES // v.splits
             assert padded_tokens(v) % v.splits == 0  # every owner gets TT/S tokens (static expect_tx)
@@ -109,7 +108,15 @@ def kmod():
     return qkv_front
 
 
-@pytest.mark.parametrize("v", PLANNED + EXTRA, ids=lambda v: v.label)
+# every build the GPU tests and the bench launch above M = 16: the CuTe struct the kernel allocates is the size
+# the loader reserves (compiling asserts it too; this checks the builds no slow test compiles)
+@pytest.mark.parametrize("v", list(dict.fromkeys(NEW + gpu_test_builds(NEW) + [c[1] for c in front_candidates(
+    get_target("h200"))])), ids=lambda v: v.label)
+def test_smem_struct_is_smem_bytes(kmod, v):
+    assert kmod.QkvFrontKernel(v).Smem.size_in_bytes() == smem_bytes(v)
+
+
+@pytest.mark.parametrize("v", PLANNED + EXTRA + NEW + NEW_EXTRA, ids=lambda v: v.label)
 def test_abi_declaration(kmod, v):
     abi = kmod.abi_for(v)
     names = {f.name for p in abi.params for f in p.fields}
@@ -122,20 +129,6 @@ def test_abi_declaration(kmod, v):
     assert tm["tma_w"].tensor == "weight" and tm["tma_w"].box == (64, HEAD_COLS) and tm["tma_w"].swizzle == "128B"
     assert tm["tma_x"].tensor == "x" and tm["tma_x"].box == (64, padded_tokens(v)) and tm["tma_x"].swizzle == "128B"
     assert tm["tma_x"].oob_fill == "none"  # rows >= M read as zeros
-
-
-@pytest.mark.parametrize("pf", [0, 16, 64])
-def test_l2_prefetch_is_in_the_ptx_only_when_asked(kmod, pf):
-    """cp.async.bulk.prefetch.L2 of the CTA's W rows, before griddepcontrol.wait, iff l2_prefetch > 0."""
-    import dataclasses
-
-    v = dataclasses.replace(PLANNED[0], l2_prefetch=pf)
-    ptx = _compile(kmod, v)[0].ptx
-    body = ptx[ptx.index(".entry"):]
-    n = len(re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global", body))
-    assert (n > 0) == (pf > 0)
-    if pf:
-        assert body.index("cp.async.bulk.prefetch.L2") < body.index("griddepcontrol.wait")
 
 
 def test_unsupported_arch(kmod):
@@ -166,7 +159,7 @@ def _count(pat, text):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("v", PLANNED + EXTRA, ids=lambda v: v.label)
+@pytest.mark.parametrize("v", PLANNED + EXTRA + NEW + NEW_EXTRA, ids=lambda v: v.label)
 def test_compile_ptx(kmod, v):
     from musekern.store.abi import check_abi_against_ptx
 
@@ -176,27 +169,28 @@ def test_compile_ptx(kmod, v):
     ptx = ck.ptx
     tt = padded_tokens(v)
     assert ".target sm_90a" in ptx and f".reqntid {THREADS}, 1, 1" in ptx
-    # TMA ring: prefill ((stages + stash) x (2 W + 2 x boxes)) + the steady-state loop body (4 boxes)
-    pre = v.stages + v.stash
+    # TMA ring: prefill (stages x (2 W + 2 x boxes)) + the steady-state loop body (4 boxes)
+    pre = v.stages
     assert _count(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\.mbarrier::complete_tx", ptx) == \
         4 * pre + (4 if pre < K_TILES // v.splits else 0)
     # before the producer's griddepcontrol.wait (the first in the text): the W boxes of the prefill only
     assert _count(r"cp\.async\.bulk\.tensor", ptx.split("griddepcontrol.wait")[0]) == 2 * pre
     stage_tx = W_STAGE_BYTES + tt * K_TILE * 2
     assert re.search(rf"mov\.b32\s+%r\d+, {stage_tx};\s*\n\s*mbarrier\.arrive\.expect_tx", ptx)
-    if v.stash:  # stashed k-tiles: W only before the wait, their x on one barrier after it
-        for tx in (W_STAGE_BYTES, v.stash * tt * K_TILE * 2):
-            assert re.search(rf"mov\.b32\s+%r\d+, {tx};\s*\n\s*mbarrier\.arrive\.expect_tx", ptx), tx
     n_mma = _count(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)
     n_x4 = _count(r"ldmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16", ptx)
     n_x2 = _count(r"ldmatrix\.sync\.aligned\.m8n8\.x2\.shared\.b16", ptx)
     if v.warp_split == "rows":
-        # per k-tile a warp: 8 k-steps x (TT / 8) n8 atoms, ldmatrix x4 for W, x4 (TT=16) / x2 (TT=8) for x
-        # (and the same once per stashed k-tile, unrolled)
-        per_tile = (8 + (8 if tt == 16 else 0), 8 if tt == 8 else 0)
-        assert n_mma == 8 * (tt // 8) * (1 + v.stash)
-        assert (n_x4, n_x2) == (per_tile[0] * (1 + v.stash), per_tile[1] * (1 + v.stash))
+        # per k-tile a warp: 8 k-steps x (TT / 8) n8 atoms, ldmatrix x4 for W, for x x4 per 16 tokens (x2 at TT=8)
+        assert n_mma == 8 * (tt // 8)
+        assert (n_x4, n_x2) == ((8 * (1 + tt // 16), 0) if tt >= 16 else (8, 8))
         per_thread_sends = 4 * (tt // 8)  # one st.async per accumulator element
+    elif v.tiles > 2:
+        # "k" with 4 tiles, one register set: one load block of 2 x (4 W x4 + TT / 16 x x4), one MMA block
+        assert n_mma == 2 * 4 * (tt // 8)
+        assert (n_x4, n_x2) == (2 * (4 + tt // 16), 0)
+        per_thread_sends = tt * HEAD_COLS // 128
+        assert _count(r"bar\.sync\s+3, 128", ptx) == 2
     else:
         # per k-tile a warp: 2 k-steps x 4 m16 x (TT / 8) n8; the loop is unrolled by two (two register
         # sets) after a one-tile prologue: 3 load blocks of 2 x (4 W x4 + 1 x ldmatrix), 2 MMA blocks
@@ -234,7 +228,7 @@ def _nv_bin(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("v", PLANNED + STASHED, ids=lambda v: v.label)
+@pytest.mark.parametrize("v", PLANNED + NEW + NEW_EXTRA, ids=lambda v: v.label)
 def test_sass(kmod, v, tmp_path):
     cuobjdump = _nv_bin("cuobjdump")
     if not cuobjdump:

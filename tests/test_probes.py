@@ -52,12 +52,10 @@ def test_tail_trace_builds_against_the_kernel(case):
     at its 8 sites: producer start / end, aux after the wait, consumer done (warps 0 and 3), sent, partials
     landed, epilogue done; and at the kernel's entry."""
     pytest.importorskip("cutlass")
-    from musekern.kernels.qkv_front import compile_variant
-
     tt = _probe("tail_trace")
     name, shape, overrides = tt.CASES[case]
     v = tt._variant(shape["n"], shape["m"], overrides)
-    ck = compile_variant(v, "sm_90a", kernel_cls=tt._traced_class())
+    ck = tt.compile_traced(v)
     assert len(re.findall(r"mov\.u64\s+%rd\d+, %globaltimer;", ck.ptx)) == 9  # and the kernel's entry
     assert len(re.findall(r"mov\.u64\s+%rd\d+, %clock64;", ck.ptx)) == 9
 

@@ -23,25 +23,22 @@ from musekern.variants import (
     variant,
     variant_from_label,
 )
-from musekern.variants.qkv_front import (
-    K_TILES,
-    MAX_RING_STAGES,
-    SMEM_RESERVE_BYTES,
-    smem_bytes,
-    stage_bytes,
-)
+from musekern.variants.qkv_front import FRONT_MAX_TOKENS, K_TILES, SPLIT_CHOICES, smem_bytes, stage_bytes
+from musekern.variants.qkv_front_rules import MAX_RING_STAGES, SMEM_RESERVE_BYTES
 
 H200 = get_target("h200")
 
 
-@pytest.mark.parametrize("m,tiles,fixed", [(1, 1, 0), (7, 1, 0), (8, 1, 8), (9, 2, 0), (16, 2, 0)])
+# each side of every tile boundary: 8-token tiles up to 2, then M padded up to 4 tiles
+@pytest.mark.parametrize("m,tiles,fixed", [(1, 1, 0), (7, 1, 0), (8, 1, 8), (9, 2, 0), (16, 2, 0), (17, 4, 0),
+                                           (24, 4, 0), (32, 4, 0)])
 def test_token_tiles_and_fixed_rows(m, tiles, fixed):
     assert token_tiles(m) == tiles and fixed_rows(m) == fixed
 
 
-@pytest.mark.parametrize("m", [0, 17, -1])
+@pytest.mark.parametrize("m", [0, 33, -1])
 def test_token_tiles_range(m):
-    with pytest.raises(ValueError, match="1..16"):
+    with pytest.raises(ValueError, match="1..32"):
         token_tiles(m)
 
 
@@ -60,7 +57,7 @@ def test_k_split(n, target, s):
 # TP2 at M <= 8); the deep ring is 11 stages (all one CTA may have) with one token tile, 8 with two; no explicit
 # PDL trigger where the shallow ring doubles CTAs up on SMs with clusters (TP4) or two tiles (TP2 M > 8).
 # "late" fires one ring turn before the last load where the grid's CTAs are alone on their SMs (TP8), at the
-# last load where SMs hold two (TP2). No plan stashes.
+# last load where SMs hold two (TP2).
 # Each row: (M = 1 value, M = 16 value) of stages, trigger, warp split and trigger_ahead.
 @pytest.mark.parametrize("n,target,stages,trigger,split,ahead", [
     (2176, "h200", (6, 5), ("late", "late"), ("rows", "k"), (6, 5)),
@@ -74,14 +71,13 @@ def test_planned_ring_trigger_and_warp_split(n, target, stages, trigger, split, 
     t = get_target(target)
     v = variant(n, m, {2176: 1, 4352: 2, 8704: 4, 17408: 8}[n], t)
     i = int(m > 8)
-    assert (v.stages, v.trigger, v.warp_split, v.trigger_ahead, v.stash) == (stages[i], trigger[i], split[i],
-                                                                            ahead[i], 0)
+    assert (v.stages, v.trigger, v.warp_split, v.trigger_ahead) == (stages[i], trigger[i], split[i], ahead[i])
     if v.stages < 8:  # two CTAs really fit on one SM
         assert 2 * (smem_bytes(v) + SMEM_RESERVED_PER_CTA) <= t.smem_per_sm
 
 
 def test_ring_stages_fit_shared_memory():
-    for split in (1, 2, 4, 8):
+    for split in SPLIT_CHOICES:
         for tiles in (1, 2):
             st = ring_stages(split, H200, tiles)
             assert 2 <= st <= (K_TILES if tiles == 1 else MAX_RING_STAGES)
@@ -183,11 +179,13 @@ def test_plan_is_deterministic_across_hash_seeds():
     assert len(doc["variants"]) == 32
 
 
-# each field of QkvFrontVariant that __post_init__ guards, with a value outside its domain
-@pytest.mark.parametrize("field,value,msg", [("warp_split", "cols", "warp_split"), ("trigger", "now", "trigger"),
-                                             ("k_rotate", -1, "k_rotate"), ("l2_prefetch", 65, "l2_prefetch"),
-                                             ("stages", 33, "stages"), ("stash", 7, "stash"),
-                                             ("stash", -1, "stash"), ("trigger_ahead", 26, "trigger_ahead"),
+# each field of QkvFrontVariant that __post_init__ guards, with a value outside its domain (splits 4 / 8 and the
+# trigger "wait" were levers once: measured slower, removed)
+@pytest.mark.parametrize("field,value,msg", [("warp_split", "cols", "warp_split"), ("trigger", "wait", "trigger"),
+                                             ("stages", 33, "stages"), ("stages", 1, "stages"),
+                                             ("splits", 4, "splits"), ("tiles", 3, "tiles"), ("tiles", 8, "tiles"),
+                                             ("fixed_m", 16, "fixed_m"), ("n", 2175, "q|k|v|gate"),
+                                             ("trigger_ahead", 26, "trigger_ahead"),
                                              ("trigger_ahead", -1, "trigger_ahead")])
 def test_qkv_front_variant_rejects_out_of_domain_fields(field, value, msg):
     import dataclasses
@@ -197,36 +195,78 @@ def test_qkv_front_variant_rejects_out_of_domain_fields(field, value, msg):
         dataclasses.replace(v, **{field: value})
 
 
-# the levers that apply to one warp split / trigger only, and the largest legal values
-def test_qkv_front_stash_and_trigger_ahead_domains():
+# trigger_ahead applies to the late trigger only, up to the last k-tile past the ring prefill
+def test_qkv_front_trigger_ahead_domain():
     import dataclasses
 
     v = variant(2176, 1, 1, H200)
-    assert dataclasses.replace(v, stash=6, trigger_ahead=19).stash == 6  # 31 - 6 - 6
-    with pytest.raises(ValueError, match="trigger_ahead"):
-        dataclasses.replace(v, stash=6, trigger_ahead=20)
-    with pytest.raises(ValueError, match="stash needs warp_split='rows'"):
-        dataclasses.replace(v, stash=2, warp_split="k")
+    assert dataclasses.replace(v, trigger_ahead=25).trigger_ahead == 25  # 31 - 6
     with pytest.raises(ValueError, match="trigger_ahead needs trigger='late'"):
         dataclasses.replace(v, trigger="exit")
     assert dataclasses.replace(v, trigger="exit", trigger_ahead=0).trigger_ahead == 0
 
 
-# every lever the GPU tests move to check that a build's bits do not change (tests/test_gpu_qkv_front.py), for
-# every planned qkv_front: a legal build that differs from the plan in that lever
-def test_same_bits_alternatives_move_their_lever():
-    from musekern.config import load_config
-    from musekern.variants import plan_model
-    from musekern.variants.qkv_front import same_bits_alternatives
+# The builds the GPU tests launch beyond the plan (tests/qkv_front_builds.py), for every planned qkv_front: each
+# same-bits alternative is legal and differs from the plan in its lever only; the other warp split is legal.
+def test_gpu_test_builds_move_one_lever():
+    import dataclasses
 
-    for e in plan_model(load_config(), [H200]):
-        if e.kernel != "qkv_front":
-            continue
-        v = e.variant
+    from qkv_front_builds import gpu_test_builds, other_warp_split, same_bits_alternatives
+
+    planned = [e.variant for e in plan_model(load_config(), [H200]) if e.kernel == "qkv_front"]
+    for v in planned:
         alts = same_bits_alternatives(v)
-        assert {"stages", "trigger", "l2_prefetch"} <= set(alts)
-        assert ("stash" in alts) == (v.warp_split == "rows") and ("trigger_ahead" in alts) == (v.trigger == "late")
+        assert set(alts) == {"stages", "trigger"} | ({"trigger_ahead"} if v.trigger == "late" else set())
         for lever, alt in alts.items():
-            assert getattr(alt, lever) != getattr(v, lever), (lever, v.label)
-            assert (alt.n, alt.tiles, alt.splits, alt.warp_split, alt.k_rotate) == \
-                (v.n, v.tiles, v.splits, v.warp_split, v.k_rotate)  # what may change the bits stays
+            moved = {f.name for f in dataclasses.fields(v) if getattr(alt, f.name) != getattr(v, f.name)}
+            assert lever in moved and moved <= {lever, "trigger_ahead"}, (lever, v.label)
+            assert (alt.n, alt.tiles, alt.splits, alt.warp_split) == (v.n, v.tiles, v.splits, v.warp_split)
+        assert other_warp_split(v).warp_split != v.warp_split
+    builds = gpu_test_builds(planned)
+    assert len(builds) == len(set(builds)) and not set(builds) & set(planned)
+
+
+# "k" with 4 tiles sums its partials in the W ring (34 KiB: 3 stages of 16 KiB at least); "rows" needs none, and
+# one or two tiles' partials fit any ring ("2x2" and 8 tiles were measured and removed: NOTES)
+@pytest.mark.parametrize("tiles,split,stages,ok", [(4, "k", 3, True), (4, "k", 2, False), (4, "rows", 2, True),
+                                                   (2, "k", 2, True), (4, "2x2", 4, False)])
+def test_warp_split_by_tile_count(tiles, split, stages, ok):
+    make = lambda: QkvFrontVariant(2176, 1, tiles, stages, 2, 0, "late", warp_split=split)  # noqa: E731
+    if ok:
+        assert make().warp_split == split
+    else:
+        with pytest.raises(ValueError, match="warp_split"):
+            make()
+
+
+# Above M = 16 (measured, bench/NOTES.md "The fused front above M = 16"): the front serves M <= 32 where heads x S
+# CTAs fill one wave at two per SM with more than one per SM (TP4, TP2 on the H200; one 4-tile build each), not
+# where the CTAs are alone on their SMs (TP8) or run in waves (TP1): those take cuBLAS + the fused epilogue above 16.
+# The M <= 16 builds stay the plan's everywhere.
+@pytest.mark.parametrize("n,nkv,served", [(2176, 1, False), (4352, 2, True), (8704, 4, True), (17408, 8, False)])
+def test_front_variants_above_16(n, nkv, served):
+    from musekern.variants import front_serves
+
+    small = qkv_front_variants(n, nkv, H200)
+    full = qkv_front_variants(n, nkv, H200, FRONT_MAX_TOKENS)
+    assert full[:len(small)] == small
+    assert [v.tiles for v in full[len(small):]] == ([4] if served else [])
+    for m in (17, 24, 32):
+        v = variant(n, m, nkv, H200)  # a build exists either way (the GPU tests keep it correct)
+        assert front_serves(n, m, H200) == served and (v in full) == served and v.tiles == 4
+        assert smem_bytes(v) <= H200.max_smem_optin
+    assert all(front_serves(n, m, H200) for m in range(1, 17))
+    assert qkv_front_variants(n, nkv, H200, 1000) == full  # nothing past FRONT_MAX_TOKENS
+    assert not front_serves(n, FRONT_MAX_TOKENS + 1, H200) and not front_serves(n, 0, H200)
+
+
+# `prepare --variant` sorts any set of labels: variants whose params leave out different defaults (an int in one
+# where the other has a str) still order
+def test_plan_entries_of_mixed_fields_sort():
+    from musekern.variants import PlanEntry
+
+    a = QkvFrontVariant(2176, 1, 4, 4, 2, 0, "late", warp_split="k", trigger_ahead=4)
+    b = QkvFrontVariant(2176, 1, 4, 4, 2, 0, "late", trigger_ahead=4)
+    c = QkvFrontVariant(2176, 1, 4, 4, 2, 0, "exit", warp_split="k")
+    entries = sorted({PlanEntry(H200, v, ()) for v in (a, b, c)}, key=PlanEntry.sort_key)
+    assert len(entries) == 3

@@ -56,13 +56,29 @@ def _variant(n, m, overrides):
     import dataclasses
 
     from musekern.targets import get_target
-    from musekern.variants.qkv_front import variant
+    from musekern.variants import variant
 
     return dataclasses.replace(variant(n, m, KV[n], get_target("h200")), **overrides)
 
 
 # ---------------------------------------------------------------------------------------------- build (CPU)
+def _jit_copy(kernel_method):
+    """A @cute.jit copy of a @cute.kernel method's undecorated body, to be traced inline inside another kernel
+    (a copy: the DSL keeps its decoration state on the function object the product kernel still uses)."""
+    import types
+
+    import cutlass.cute as cute
+
+    raw = kernel_method.__wrapped__
+    fn = types.FunctionType(getattr(raw, "_original_code", raw.__code__), raw.__globals__, raw.__name__,
+                            raw.__defaults__, raw.__closure__)
+    fn.__qualname__, fn.__module__, fn.__annotations__ = raw.__qualname__, raw.__module__, dict(raw.__annotations__)
+    return cute.jit(fn)
+
+
 def _traced_class():
+    """The front's kernel class with its entry and warp roles wrapped in timestamps (the product kernel has no
+    hooks: the traced `kernel` stamps the entry, then runs the product kernel's own body)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Int64
@@ -77,6 +93,7 @@ def _traced_class():
                                      asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
     base = QkvFrontKernel
+    body = _jit_copy(base.kernel)
 
     class TracedFront(base):
         def _stamp(self, k: int, cond):
@@ -90,15 +107,25 @@ def _traced_class():
                 tr[base_slot + gt_slot] = _read("%globaltimer")
                 tr[base_slot + clk_slot] = _read("%clock64")
 
-        def _instrument(self, y_ptr):
+        @cute.kernel
+        def kernel(self, tma_w: cute.CopyAtom, mW_tma: cute.Tensor, tma_x: cute.CopyAtom, mX_tma: cute.Tensor,
+                   w_ptr: cute.Pointer, y_ptr: cute.Pointer, pos_ptr: cute.Pointer, cs_ptr: cute.Pointer,
+                   slot_ptr: cute.Pointer, kc_ptr: cute.Pointer, vc_ptr: cute.Pointer, max_pos: cutlass.Int32,
+                   block_size: cutlass.Int32, num_blocks: cutlass.Int32, k_block_stride: cutlass.Int64,
+                   v_block_stride: cutlass.Int64, eps: cutlass.Float32, tiled_mma: cute.TiledMma,
+                   sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout):
+            # the stamps go to rows of y the launch leaves unwritten
             self._tr = cute.make_tensor(cute.recast_ptr(y_ptr + trace_row(self.v) * self.n, dtype=Int64),
                                         cute.make_layout(self.heads * self.S * SLOTS))
             self._stamp_slots(16, 17, cute.arch.thread_idx()[0] == 0)  # before the barriers' init, the cluster sync
+            body(self, tma_w, mW_tma, tma_x, mX_tma, w_ptr, y_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr,
+                 max_pos, block_size, num_blocks, k_block_stride, v_block_stride, eps, tiled_mma, sW_layout,
+                 sX_layout)
 
         @cute.jit
-        def producer(self, tma_w, mW_tma, tma_x, mX_tma, w_ptr, sW, sX, full, empty, xs_full, head, rank):
+        def producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank):
             self._stamp(0, cute.arch.lane_idx() == 0)
-            base.producer(self, tma_w, mW_tma, tma_x, mX_tma, w_ptr, sW, sX, full, empty, xs_full, head, rank)
+            base.producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank)
             self._stamp(2, cute.arch.lane_idx() == 0)
 
         @cute.jit
@@ -108,8 +135,8 @@ def _traced_class():
             base.aux(self, st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, rank)
 
         @cute.jit
-        def consumer(self, tiled_mma, sW, sX, full, empty, xs_full, tidx):
-            acc = base.consumer(self, tiled_mma, sW, sX, full, empty, xs_full, tidx)
+        def consumer(self, tiled_mma, sW, sX, full, empty, tidx):
+            acc = base.consumer(self, tiled_mma, sW, sX, full, empty, tidx)
             self._stamp(3, tidx == 0)
             self._stamp(7, tidx == 96)
             return acc
@@ -144,21 +171,32 @@ def _traced_class():
     return TracedFront
 
 
+def compile_traced(v):
+    """cubin, PTX, symbol and ABI of the traced build of v (its PTX `.entry` checked against the front's ABI)."""
+    from musekern.kernels import CompiledKernel
+    from musekern.kernels._dsl import compile_to_cubin
+    from musekern.kernels.qkv_front import abi_for, compile_args
+    from musekern.store.abi import check_abi_against_ptx
+
+    cubin, ptx, symbol = compile_to_cubin(_traced_class()(v), *compile_args(v), arch="sm_90a")
+    abi = abi_for(v)
+    check_abi_against_ptx(abi, ptx, symbol)
+    return CompiledKernel(symbol=symbol, cubin=cubin, ptx=ptx, abi=abi)
+
+
 def build(outdir: str, names=()) -> None:
     from musekern.bench.report import git_state
-    from musekern.kernels.qkv_front import compile_variant
 
     known = [c[0] for c in CASES]
     if unknown := sorted(set(names) - set(known)):
         raise SystemExit(f"unknown case(s) {unknown}; known: {known}")
     os.makedirs(outdir, exist_ok=True)
-    cls = _traced_class()
     manifest = []
     for name, shape, overrides in CASES:
         if names and name not in names:
             continue
         v = _variant(shape["n"], shape["m"], overrides)
-        ck = compile_variant(v, "sm_90a", kernel_cls=cls)  # checks the PTX .entry against the kernel's ABI
+        ck = compile_traced(v)
         open(os.path.join(outdir, f"{name}.cubin"), "wb").write(ck.cubin)
         manifest.append({"name": name, "label": v.label, "m": trace_row(v), "symbol": ck.symbol,
                          "abi": ck.abi.to_json()})

@@ -6,8 +6,8 @@ Launch (musekern/variants/qkv_front.py is the single source of truth for every c
   grid  = heads * S CTAs along x, cluster = (S, 1, 1): cluster h computes head h (64 columns of y),
   block = 192 threads: warps 0-3 consumers (mma.sync), warp 4 TMA producer, warp 5 aux.
 CTA rank r of a cluster streams the k-tiles r, r+S, r+2S, ... (K_TILE = 128 columns each, 64/S
-tiles: S divides 64; with k_rotate, head h starts h*k_rotate tiles further on, cyclically) of its
-head's 64 W rows and of x through a `stages`-deep shared-memory ring:
+tiles: S divides 64; head h starts h tiles further on, cyclically) of its head's 64 W rows and of x
+through a `stages`-deep shared-memory ring:
   - W: two 64x64 bf16 TMA boxes per stage (128B swizzle) = 16 KiB;
   - x: two 64 x TT boxes per stage (TT = 8*tiles tokens), loaded by TMA too, from a tensor map
     whose row count is M: rows M..TT-1 are outside the tensor, so TMA zero-fills them (never an
@@ -28,13 +28,8 @@ With S == 1 the partials go to the CTA's own shared memory with plain stores.
 PDL: before griddepcontrol.wait the kernel reads only W (the producer prefills the ring with W
 tiles); every thread executes griddepcontrol.wait before it reads x, positions, slots or
 cos|sin and before any global store; griddepcontrol.launch_dependents right after init
-(variant trigger "early"), once the producer's griddepcontrol.wait returned ("wait"), once the producer
-has issued its last load ("late"; with trigger_ahead > 0, its load that many k-tiles before the last), or
-never ("exit": a CTA counts as triggered when it exits). With stash > 0 ("rows" only) the consumer warps
-take the W of k-tiles 0..stash-1 into registers before the wait and free their slots, so the producer
-streams `stash` more k-tiles before x exists; those k-tiles' x lands in extra x slots after the wait. With
-l2_prefetch > 0 the producer also asks L2 for its CTA's W rows before the wait (measured slower:
-off in every plan, kept as a lever; bench/NOTES.md round 4).
+(variant trigger "early"), once the producer has issued its last load ("late"; with trigger_ahead > 0, its
+load that many k-tiles before the last), or never ("exit": a CTA counts as triggered when it exits).
 
 Out-of-range positions (p < 0 or p >= max_pos) are clamped to [0, max_pos - 1] for the cos|sin
 read (the reference does the same). Slots < 0 or >= num_blocks * block_size write nothing.
@@ -85,27 +80,18 @@ BAR_RED = 3  # warp_split "k": the consumer warps are done with the ring / wrote
 
 
 @dsl_user_op
-def prefetch_l2(addr, nbytes, *, loc=None, ip=None):
-    """cp.async.bulk.prefetch.L2: start pulling [addr, addr + nbytes) into L2, no completion to wait on."""
-    llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
-                    "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", has_side_effects=True,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-
-@dsl_user_op
 def f32_bits(x, *, loc=None, ip=None):
     """Bit-cast fp32 -> i32: st.async payloads are b32 words (NOTES.md pitfall 7)."""
     return Int32(llvm.bitcast(Int32.mlir_type, Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
-def ring_tma(mW, mX, stages: int, tt: int, x_stages: int = 0):
+def ring_tma(mW, mX, stages: int, tt: int):
     """The ring's swizzled shared-memory layouts and the W / x TMA atoms (traced inside a @cute.jit): one
     stage = W (64 rows x 128 k) and x (tt rows x 128 k), each two 64-column boxes with 128B swizzle.
-    x_stages (default: stages) > stages appends x slots for the stashed k-tiles.
     Shared with bench/probes/skeleton_probe.py, whose ring must be this one."""
     atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
     sW_layout = cute.tile_to_shape(atom, (HEAD_COLS, K_TILE, stages), order=(0, 1, 2))
-    sX_layout = cute.tile_to_shape(atom, (tt, K_TILE, x_stages or stages), order=(0, 1, 2))
+    sX_layout = cute.tile_to_shape(atom, (tt, K_TILE, stages), order=(0, 1, 2))
     tma_w, mW_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW,
                                                 cute.slice_(sW_layout, (None, None, 0)), (HEAD_COLS, K_TILE))
     tma_x, mX_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX,
@@ -118,22 +104,19 @@ def operand_copies(tiled_mma, tt: int, idx):
     for x (B) per k16 step x4 covers 16 tokens, x2 covers 8."""
     cp_a = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), BFloat16), tiled_mma)
     cp_b = cute.make_tiled_copy_B(
-        cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4 if tt == 16 else 2), BFloat16), tiled_mma)
+        cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4 if tt >= 16 else 2), BFloat16), tiled_mma)
     return cp_a, cp_b, cp_a.get_slice(idx), cp_b.get_slice(idx)
 
 
-def make_smem_struct(stages: int, tt: int, owned: int, stash: int = 0):
+def make_smem_struct(stages: int, tt: int, owned: int):
     @cute.struct
     class Smem:
         # ring first: offset 0 of the 1024-aligned dynamic smem, what the 128B swizzle expects
         sW: cute.struct.Align[cute.struct.MemRange[BFloat16, HEAD_COLS * K_TILE * stages], 1024]
-        # x slots 0..stages-1 ring with W; slots stages..stages+stash-1 hold the stashed k-tiles' x
-        sX: cute.struct.Align[cute.struct.MemRange[BFloat16, tt * K_TILE * (stages + stash)], 1024]
+        sX: cute.struct.Align[cute.struct.MemRange[BFloat16, tt * K_TILE * stages], 1024]
         full: cute.struct.MemRange[Int64, stages]  # TMA -> consumers: count 1 + W and x bytes
         empty: cute.struct.MemRange[Int64, stages]  # consumers -> producer: count 4 (one lane a warp)
         recv_bar: cute.struct.MemRange[Int64, 1]  # partials landed (st.async complete_tx bytes)
-        if stash:
-            xs_full: cute.struct.MemRange[Int64, 1]  # the stashed k-tiles' x landed (after the wait)
         slots: cute.struct.MemRange[Int64, owned]  # staged slot of each owned token
         # cos|sin rows of the owned tokens (sized by them: with one tile at S = 2 this is what lets a 6-stage
         # ring fit two CTAs per SM, bench/NOTES.md round 17)
@@ -156,15 +139,14 @@ class QkvFrontKernel:
         self.stages = v.stages
         self.S = v.splits
         self.tt = padded_tokens(v)  # tokens the MMA computes
-        self.owned = owned_tokens(v.tiles, v.splits)  # tokens per owner CTA (S divides TT: S in 1,2,4,8)
-        assert self.tt % self.S == 0 and self.owned <= MAX_OWNED_TOKENS
+        self.owned = owned_tokens(v.tiles, v.splits)  # tokens per owner CTA (S divides TT)
+        # every consumer warp owns the same number of tokens in the epilogue
+        assert self.tt % self.S == 0 and self.owned % CONSUMER_WARPS == 0 and self.owned <= MAX_OWNED_TOKENS
         self.ntiles = K_TILES // self.S  # k-tiles per CTA
         assert self.stages <= self.ntiles
         self.stage_tx = W_STAGE_BYTES + self.tt * K_TILE * 2  # bytes landing per stage
         self.recv_tx = self.S * self.owned * HEAD_COLS * 4  # bytes of partials an owner receives
-        self.stash = v.stash
-        assert self.stash == 0 or (v.warp_split == "rows" and self.stash <= self.stages)
-        self.Smem = make_smem_struct(self.stages, self.tt, self.owned, self.stash)
+        self.Smem = make_smem_struct(self.stages, self.tt, self.owned)
         self.smem = smem_bytes(v)
 
     # ------------------------------------------------------------------ host side
@@ -178,8 +160,7 @@ class QkvFrontKernel:
             mX = cute.make_tensor(x_ptr, cute.make_layout((self.v.fixed_m, HIDDEN), stride=(HIDDEN, 1)))
         else:
             mX = cute.make_tensor(x_ptr, cute.make_layout((M, HIDDEN), stride=(HIDDEN, 1)))
-        sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma = ring_tma(mW, mX, self.stages, self.tt,
-                                                                      self.stages + self.stash)
+        sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma = ring_tma(mW, mX, self.stages, self.tt)
         mma_op = warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
         if cutlass.const_expr(self.v.warp_split == "rows"):
             # 4 warps along M (16 W rows each); every warp covers all TT tokens (tiles n8 atoms)
@@ -211,15 +192,11 @@ class QkvFrontKernel:
         M = cute.size(mX_tma, mode=[0])  # runtime M (or the static 8 of the M == 8 build)
 
         st = SmemAllocator().allocate(self.Smem)
-        self._instrument(y_ptr)
         sW = st.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)  # (64, 128, stages), swizzled
-        sX = st.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)  # (TT, 128, stages + stash), swizzled
+        sX = st.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)  # (TT, 128, stages), swizzled
         full = st.full.data_ptr()
         empty = st.empty.data_ptr()
         recv_bar = st.recv_bar.data_ptr()
-        xs_full = full  # (unused without a stash)
-        if cutlass.const_expr(self.stash > 0):
-            xs_full = st.xs_full.data_ptr()
 
         if warp_idx == PRODUCER_WARP:
             cpasync.prefetch_descriptor(tma_w)
@@ -229,8 +206,6 @@ class QkvFrontKernel:
                 cute.arch.mbarrier_init(full + s, 1)
                 cute.arch.mbarrier_init(empty + s, CONSUMER_WARPS)
             cute.arch.mbarrier_init(recv_bar, 1)
-            if cutlass.const_expr(self.stash > 0):
-                cute.arch.mbarrier_init(xs_full, 1)
             cute.arch.mbarrier_init_fence()
             if cutlass.const_expr(self.S > 1):
                 # arm the receive barrier before the cluster sync, i.e. before any peer can send
@@ -244,12 +219,12 @@ class QkvFrontKernel:
             cute.arch.griddepcontrol_launch_dependents()  # PDL: the next grid may start its W prefetch
 
         if warp_idx == PRODUCER_WARP:
-            self.producer(tma_w, mW_tma, tma_x, mX_tma, w_ptr, sW, sX, full, empty, xs_full, head, rank)
+            self.producer(tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank)
         elif warp_idx == AUX_WARP:
             self.aux(st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, rank)
         else:
             if cutlass.const_expr(self.v.warp_split == "rows"):
-                acc = self.consumer(tiled_mma, sW, sX, full, empty, xs_full, tidx)
+                acc = self.consumer(tiled_mma, sW, sX, full, empty, tidx)
                 self.send(tiled_mma, acc, st, recv_bar, tidx, rank)
             else:
                 acc = self.consumer_k(tiled_mma, sW, sX, full, empty, warp_idx, tidx % 32)
@@ -261,61 +236,28 @@ class QkvFrontKernel:
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
 
-    def _instrument(self, y_ptr):
-        """Traced at the kernel's start; emits nothing. The extension point of bench/probes/tail_trace.py,
-        whose subclass keeps a view of unwritten y rows here for its timestamps."""
-
     @cute.jit
-    def producer(self, tma_w, mW_tma, tma_x, mX_tma, w_ptr, sW, sX, full, empty, xs_full, head, rank):
+    def producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank):
         gW = cute.local_tile(mW_tma, (HEAD_COLS, K_TILE), (head, None))  # (64, 128, 64 k-tiles)
         gX = cute.local_tile(mX_tma, (self.tt, K_TILE), (0, None))  # (TT, 128, 64 k-tiles)
         tWsW, tWgW = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
                                            cute.group_modes(gW, 0, 2))
         tXsX, tXgX = cpasync.tma_partition(tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
                                            cute.group_modes(gX, 0, 2))
-        # The i-th k-tile this CTA streams. With k_rotate, head h starts h * k_rotate tiles further on
-        # (cyclically), so the clusters do not all read the same x tile from the same L2 lines at the
-        # same moment; the order is fixed per head, so results stay bitwise reproducible.
-        rot = Int32(0)
-        if cutlass.const_expr(self.v.k_rotate > 0):
-            rot = (head * self.v.k_rotate) % self.ntiles
+        # The i-th k-tile this CTA streams: head h starts h tiles further on (cyclically), so the clusters do
+        # not all read the same x tile from the same L2 lines at the same moment (bench/NOTES.md "k_split");
+        # the order is fixed per head, so results stay bitwise reproducible.
+        rot = head % self.ntiles
         # Prefill: W only: weights are never written by the previous grid, so they may stream before
-        # griddepcontrol.wait. The fresh ring takes k-tiles 0..stages-1 with no empty wait; with a stash the
-        # consumers take k-tiles 0..stash-1 into registers (their full barriers count W only) and free their
-        # slots, which take k-tiles stages..stages+stash-1, still before the wait.
-        pre = self.stages + self.stash
-        for i in cutlass.range_constexpr(pre):
-            sp = i % self.stages
-            if cutlass.const_expr(i >= self.stages):
-                cute.arch.mbarrier_wait(empty + sp, 0)  # the stashed k-tile i - stages left the slot
+        # griddepcontrol.wait. The fresh ring takes k-tiles 0..stages-1 with no empty wait.
+        for i in cutlass.range_constexpr(self.stages):
             with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(
-                    full + sp, W_STAGE_BYTES if i < self.stash else self.stage_tx)  # W (+ x bytes)
-            cute.copy(tma_w, tWgW[None, self._k_tile(i, rank, rot)], tWsW[None, sp], tma_bar_ptr=full + sp)
-        if cutlass.const_expr(self.v.l2_prefetch > 0):
-            # Each CTA of the cluster prefetches 64/S whole rows of the head (the cluster covers the
-            # head once), the first l2_prefetch k-tiles of each: HBM streams while this grid waits.
-            rows = HEAD_COLS // self.S
-            lane = cute.arch.lane_idx()
-            base = w_ptr.toint() + Int64(head * HEAD_COLS + rank * rows) * (HIDDEN * 2)
-            for j in cutlass.range_constexpr((rows + 31) // 32):
-                r = lane + 32 * j
-                if r < rows:
-                    prefetch_l2(base + Int64(r) * (HIDDEN * 2), Int32(self.v.l2_prefetch * K_TILE * 2))
+                cute.arch.mbarrier_arrive_and_expect_tx(full + i, self.stage_tx)  # W + x bytes
+            cute.copy(tma_w, tWgW[None, self._k_tile(i, rank, rot)], tWsW[None, i], tma_bar_ptr=full + i)
         cute.arch.griddepcontrol_wait()  # x may be the previous kernel's output
-        if cutlass.const_expr(self.v.trigger == "wait"):
-            # the previous grid is complete: the next one may land (and prefetch) while this one streams
-            cute.arch.griddepcontrol_launch_dependents()
-        if cutlass.const_expr(self.stash > 0):
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(xs_full, self.stash * (self.stage_tx - W_STAGE_BYTES))
-            for i in cutlass.range_constexpr(self.stash):  # x of the stashed k-tiles: the extra x slots
-                cute.copy(tma_x, tXgX[None, self._k_tile(i, rank, rot)], tXsX[None, self.stages + i],
-                          tma_bar_ptr=xs_full)
-        for i in cutlass.range_constexpr(self.stash, pre):
-            cute.copy(tma_x, tXgX[None, self._k_tile(i, rank, rot)], tXsX[None, i % self.stages],
-                      tma_bar_ptr=full + i % self.stages)
-        for i in cutlass.range(pre, self.ntiles, unroll=1):
+        for i in cutlass.range_constexpr(self.stages):
+            cute.copy(tma_x, tXgX[None, self._k_tile(i, rank, rot)], tXsX[None, i], tma_bar_ptr=full + i)
+        for i in cutlass.range(self.stages, self.ntiles, unroll=1):
             s = i % self.stages
             # use u = i // stages of stage s: wait until the consumers released use u - 1
             cute.arch.mbarrier_wait(empty + s, ((i // self.stages) - 1) % 2)
@@ -327,7 +269,8 @@ class QkvFrontKernel:
             if cutlass.const_expr(self.v.trigger == "late" and self.v.trigger_ahead > 0):
                 if i == self.ntiles - 1 - self.v.trigger_ahead:
                     # one ring turn before the last load: the next grid's launch and prefill then overlap
-                    # this grid's last loads instead of following them (bench/NOTES.md round 16)
+                    # this grid's last loads instead of following them (bench/NOTES.md "pdl_trigger and
+                    # trigger_ahead")
                     cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(self.v.trigger == "late" and self.v.trigger_ahead == 0):
             # every load of this CTA is issued: the next grid may land while the ring drains
@@ -336,12 +279,10 @@ class QkvFrontKernel:
 
     def _k_tile(self, i, rank, rot):
         """The i-th k-tile a CTA of rank `rank` streams (traced inline: plain Python on DSL values)."""
-        if self.v.k_rotate > 0:
-            return rank + ((i + rot) % self.ntiles) * self.S
-        return rank + i * self.S
+        return rank + ((i + rot) % self.ntiles) * self.S
 
     @cute.jit
-    def consumer(self, tiled_mma, sW, sX, full, empty, xs_full, tidx):
+    def consumer(self, tiled_mma, sW, sX, full, empty, tidx):
         thr_mma = tiled_mma.get_slice(tidx)
         tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sW[None, None, 0]))
         tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sX[None, None, 0]))
@@ -353,32 +294,22 @@ class QkvFrontKernel:
         tBsX = thr_b.partition_S(sX)  # (CPY, TT/8 or 1, 8 k-steps, stages)
         tBrB = thr_b.retile(tCrB)
         ksteps = cute.size(tAsW, mode=[2])
-        if cutlass.const_expr(self.stash > 0):
-            # before x exists: W of k-tiles 0..stash-1 into registers, their slots back to the producer
-            stashed = [thr_mma.make_fragment_A(thr_mma.partition_A(sW[None, None, 0])) for _ in range(self.stash)]
-            for j in cutlass.range_constexpr(self.stash):
-                cute.arch.mbarrier_wait(full + j, 0)
-                tSrA = thr_a.retile(stashed[j])
-                for kk in cutlass.range_constexpr(ksteps):
-                    cute.copy(cp_a, tAsW[None, None, kk, j], tSrA[None, None, kk])
-                cute.arch.sync_warp()
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive(empty + j)
-            # their x (extra x slots stages + j), then their MMAs in k-tile order: the same sums as unstashed
-            cute.arch.mbarrier_wait(xs_full, 0)
-            for j in cutlass.range_constexpr(self.stash):
-                for kk in cutlass.range_constexpr(ksteps):
-                    cute.copy(cp_b, tBsX[None, None, kk, self.stages + j], tBrB[None, None, kk])
-                for kk in cutlass.range_constexpr(ksteps):
-                    cute.gemm(tiled_mma, acc, stashed[j][None, None, kk], tCrB[None, None, kk], acc)
-        for i in cutlass.range(self.stash, self.ntiles, unroll=1):
+        for i in cutlass.range(self.ntiles, unroll=1):
             s = i % self.stages
             cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
-            for kk in cutlass.range_constexpr(ksteps):
-                cute.copy(cp_a, tAsW[None, None, kk, s], tArA[None, None, kk])
-                cute.copy(cp_b, tBsX[None, None, kk, s], tBrB[None, None, kk])
-            for kk in cutlass.range_constexpr(ksteps):
-                cute.gemm(tiled_mma, acc, tCrA[None, None, kk], tCrB[None, None, kk], acc)
+            if cutlass.const_expr(self.v.tiles > 2):
+                # 4 tiles: one k16 step's operands at a time (a whole k-tile's x fragment takes 64 registers a
+                # thread)
+                for kk in cutlass.range_constexpr(ksteps):
+                    cute.copy(cp_a, tAsW[None, None, kk, s], tArA[None, None, kk])
+                    cute.copy(cp_b, tBsX[None, None, kk, s], tBrB[None, None, kk])
+                    cute.gemm(tiled_mma, acc, tCrA[None, None, kk], tCrB[None, None, kk], acc)
+            else:
+                for kk in cutlass.range_constexpr(ksteps):
+                    cute.copy(cp_a, tAsW[None, None, kk, s], tArA[None, None, kk])
+                    cute.copy(cp_b, tBsX[None, None, kk, s], tBrB[None, None, kk])
+                for kk in cutlass.range_constexpr(ksteps):
+                    cute.gemm(tiled_mma, acc, tCrA[None, None, kk], tCrB[None, None, kk], acc)
             cute.arch.sync_warp()  # every lane's ldmatrix of stage s is done
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive(empty + s)
@@ -403,14 +334,20 @@ class QkvFrontKernel:
         # two register sets (even / odd k-tiles): (MMA, 4 m16, 2 k16) and (MMA, 1, 2 k16) each
         rA = [thr_mma.make_fragment_A(thr_mma.partition_A(mine_w)) for _ in range(2)]
         rB = [thr_mma.make_fragment_B(thr_mma.partition_B(mine_x)) for _ in range(2)]
-        self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[0], rB[0], full, empty, warp_idx, Int32(0))
-        for p in cutlass.range(self.ntiles // 2, unroll=1):
-            i = 2 * p + 1
-            self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[1], rB[1], full, empty, warp_idx, i)
-            self._mma_k(tiled_mma, acc, rA[0], rB[0])
-            if i + 1 < self.ntiles:
-                self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[0], rB[0], full, empty, warp_idx, i + 1)
-            self._mma_k(tiled_mma, acc, rA[1], rB[1])
+        if cutlass.const_expr(self.v.tiles > 2):
+            # 4 tiles: 64 accumulators a thread leave no room for a second register set (two CTAs per SM)
+            for i in cutlass.range(self.ntiles, unroll=1):
+                self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[0], rB[0], full, empty, warp_idx, i)
+                self._mma_k(tiled_mma, acc, rA[0], rB[0])
+        else:
+            self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[0], rB[0], full, empty, warp_idx, Int32(0))
+            for p in cutlass.range(self.ntiles // 2, unroll=1):
+                i = 2 * p + 1
+                self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[1], rB[1], full, empty, warp_idx, i)
+                self._mma_k(tiled_mma, acc, rA[0], rB[0])
+                if i + 1 < self.ntiles:
+                    self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[0], rB[0], full, empty, warp_idx, i + 1)
+                self._mma_k(tiled_mma, acc, rA[1], rB[1])
         return acc
 
     @cute.jit
@@ -499,29 +436,20 @@ class QkvFrontKernel:
         if is_v:
             kv_head = head - self.nq - self.nkv
         mY = cute.make_tensor(y_ptr, cute.make_layout((self.tt, self.n), stride=(self.n, 1)))
-        rounds = (self.owned + CONSUMER_WARPS - 1) // CONSUMER_WARPS
-        if cutlass.const_expr(self.owned % CONSUMER_WARPS == 0):
-            # Every warp owns `rounds` tokens: all their math first (padded tokens t >= M too: their partials
-            # are the zero-filled x rows; nothing of them is stored), then the stores. The rounds' shuffle
-            # reductions are independent and overlap, instead of one token's latency chain after another
-            # (with 16 owned tokens the epilogue was the CTA's tail on an SM no other CTA can use).
-            vals = []
-            for jj in cutlass.range_constexpr(rounds):
-                vals.append(self._token_values(recv, cs, jj * CONSUMER_WARPS + warp_idx, lane, eps, is_qk))
-            for jj in cutlass.range_constexpr(rounds):
-                j = jj * CONSUMER_WARPS + warp_idx
-                if j * self.S + rank < M:
-                    self._token_store(vals[jj][0], vals[jj][1], mY, slots, kc_ptr, vc_ptr, j, j * self.S + rank,
-                                      lane, head, kv_head, is_k, is_v, block_size, num_blocks, k_block_stride,
-                                      v_block_stride)
-        else:  # fewer owned tokens than warps (S = 4 with one tile, S = 8): idle warps must not read past recv
-            for jj in cutlass.range_constexpr(rounds):
-                j = jj * CONSUMER_WARPS + warp_idx
-                t = j * self.S + rank
-                if j < self.owned and t < M:
-                    ya, yb = self._token_values(recv, cs, j, lane, eps, is_qk)
-                    self._token_store(ya, yb, mY, slots, kc_ptr, vc_ptr, j, t, lane, head, kv_head, is_k, is_v,
-                                      block_size, num_blocks, k_block_stride, v_block_stride)
+        # Every warp owns `rounds` tokens: all their math first (padded tokens t >= M too: their partials are the
+        # zero-filled x rows; nothing of them is stored), then the stores. The rounds' shuffle reductions are
+        # independent and overlap, instead of one token's latency chain after another (with 16 owned tokens the
+        # epilogue was the CTA's tail on an SM no other CTA can use).
+        rounds = self.owned // CONSUMER_WARPS
+        vals = []
+        for jj in cutlass.range_constexpr(rounds):
+            vals.append(self._token_values(recv, cs, jj * CONSUMER_WARPS + warp_idx, lane, eps, is_qk))
+        for jj in cutlass.range_constexpr(rounds):
+            j = jj * CONSUMER_WARPS + warp_idx
+            if j * self.S + rank < M:
+                self._token_store(vals[jj][0], vals[jj][1], mY, slots, kc_ptr, vc_ptr, j, j * self.S + rank,
+                                  lane, head, kv_head, is_k, is_v, block_size, num_blocks, k_block_stride,
+                                  v_block_stride)
 
     @cute.jit
     def _token_values(self, recv, cs, j, lane, eps, is_qk):
@@ -612,7 +540,8 @@ def abi_for(v: QkvFrontVariant) -> KernelAbi:
     if not v.fixed_m:
         params.append(coord_tensor("x_coord", ("M",), "TMA coordinate tensor of x: its dynamic row count M"))
     params += [
-        pointer("weight_ptr", "the weight's base address (the L2 prefetch reads rows by address)"),
+        pointer("weight_ptr", "the weight's base address (read by no code since the L2 prefetch lever left; kept "
+                              "so the ABI and the cubins stay as they are)"),
         pointer("y", "bf16 [M, N] output, contiguous"),
         pointer("positions", "int64 [M]"),
         pointer("cos_sin_cache", "float32 [max_pos, 64] contiguous"),
@@ -634,24 +563,31 @@ def abi_for(v: QkvFrontVariant) -> KernelAbi:
                     TensorMapSpec("tma_x", "x", "bf16", (BOX_COLS, tt))))
 
 
-def compile_variant(v: QkvFrontVariant, arch: str, kernel_cls=None):
-    """cubin, PTX and ABI of variant v for `arch`. kernel_cls: a QkvFrontKernel subclass with the same ABI
-    (bench/probes/tail_trace.py's timestamped build); default QkvFrontKernel."""
-    from ..store.abi import check_abi_against_ptx
-    from . import CompiledKernel
-    from ._dsl import compile_to_cubin
+def compile_args(v: QkvFrontVariant) -> tuple:
+    """The arguments `QkvFrontKernel.__call__` is compiled with (pointers, scalars of the right types and
+    alignment; values do not matter: M is dynamic unless fixed_m), in `abi_for`'s order."""
+    bf = make_ptr(BFloat16, 1 << 20, cute.AddressSpace.gmem, assumed_align=16)
+    f32 = make_ptr(Float32, 1 << 20, cute.AddressSpace.gmem, assumed_align=16)
+    i64 = make_ptr(Int64, 1 << 20, cute.AddressSpace.gmem, assumed_align=8)
+    return (bf, bf, bf, i64, f32, i64, bf, bf, Int32(max(v.fixed_m, 1)), Int32(1), Int32(16), Int32(1),
+            Int64(1 << 20), Int64(1 << 20), Float32(1e-5), cuda.CUstream(0))
 
+
+def check_arch(arch: str) -> None:
     if arch not in SUPPORTED_ARCHES:
         raise NotImplementedError(
             f"qkv_front uses sm_90-class TMA, thread-block clusters and st.async; it is built for "
             f"{' / '.join(SUPPORTED_ARCHES)}; {arch} is not supported")
-    bf = make_ptr(BFloat16, 1 << 20, cute.AddressSpace.gmem, assumed_align=16)
-    f32 = make_ptr(Float32, 1 << 20, cute.AddressSpace.gmem, assumed_align=16)
-    i64 = make_ptr(Int64, 1 << 20, cute.AddressSpace.gmem, assumed_align=8)
-    kern = (kernel_cls or QkvFrontKernel)(v)
-    cubin, ptx, symbol = compile_to_cubin(
-        kern, bf, bf, bf, i64, f32, i64, bf, bf, Int32(max(v.fixed_m, 1)), Int32(1), Int32(16), Int32(1),
-        Int64(1 << 20), Int64(1 << 20), Float32(1e-5), cuda.CUstream(0), arch=arch)
+
+
+def compile_variant(v: QkvFrontVariant, arch: str):
+    """cubin, PTX and ABI of variant v for `arch` (the PTX `.entry` checked against `abi_for(v)`)."""
+    from ..store.abi import check_abi_against_ptx
+    from . import CompiledKernel
+    from ._dsl import compile_to_cubin
+
+    check_arch(arch)
+    cubin, ptx, symbol = compile_to_cubin(QkvFrontKernel(v), *compile_args(v), arch=arch)
     abi = abi_for(v)
     check_abi_against_ptx(abi, ptx, symbol)
     return CompiledKernel(symbol=symbol, cubin=cubin, ptx=ptx, abi=abi)

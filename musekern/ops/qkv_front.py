@@ -13,7 +13,8 @@ import functools
 
 import torch
 
-from ..variants.qkv_front import HEAD_COLS, HIDDEN, MAX_TOKENS, QkvFrontVariant, launch_grid, supports_shape, variant
+from ..variants.qkv_front import HEAD_COLS, HIDDEN, MAX_TOKENS, QkvFrontVariant, launch_grid, supports_shape
+from ..variants.qkv_front_rules import variant
 from ._bind import binder
 
 _ALIGN = 16  # TMA needs 16-byte aligned bases (x, weight); y is stored with 4-byte vectors from a 16B base

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from ..config import ModelConfig
 from ..targets import Target, check_supported
 from .qk_norm import qk_norm_variants
-from .qkv_front import qkv_front_variants, supports_shape
+from .qkv_front import supports_shape
+from .qkv_front_rules import qkv_front_variants
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,10 @@ class PlanEntry:
         return self.target.arch
 
     def sort_key(self):
-        return (self.target.name, self.kernel, tuple(self.variant.params().values()))
+        # params leave fields at their default out, so two variants' i-th values may be an int and a str:
+        # numbers sort before text (the order of every plan whose values were comparable is kept)
+        vals = tuple((0, v) if isinstance(v, (int, float)) else (1, str(v)) for v in self.variant.params().values())
+        return (self.target.name, self.kernel, vals)
 
     def to_json(self) -> dict:
         return {"target": self.target.name, "arch": self.arch, "kernel": self.kernel,

@@ -1,0 +1,155 @@
+"""The qkv_front planner's rules: which build a call with weight rows N and M tokens takes on a target.
+
+Pure functions of (N, M, num_kv_heads, target): no cutlass, no GPU. Each rule follows H200 measurements
+(CUDA graphs over 8 layers of distinct weights; chain = PDL back to back, isolated = no PDL, after-norm = an
+RMSNorm before each front); the comment on each cites the `bench/NOTES.md` section with its evidence. These
+rules are not part of any cache key: a rule change picks other builds, it never changes what a build is.
+"""
+from __future__ import annotations
+
+from ..targets import SMEM_RESERVED_PER_CTA, Target
+from .qkv_front import (
+    FRONT_MAX_TOKENS,
+    HEAD_COLS,
+    HIDDEN,
+    K_TILES,
+    MAX_TOKENS,
+    MIN_RING_STAGES,
+    SPLIT_CHOICES,
+    TILE_CHOICES,
+    TOKEN_TILE,
+    QkvFrontVariant,
+    ring_smem_bytes,
+    stage_bytes,
+    supports_shape,
+)
+
+CTAS_PER_SM = 2  # the shallow ring is sized so that two CTAs share an SM
+MIN_CTA_STREAM_BYTES = 512 * 1024  # below this a CTA's fixed costs dominate its stream
+SHALLOW_RING_STAGES = 4
+MAX_RING_STAGES = 8  # the deep ring with two token tiles
+SMEM_RESERVE_BYTES = 24 * 1024  # the deep ring's budget outside the ring (barriers, slots, cos|sin, receive)
+
+
+# NOTES "token tiles and fixed_rows": one build per 8-token tile count, M == 8 its own static-M build; above
+# M = 16 (NOTES "The fused front above M = 16") M pads up to 4 tiles.
+def token_tiles(m: int) -> int:
+    """8-token MMA tiles a build for M tokens computes (M padded up to the next of TILE_CHOICES)."""
+    if not 1 <= m <= FRONT_MAX_TOKENS:
+        raise ValueError(f"M must be in 1..{FRONT_MAX_TOKENS}, got {m}")
+    need = (m + TOKEN_TILE - 1) // TOKEN_TILE
+    return next(t for t in TILE_CHOICES if t >= need)
+
+
+def fixed_rows(m: int) -> int:
+    """M == 8 (one full tile, the most common speculative-decode width) gets its own build."""
+    return TOKEN_TILE if m == TOKEN_TILE else 0
+
+
+def cta_stream_bytes(split: int) -> int:
+    """Bytes of W one CTA streams: its head's 64 rows, 1/S of K."""
+    return HEAD_COLS * HIDDEN * 2 // split
+
+
+# NOTES "k_split": the largest S with >= 512 KiB of W per CTA whose heads * S CTAs fit one wave at two per SM.
+def k_split(n: int, target: Target) -> int:
+    """Cluster size S: the largest power of two with >= 512 KiB of W per CTA whose heads * S CTAs
+    fit in one wave at two CTAs per SM."""
+    heads = n // HEAD_COLS
+    best = 1
+    for s in SPLIT_CHOICES:
+        if (s <= target.max_cluster and cta_stream_bytes(s) >= MIN_CTA_STREAM_BYTES
+                and heads * s <= CTAS_PER_SM * target.sm_count):
+            best = s
+    return best
+
+
+def one_wave_at_two_per_sm(n: int, split: int, target: Target) -> bool:
+    return (n // HEAD_COLS) * split <= CTAS_PER_SM * target.sm_count
+
+
+def alone_on_sm(n: int, split: int, target: Target) -> bool:
+    """heads * S CTAs fit one per SM (TP8 on the H200): the SMs they leave free take the next grid's CTAs."""
+    return (n // HEAD_COLS) * split <= target.sm_count
+
+
+# NOTES "ring_stages": shallow (two CTAs per SM, one wave) where the grid fits; the deepest such ring where a
+# CTA is alone on its SM; else as deep as one CTA per SM allows (one tile) or MAX_RING_STAGES (two tiles).
+def ring_stages(split: int, target: Target, tiles: int = 2, n: int | None = None) -> int:
+    """Ring depth (never changes the result). Without `n` (the seed's signature) the deep rule applies."""
+    per_cta_tiles = (K_TILES + split - 1) // split
+    if n is not None and one_wave_at_two_per_sm(n, split, target):
+        top = MAX_RING_STAGES if alone_on_sm(n, split, target) else SHALLOW_RING_STAGES
+        for st in range(top, MIN_RING_STAGES - 1, -1):
+            if CTAS_PER_SM * (ring_smem_bytes(st, tiles, split) + SMEM_RESERVED_PER_CTA) <= target.smem_per_sm:
+                return min(st, per_cta_tiles)
+    fit = (target.max_smem_optin - SMEM_RESERVE_BYTES) // stage_bytes(tiles)
+    cap = fit if tiles == 1 else MAX_RING_STAGES
+    st = max(MIN_RING_STAGES, min(cap, fit, per_cta_tiles))
+    while st > MIN_RING_STAGES and ring_smem_bytes(st, tiles, split) > target.max_smem_optin:
+        st -= 1  # 8 tiles: more than SMEM_RESERVE_BYTES outside the ring (receive buffer, cos|sin rows)
+    return st
+
+
+# NOTES "pdl_trigger and trigger_ahead": "early" with the deep ring; with the shallow ring "late", except
+# "exit" where the grid doubles CTAs up on SMs with clusters or two token tiles.
+def pdl_trigger(n: int, split: int, target: Target, tiles: int = 1) -> str:
+    """Where the front lets its dependents launch."""
+    if not one_wave_at_two_per_sm(n, split, target):
+        return "early"
+    doubled = not alone_on_sm(n, split, target)
+    return "exit" if doubled and (split > 1 or tiles > 1) else "late"
+
+
+# NOTES "pdl_trigger and trigger_ahead": one ring turn before the last load where the CTAs are alone on their
+# SMs; at the last load where SMs hold two CTAs of one grid.
+def trigger_ahead(n: int, split: int, target: Target, tiles: int, stages: int) -> int:
+    """k-tiles before the last load where "late" fires."""
+    if pdl_trigger(n, split, target, tiles) != "late" or not alone_on_sm(n, split, target):
+        return 0
+    return stages
+
+
+# NOTES "warp_split": "k" everywhere except one token tile under the late trigger (4 tiles too: NOTES "The fused
+# front above M = 16").
+def warp_split(n: int, split: int, target: Target, tiles: int) -> str:
+    """How the consumer warps share a k-tile."""
+    return "rows" if tiles == 1 and pdl_trigger(n, split, target, tiles) == "late" else "k"
+
+
+def variant(n: int, m: int, num_kv_heads: int, target: Target) -> QkvFrontVariant:
+    """The compiled variant a call with weight rows N and M tokens takes on `target`."""
+    if not supports_shape(n, num_kv_heads):
+        raise ValueError(f"qkv_front does not support N={n} with num_kv_heads={num_kv_heads}")
+    tiles = token_tiles(m)
+    s = k_split(n, target)
+    stages = ring_stages(s, target, tiles, n)
+    return QkvFrontVariant(n, num_kv_heads, tiles, stages, s, fixed_rows(m), pdl_trigger(n, s, target, tiles),
+                           warp_split=warp_split(n, s, target, tiles),
+                           trigger_ahead=trigger_ahead(n, s, target, tiles, stages))
+
+
+# NOTES "The fused front above M = 16": the front where it measured faster than cuBLAS's bare GEMM (isolated
+# launches), else the GEMM and the fused epilogue. Above M = 16 the 4-tile consumer needs ~0.45-0.6 us a k-tile:
+# it keeps up where a CTA's share of the stream is as slow (heads x S CTAs one wave at two per SM, but more than
+# one per SM: TP4, TP2), not where CTAs are alone on their SMs (TP8) or run in waves (TP1).
+def front_serves(n: int, m: int, target: Target) -> bool:
+    """Does the fused front take a call with weight rows N and M tokens on `target` (pure)?"""
+    if not 1 <= m <= FRONT_MAX_TOKENS:
+        return False
+    if m <= MAX_TOKENS:
+        return True
+    s = k_split(n, target)
+    return one_wave_at_two_per_sm(n, s, target) and not alone_on_sm(n, s, target)
+
+
+def qkv_front_variants(n: int, num_kv_heads: int, target: Target, max_tokens: int = MAX_TOKENS):
+    """Every distinct variant the calls M = 1..max_tokens take where the front serves them, in a stable order."""
+    seen = []
+    for m in range(1, min(max_tokens, FRONT_MAX_TOKENS) + 1):
+        if not front_serves(n, m, target):
+            continue
+        v = variant(n, m, num_kv_heads, target)
+        if v not in seen:
+            seen.append(v)
+    return tuple(seen)

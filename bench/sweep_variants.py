@@ -28,14 +28,9 @@ from musekern.variants.qkv_front import HIDDEN, launch_grid
 
 LAYERS, REPS, LOOPS = 8, 7, 8
 DISTINCT_OUT = False  # --distinct-out: one y buffer per layer (as musekern bench does) instead of a shared one
-<<<<<<< HEAD
 # The default grid is the latest tuning round's (round 25: TP4 at k_split 1 with the deep ring, TP8's grid shape,
 # against the plan, which it kept: bench/NOTES.md, k_split). Every earlier round's grid, prediction and result is in
 # bench/HISTORY.md (the grids themselves: `git log -p bench/sweep_variants.py`).
-=======
-# The default sweep: round 25's grid (bench/NOTES.md "pdl_trigger and trigger_ahead"; each earlier round's grid
-# and what it measured are in NOTES and git history).
->>>>>>> front
 # Each entry: the variant's fields except tiles and fixed_m (from M), and the Ms to time.
 TP4 = dict(n=4352, num_kv_heads=2)
 GRID = [(dict(TP4, splits=2, stages=4, trigger="exit", warp_split="k"), (1, 16))] \

@@ -164,7 +164,7 @@ def _planned_count(run, args):
 
 # --tp 8 plans TP 8's 7 variants (4 qk_norm + 3 qkv_front) where the bundled config plans 16; explain asks for
 # one label (a TP 8 qkv_front one) and finds it planned once, or not at all under --tp 1.
-TP8_LABEL = ("qkv_front[fixed_m=8,k_rotate=1,n=2176,num_kv_heads=1,splits=2,stages=6,tiles=1,trigger=late,"
+TP8_LABEL = ("qkv_front[fixed_m=8,n=2176,num_kv_heads=1,splits=2,stages=6,tiles=1,trigger=late,"
              "trigger_ahead=6]")
 
 

@@ -20,7 +20,6 @@ HISTORY = "bench/HISTORY.md"
 CODE = ("musekern/**/*.py", "bench/**/*.py", "bench/*.sh", "tests/**/*.py", "Makefile")
 # Helper "front" rewrites this file's comments to cite bench/NOTES.md sections instead of results files; until that
 # lands it still names files that left the tree. The strict xfail below fails once the file is clean: then drop it.
-PENDING = ("musekern/variants/qkv_front.py",)
 
 # a bare name counts only with a GPU target's prefix (the results files' naming); a name after any other folder
 # (e.g. the shared anchors) is not a bench/results citation
@@ -61,11 +60,10 @@ def _matches(name: str, files: list[str]) -> list[str]:
 
 
 SOURCES = {"README.md": ["README.md"], "bench/NOTES.md": ["bench/NOTES.md"], "bench/README.md": ["bench/README.md"],
-           "bench/HISTORY.md": [HISTORY], "code": _code_files(exclude=PENDING)}
+           "bench/HISTORY.md": [HISTORY], "code": _code_files()}
 
 
-@pytest.mark.parametrize("source", [*SOURCES, *(pytest.param(p, marks=pytest.mark.xfail(
-    strict=True, reason="front rewrites its comments (see PENDING)")) for p in PENDING)])
+@pytest.mark.parametrize("source", [*SOURCES])
 def test_cited_results_files_are_in_the_tree(source):
     files = _in_tree()
     cited = [c for c in _citations(SOURCES.get(source, [source])) if c[2] is None]
@@ -75,7 +73,7 @@ def test_cited_results_files_are_in_the_tree(source):
 
 def test_every_results_file_is_cited_by_a_doc_or_the_code():
     files = _in_tree()
-    cited = {f for _, name, commit in _citations([*DOCS, *_code_files(exclude=PENDING)]) if commit is None
+    cited = {f for _, name, commit in _citations([*DOCS, *_code_files()]) if commit is None
              for f in _matches(name, files)}
     assert set(files) - cited == set(), "bench/results/ files no doc or code cites: delete them or cite them"
 

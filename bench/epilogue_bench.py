@@ -114,12 +114,13 @@ def measure(n: int, nkv: int, m: int, weights: list, copy_tbps: float, compiled,
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             log(f"  {name} at N={n} M={m}: {row[f'{name}_error']}")
     row.update(_timed(graphs, samples))
-    frac = nbytes / (row["epi"] * 1e-6) / (copy_tbps * 1e12)
-    row["epi_frac_copy_bw"] = round(frac, 4)
-    row["mm_epi_over_mm"] = round(row["mm_epi"] / row["mm"], 4)
-    for k in ("mm_unfused", "mm_compiled"):
-        if k in row:
-            row[f"{k}_over_mm_epi"] = round(row[k] / row["mm_epi"], 3)
+    if row.get("epi"):
+        row["epi_frac_copy_bw"] = round(nbytes / (row["epi"] * 1e-6) / (copy_tbps * 1e12), 4)
+    if row.get("mm_epi") and row.get("mm"):
+        row["mm_epi_over_mm"] = round(row["mm_epi"] / row["mm"], 4)
+        for k in ("mm_unfused", "mm_compiled"):
+            if k in row:
+                row[f"{k}_over_mm_epi"] = round(row[k] / row["mm_epi"], 3)
     return row
 
 

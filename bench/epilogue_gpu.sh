@@ -19,7 +19,7 @@ timeout "${TEST_TIMEOUT:-80}" python3 -m pytest -q -p no:cacheprovider -p no:ran
 rc=${PIPESTATUS[0]}
 wait
 python3 bench/gpu_results.py /tmp/epilogue-gpu.junit.xml "$DEST/h200-epilogue-gpu.json" > "$DEST/tables.txt"
-timeout "${BENCH_TIMEOUT:-100}" python3 bench/epilogue_bench.py --out "$DEST" 2> "$DEST/epilogue-bench.log" \
+timeout "${BENCH_TIMEOUT:-100}" python3 bench/epilogue_bench.py --out "$DEST" ${BENCH_ARGS:-} 2> "$DEST/epilogue-bench.log" \
   >> "$DEST/tables.txt"
 echo "bench rc=$?"
 tail -n 4 "$DEST/epilogue-bench.log"

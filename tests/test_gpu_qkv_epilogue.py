@@ -130,13 +130,13 @@ def rule_edges():
     return out
 
 
-# The M grid at every planned N. Edges it hits (threads a row: 8 per head group, H = nq + 2 nkv heads; 256
-# threads a CTA): M = 1 a fraction of one CTA; 8 / 16 / 17 / 32 / 33 / 64 / 65 the front's tile edges (one token
-# tile, MAX_TOKENS, one past); 24, 31, 48, 100, 255 rows that end mid-CTA in both builds (TP8 small build: 144
-# threads a row, 16 rows = 9 CTAs exactly; large build: 40 a row, 32 rows = 5 CTAs exactly); 128, 256, 1000 whole
-# waves of the small build at TP1 (1152 threads a row: M = 128 = 576 CTAs, beyond one wave of 132 SMs x 8 CTAs at
-# M = 235); 4096, 16384, 65536 many waves of the large build (TP8: 396 CTAs a wave = 2534 rows; TP1: 288 threads a
-# row, 352 rows a wave); rule_edges() both sides of the build switch per N. Both cache layouts alternate over M.
+# The M grid at every planned N. Edges it hits (threads a row: 8 per head group, H = nq + 2 nkv heads, groups
+# of 1 (small build) or 2 (large build) heads; 256 threads a CTA): M = 1 a fraction of one CTA; 8 / 16 / 17 / 32 / 33
+# / 64 / 65 the front's tile edges (one token tile, MAX_TOKENS, one past); 24, 31, 48, 100, 255 rows that end mid-CTA
+# (TP8: 144 threads a row in the small build, 16 rows = 9 CTAs exactly; 72 in the large one, 32 rows = 9 CTAs);
+# 128, 256, 1000 beyond one wave of the small build at TP1 (1152 threads a row: one wave of 132 SMs x 8 CTAs is 235
+# rows); 4096, 16384, 65536 many waves of the large build (5 CTAs a SM: TP8 2346 rows a wave, TP1 293);
+# rule_edges() both sides of the build switch per N. Both cache layouts alternate over M.
 M_GRID = [1, 8, 16, 17, 24, 31, 32, 33, 48, 64, 65, 100, 128, 255, 256, 1000, 4096, 16384, 65536]
 CASES = [(tp, m) for tp in (8, 4, 2, 1) for m in M_GRID] + rule_edges()
 

@@ -34,10 +34,12 @@ EPI_VPT_CHOICES = (1, 2, 4, 8)
 # (tests/test_kernels_qkv_epilogue.py checks the bound; capping them with .minnctapersm spills), so an SM has
 # 32 / 40 / 48 / 64 KiB of y loads in flight (2048 / 1280 / 768 / 512 threads x 16 B x vecs_per_thread).
 EPI_CTAS_PER_SM = {1: 8, 2: 5, 4: 3, 8: 2}
-# The rule (bench/NOTES.md "qkv_epilogue"): inputs of at most EPI_SMALL_VECTORS 16-byte vectors (M * H * 8) take
-# EPI_VPT_SMALL vectors a thread, larger ones EPI_VPT_LARGE.
+# The rule (measured, bench/NOTES.md "qkv_epilogue"): inputs of at most EPI_SMALL_VECTORS 16-byte vectors (M * H * 8)
+# take one vector a thread, larger ones two. Two is the fastest build at every M >= 1024 of every shard (4-13% ahead
+# of 1, 4 and 8 at M = 65536) and within 0.1 us of the fastest at every M below; one is as fast on small inputs and
+# up to 0.16 us faster on some (TP4 M <= 64), where a call costs 1.2-1.3 us.
 EPI_VPT_SMALL = 1
-EPI_VPT_LARGE = 4
+EPI_VPT_LARGE = 2
 EPI_SMALL_VECTORS = 128 * EPI_BLOCK
 # The flattened unit index is an Int32 in the kernel (the last CTA's dead lanes run up to EPI_BLOCK - 1 past it).
 EPI_MAX_UNITS = 2**31 - 1 - EPI_BLOCK

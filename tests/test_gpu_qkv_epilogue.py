@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from kv_layouts import paged_caches
 
 from musekern.config import load_config
 from musekern.ops import qkv_epilogue as op
@@ -32,15 +33,6 @@ MODEL = load_config()
 SHARDS = {s.tp: s for s in MODEL.shards()}  # TP 8, 4, 2, 1: N = 2176, 4352, 8704, 17408 with nkv 1, 2, 4, 8
 
 
-def make_caches(num_blocks, block_size, nkv, layout):
-    shape = (num_blocks, block_size, nkv, HD)
-    if layout == "vllm":  # [2, blocks, block_size, heads, 64]: each cache contiguous
-        kv = torch.full((2, *shape), SENTINEL, dtype=torch.bfloat16, device="cuda")
-        return kv[0], kv[1], kv
-    kv = torch.full((num_blocks, 2, *shape[1:]), SENTINEL, dtype=torch.bfloat16, device="cuda")  # FlashInfer NHD
-    return kv[:, 0], kv[:, 1], kv
-
-
 def problem(m, tp, layout="vllm", seed=0, block_size=16, max_pos=4096, pad_every=3):
     """y [M, N] bf16 (unit scale, as a GEMM of normed activations gives), positions with 0, max_pos - 1 and three
     out of range, slots with -1 padding every `pad_every`, the cache's last slot and one past it."""
@@ -57,7 +49,7 @@ def problem(m, tp, layout="vllm", seed=0, block_size=16, max_pos=4096, pad_every
     if m >= 3:
         slots[slots == cap - 1] = -1
         slots[1], slots[2] = cap - 1, cap + 7  # the last slot; past the end (writes nothing)
-    kc, vc, backing = make_caches(num_blocks, block_size, s.num_kv_heads, layout)
+    kc, vc, backing = paged_caches(num_blocks, block_size, s.num_kv_heads, layout, SENTINEL, "cuda")
     return dict(y=y, positions=pos, cos_sin_cache=rope_cos_sin_table(max_pos, MODEL.rope_theta, "cuda"),
                 slot_mapping=slots, key_cache=kc, value_cache=vc, num_kv_heads=s.num_kv_heads, eps=EPS), backing
 

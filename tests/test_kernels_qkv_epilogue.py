@@ -6,13 +6,11 @@ The compile tests need nvidia-cutlass-dsl (the `build` extra); the SASS ones cuo
 """
 from __future__ import annotations
 
-import glob
-import os
 import re
-import shutil
-import subprocess
 
+import nvdump
 import pytest
+from kv_layouts import paged_caches
 
 from musekern.store.abi import KernelAbi, check_abi_against_ptx, cubin_arch
 from musekern.variants.qkv_epilogue import (
@@ -107,13 +105,7 @@ def _case(m, n, nkv, layout, seed, num_blocks=5, block_size=4, max_pos=40):
         if t < m:
             slots[slots == s] = -1
             slots[t] = s
-    shape = (num_blocks, block_size, nkv, 64)
-    if layout == "vllm":
-        kv = torch.full((2, *shape), -7.0, dtype=torch.bfloat16)
-        kc, vc = kv[0], kv[1]
-    else:
-        kv = torch.full((num_blocks, 2, *shape[1:]), -7.0, dtype=torch.bfloat16)
-        kc, vc = kv[:, 0], kv[:, 1]
+    kc, vc, _ = paged_caches(num_blocks, block_size, nkv, layout)
     return y, pos, rope_cos_sin_table(max_pos, 10000.0), slots, kc, vc
 
 
@@ -213,35 +205,16 @@ def test_builds_are_distinct_kernels():
     assert len({_compile(v).cubin for v in ALL}) == len(ALL)
 
 
-def _nv_bin(name):
-    import site
-
-    for d in site.getsitepackages() + [site.getusersitepackages()]:
-        hits = glob.glob(os.path.join(d, "nvidia", "*", "bin", name)) + glob.glob(
-            os.path.join(d, "nvidia", "*", "*", "bin", name))
-        if hits:
-            return hits[0]
-    return shutil.which(name)
-
-
 @pytest.mark.parametrize("v", ALL, ids=lambda v: v.label)
 def test_sass(v, tmp_path):
-    cuobjdump = _nv_bin("cuobjdump")
-    if not cuobjdump:
+    ck = _compile(v)
+    usage = nvdump.resources(ck.cubin, tmp_path)
+    if usage is None:
         pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
-    cub = tmp_path / "k.cubin"
-    cub.write_bytes(_compile(v).cubin)
-    env = dict(os.environ)
-    nvdisasm = _nv_bin("nvdisasm")
-    if nvdisasm:
-        env["PATH"] = os.path.dirname(nvdisasm) + os.pathsep + env.get("PATH", "")
-    res = subprocess.run([cuobjdump, "--dump-resource-usage", str(cub)], capture_output=True, text=True, env=env)
-    m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", res.stdout, re.S)
-    assert m, res.stdout + res.stderr
-    assert int(m.group(2)) == 0, "local memory (spills or stack arrays)"
-    regs = (int(m.group(1)) + 7) // 8 * 8
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"local memory (spills or stack arrays): {usage}"
+    regs = (usage["REG"] + 7) // 8 * 8
     assert EPI_CTAS_PER_SM[v.vecs_per_thread] * EPI_BLOCK * regs <= 65536, f"{regs} registers"
-    sass = subprocess.run([cuobjdump, "-sass", str(cub)], capture_output=True, text=True, env=env)
+    sass = nvdump.dump(ck.cubin, tmp_path, "-sass")
     if "Could not find executable" in sass.stderr:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
     s = sass.stdout

@@ -8,6 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kv_layouts import paged_caches  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from musekern.reference import fused_qknorm_rope_kv_insert, insert_cache_rows, rope_cos_sin_table  # noqa: E402
@@ -51,13 +52,7 @@ def make(m, nkv, layout, seed, num_blocks=64, block_size=16, max_pos=512):
         slots[slots == cap - 1] = -1
         slots[2] = cap - 1  # the last slot of the cache
         slots[1] = cap + 3  # past the end
-    shape = (num_blocks, block_size, nkv, D)
-    if layout == "vllm":
-        kv = torch.full((2, *shape), -7.0, dtype=torch.bfloat16)
-        kc, vc = kv[0], kv[1]
-    else:
-        kv = torch.full((num_blocks, 2, *shape[1:]), -7.0, dtype=torch.bfloat16)
-        kc, vc = kv[:, 0], kv[:, 1]
+    kc, vc, kv = paged_caches(num_blocks, block_size, nkv, layout)
     return y, pos, rope_cos_sin_table(max_pos, 10000.0), slots, kc, vc, kv
 
 

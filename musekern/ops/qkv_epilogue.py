@@ -39,6 +39,27 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and a0 < b1 and b0 < a1
 
 
+def _token_inputs_reason(m: int, positions, slot_mapping, cos_sin_cache) -> str | None:
+    """The per-token inputs, as ops/qkv_front.py checks them (the same rules: one shared check at merge)."""
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if t.dtype != torch.int64:
+            return f"{name}.dtype must be int64, got {t.dtype}"
+        if t.dim() != 1 or t.shape[0] != m:
+            return f"{name} must be [M={m}], got shape {tuple(t.shape)}"
+        if t.stride(0) != 1 and m > 1:
+            return f"{name} must be contiguous, got stride {t.stride(0)}"
+    if cos_sin_cache.dtype != torch.float32:
+        return f"cos_sin_cache.dtype must be float32, got {cos_sin_cache.dtype}"
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != EPI_HEAD_DIM or cos_sin_cache.shape[0] < 1:
+        return f"cos_sin_cache must be [max_pos >= 1, {EPI_HEAD_DIM}], got shape {tuple(cos_sin_cache.shape)}"
+    if not cos_sin_cache.is_contiguous():
+        return f"cos_sin_cache must be contiguous, got strides {tuple(cos_sin_cache.stride())}"
+    if cos_sin_cache.shape[0] * EPI_HEAD_DIM > _INT32_MAX:
+        return (f"cos_sin_cache has {cos_sin_cache.shape[0]} rows; at most {_INT32_MAX // EPI_HEAD_DIM} are "
+                "supported")
+    return None
+
+
 def _layout_reason(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps) -> str | None:
     """Every check but the device one (so the rejections are testable with CPU tensors)."""
     for name, t in (("y", y), ("positions", positions), ("cos_sin_cache", cos_sin_cache),
@@ -65,22 +86,9 @@ def _layout_reason(y, positions, cos_sin_cache, slot_mapping, key_cache, value_c
             return f"y's row stride ({y.stride(0)}) must be a multiple of {_VEC} elements, >= N={n} and < 2^31"
         if y.data_ptr() % _ALIGN:
             return f"y must be {_ALIGN}-byte aligned (data_ptr % {_ALIGN} = {y.data_ptr() % _ALIGN})"
-    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
-        if t.dtype != torch.int64:
-            return f"{name}.dtype must be int64, got {t.dtype}"
-        if t.dim() != 1 or t.shape[0] != m:
-            return f"{name} must be [M={m}], got shape {tuple(t.shape)}"
-        if t.stride(0) != 1 and m > 1:
-            return f"{name} must be contiguous, got stride {t.stride(0)}"
-    if cos_sin_cache.dtype != torch.float32:
-        return f"cos_sin_cache.dtype must be float32, got {cos_sin_cache.dtype}"
-    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != EPI_HEAD_DIM or cos_sin_cache.shape[0] < 1:
-        return f"cos_sin_cache must be [max_pos >= 1, {EPI_HEAD_DIM}], got shape {tuple(cos_sin_cache.shape)}"
-    if not cos_sin_cache.is_contiguous():
-        return f"cos_sin_cache must be contiguous, got strides {tuple(cos_sin_cache.stride())}"
-    if cos_sin_cache.shape[0] * EPI_HEAD_DIM > _INT32_MAX:
-        return (f"cos_sin_cache has {cos_sin_cache.shape[0]} rows; at most {_INT32_MAX // EPI_HEAD_DIM} are "
-                "supported")
+    r = _token_inputs_reason(m, positions, slot_mapping, cos_sin_cache)
+    if r:
+        return r
     if cos_sin_cache.data_ptr() % _ALIGN:
         return f"cos_sin_cache must be {_ALIGN}-byte aligned (data_ptr % 16 = {cos_sin_cache.data_ptr() % _ALIGN})"
     r = _kv_reason(key_cache, value_cache, num_kv_heads)

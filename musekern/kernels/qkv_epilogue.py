@@ -34,7 +34,8 @@ PDL-aware successor (attention) may land its CTAs and prologue while this grid s
 grid before reading y or the caches, as every PDL dependent must.
 
 Input contract (the op checks it): y, key_cache, value_cache, cos_sin_cache 16-byte aligned; ld_y and the block
-strides multiples of 8 elements; M * (nq + 2 nkv) * 8 <= EPI_MAX_VECTORS; num_blocks * block_size < 2^31.
+strides multiples of 8 elements; M * row_units <= EPI_MAX_UNITS (the Int32 thread index); num_blocks * block_size and
+block_size * nkv * 64 < 2^31.
 """
 # (no `from __future__ import annotations`: @cute.jit reads real annotation objects)
 

@@ -39,6 +39,10 @@ def fused_qknorm_rope_kv_insert(y_gemm_bf16: torch.Tensor, positions: torch.Tens
       slot % block_size, unless slot < 0 (padding) or slot >= num_blocks * block_size.
     Positions outside [0, max_pos) are clamped to [0, max_pos - 1] (the kernel does the same:
     it never reads cos|sin out of bounds). Returns a new tensor; the caches are written in place.
+    Two tokens with the same valid slot in one call: which token's k / v that slot then holds is
+    undefined (here per cache row, in torch's index_put_ order; the kernels per 16-byte piece); every
+    other slot is exact. Engines never map two tokens of a step to one slot.
+    Vectorized (no Python loop over tokens) and free of host syncs on GPU tensors (CUDA-graph capturable).
     """
     m, n = y_gemm_bf16.shape
     d = QKV_HEAD_DIM
@@ -51,23 +55,36 @@ def fused_qknorm_rope_kv_insert(y_gemm_bf16: torch.Tensor, positions: torch.Tens
     qk = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + eps)
     max_pos = cos_sin_cache.shape[0]
     pos = positions.to(device=cos_sin_cache.device, dtype=torch.long).clamp(0, max_pos - 1)
-    cs = cos_sin_cache.float()[pos]  # [M, 64]
+    cs = cos_sin_cache.float()[pos].to(y.device)  # [M, 64]
     c, s = cs[:, None, : d // 2], cs[:, None, d // 2:]
     a, b = qk[..., 0::2], qk[..., 1::2]
     roped = torch.stack((a * c - b * s, a * s + b * c), dim=-1).reshape(m, nq + nkv, d)
-    out[:, :nq + nkv] = roped.to(out.device)
+    out[:, :nq + nkv] = roped
     out = out.reshape(m, n).to(torch.bfloat16)
-    num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
     heads_out = out.reshape(m, heads, d)
-    k_new = heads_out[:, nq:nq + nkv]
-    v_new = heads_out[:, nq + nkv:nq + 2 * nkv]
-    for t, slot in enumerate(slot_mapping.tolist()):
-        if slot < 0 or slot >= num_blocks * block_size:
-            continue
-        blk, off = divmod(slot, block_size)
-        key_cache[blk, off] = k_new[t].to(key_cache.dtype)
-        value_cache[blk, off] = v_new[t].to(value_cache.dtype)
+    insert_cache_rows(key_cache, slot_mapping, heads_out[:, nq:nq + nkv])
+    insert_cache_rows(value_cache, slot_mapping, heads_out[:, nq + nkv:nq + 2 * nkv])
     return out
+
+
+def insert_cache_rows(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
+    """cache[s // block_size, s % block_size] = rows[t] for every token t whose slot s = slot_mapping[t] is in
+    [0, num_blocks * block_size); other tokens write nothing. One index_put_ of a data-independent shape (no
+    host sync): a token with no valid slot repeats the write of the first token that has one (same slot, same
+    bits), or, where no token has one, writes slot 0's own bits back to it."""
+    m = rows.shape[0]
+    if m == 0:
+        return
+    nb, bs = cache.shape[0], cache.shape[1]
+    slots = slot_mapping.to(device=cache.device, dtype=torch.long)
+    valid = (slots >= 0) & (slots < nb * bs)
+    first = torch.argmax(valid.to(torch.int32))  # the first valid token (0 if none is)
+    src = torch.where(valid, torch.arange(m, device=cache.device), first)
+    ok = valid[src]
+    dst = torch.where(ok, slots[src], 0)
+    blk, off = torch.div(dst, bs, rounding_mode="floor"), dst % bs
+    new = rows.to(device=cache.device, dtype=cache.dtype)[src]
+    cache[blk, off] = torch.where(ok[:, None, None], new, cache[blk, off])
 
 
 def qkv_front_reference(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,

@@ -35,7 +35,7 @@ def run(monkeypatch, tmp_path):
 
 def test_plan_table_and_json(run):
     r = run("plan", "--target", "h200")
-    assert "qkv_front" in r.stdout and "2176" in r.stdout and "16 distinct variants" in r.stdout
+    assert "qkv_front" in r.stdout and "2176" in r.stdout and "18 distinct variants" in r.stdout
     doc = json.loads(run("plan", "--target", "h200", "--json").stdout)
     tp8 = [row for row in doc["rows"] if row["tp"] == 8 and row["kernel"] == "qkv_front"]
     assert {(r["N"], r["k_split"], r["tiles"], r["fixed_rows"], r["tokens"]) for r in tp8} == {
@@ -95,7 +95,7 @@ def test_prepare_then_warm_rerun_does_nothing(run):
 @needs_dsl
 def test_doctor_reports_missing_then_ok(run, tmp_path):
     doc = json.loads(run("doctor", "--target", "h200", "--json", code=1).stdout)
-    assert doc["nvidia-cutlass-dsl"] == keys.dsl_version() and len(doc["missing"]) == 16 and not doc["ok"]
+    assert doc["nvidia-cutlass-dsl"] == keys.dsl_version() and len(doc["missing"]) == 18 and not doc["ok"]
     assert doc["cache_dir"] == str(tmp_path / "cache")
     r = run("doctor", "--target", "h200", code=1)
     assert "16 planned variant(s) missing from the cache" in r.stdout

@@ -129,7 +129,7 @@ def test_default_plan():
     assert kinds.count(("qk_norm", None)) == 4  # with / without scale, large / small inputs
     for n in (2176, 4352, 8704, 17408):
         assert kinds.count(("qkv_front", n)) == 3
-    assert len(entries) == 16
+    assert len(entries) == 18
     tp_of = {e.variant.n: e.tps for e in entries if e.kernel == "qkv_front"}
     assert tp_of == {17408: (1,), 8704: (2,), 4352: (4,), 2176: (8,)}
 
@@ -176,7 +176,7 @@ def test_plan_is_deterministic_across_hash_seeds():
         outs.add(r.stdout)
     assert len(outs) == 1
     doc = json.loads(outs.pop())
-    assert len(doc["variants"]) == 32
+    assert len(doc["variants"]) == 36
 
 
 # each field of QkvFrontVariant that __post_init__ guards, with a value outside its domain (splits 4 / 8 and the

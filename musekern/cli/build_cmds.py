@@ -6,6 +6,7 @@ import sys
 import click
 
 from ..variants import PlanEntry, fixed_rows, plan_model, shard_plan, token_tiles, variant_from_label
+from ..variants.qkv_epilogue import rows_served
 from .common import (
     Failure,
     UsageFailure,
@@ -36,6 +37,10 @@ def _plan_rows(entries: list[PlanEntry], model) -> list[dict]:
                 row.update(N=v.n, heads=v.heads, q_heads=v.num_q_heads, kv_heads=v.num_kv_heads, k_split=v.splits,
                            stages=v.stages, tiles=v.tiles, fixed_rows=v.fixed_m,
                            tokens=_tokens_served(v, model.max_decode_tokens if model else 16))
+            elif e.kernel == "qkv_epilogue":  # one build for every N: the M the rule sends to it
+                served = rows_served(v, shard.n, shard.num_kv_heads) if shard else None
+                row.update(N=shard.n if shard else None, heads=None,
+                           tokens=f"{served[0]}-{served[1]}" if served else "")
             else:
                 row.update(N=shard.n if shard else None, heads=None, head_dim=v.head_dim, dtype=v.dtype,
                            has_scale=v.has_scale)

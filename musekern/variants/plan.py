@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from ..config import ModelConfig
 from ..targets import Target, check_supported
 from .qk_norm import qk_norm_variants
+from .qkv_epilogue import qkv_epilogue_variants
 from .qkv_front import supports_shape
 from .qkv_front_rules import qkv_front_variants
 
@@ -14,7 +15,7 @@ from .qkv_front_rules import qkv_front_variants
 class PlanEntry:
     """One compiled artifact: a variant of a kernel for a target, and which TP ranks use it."""
     target: Target
-    variant: object  # a frozen *Variant dataclass (QkNormVariant, QkvFrontVariant)
+    variant: object  # a frozen *Variant dataclass (QkNormVariant, QkvFrontVariant, QkvEpilogueVariant)
     tps: tuple[int, ...]
 
     @property
@@ -48,6 +49,7 @@ def plan_model(model: ModelConfig, targets: list[Target]) -> list[PlanEntry]:
             variants = list(qk_norm_variants(model.dtype, model.head_dim))
             if supports_shape(shard.n, shard.num_kv_heads):
                 variants += qkv_front_variants(shard.n, shard.num_kv_heads, target, model.max_decode_tokens)
+                variants += qkv_epilogue_variants()  # every M the front does not take (one build serves every N)
             for v in variants:
                 key = (target.name, v)
                 tps = by_key.get(key, ())
@@ -71,9 +73,11 @@ def shard_plan(entries: list[PlanEntry], index: int, count: int) -> list[PlanEnt
 
 def variant_types() -> dict:
     from .qk_norm import QkNormVariant
+    from .qkv_epilogue import QkvEpilogueVariant
     from .qkv_front import QkvFrontVariant
 
-    return {QkNormVariant.kernel: QkNormVariant, QkvFrontVariant.kernel: QkvFrontVariant}
+    return {QkNormVariant.kernel: QkNormVariant, QkvFrontVariant.kernel: QkvFrontVariant,
+            QkvEpilogueVariant.kernel: QkvEpilogueVariant}
 
 
 def variant_from_label(label: str):

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Run HERE (CPU machine, build extra installed): every qkv_epilogue build (the planned ones and the rest of the
+# vecs_per_thread sweep) into the cache bench/epilogue_gpu.sh carries to the H200, with the commit they were built from.
+# Usage: bash bench/epilogue_cache.sh [cache-dir]   (default .musekern-cache, an ignored folder)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CACHE=${1:-.musekern-cache}
+labels=()
+for vpt in 1 2 4 8; do labels+=(--variant "qkv_epilogue[vecs_per_thread=$vpt]"); done
+.venv/bin/python -m musekern prepare --target h200 --cache-dir "$CACHE" -j 2 "${labels[@]}" >&2
+.venv/bin/python - "$CACHE" <<'PY'
+import json, sys
+from musekern.bench.report import git_state
+info = git_state()
+json.dump(info, open(f"{sys.argv[1]}/BUILD_INFO.json", "w"))
+print(f"cache {sys.argv[1]} built from {info['commit']}{' (dirty)' if info['dirty'] else ''}")
+PY

@@ -1,0 +1,235 @@
+"""qkv_epilogue: the attention front's epilogue on a GEMM result from cuBLAS, in CuTe DSL (any M).
+
+Given y = bf16(x @ W^T) [M, N] (columns q | k | v | gate, 64 a head: nq, nkv, nkv, nq heads), in place:
+  q, k heads: y <- bf16(rope(rmsnorm(y)))  (unweighted RMS norm over the head's 64 values, fp32 math on the
+              bf16 values; interleaved RoPE, pair (2i, 2i+1) = (a, b) -> (a c - b s, a s + b c) with c, s =
+              cos_sin_cache[p, i], cos_sin_cache[p, 32 + i], p the token's position clamped to [0, max_pos - 1];
+              one rounding at the store);
+  k (normed, roped) and v heads -> key_cache / value_cache [num_blocks, block_size, nkv, 64] at block
+              slot // block_size, offset slot % block_size, unless slot < 0 or slot >= num_blocks * block_size;
+  v and gate heads of y are not written (the gate is not even read).
+That is musekern.reference.fused_qknorm_rope_kv_insert (two tokens with the same valid slot in one call leave
+that slot holding, per 16-byte piece, one of their values: undefined, as in the reference).
+
+Work split (constants and the unit mapping: musekern/variants/qkv_epilogue.py): thread = unit (row r, lane j,
+head group g), units flattened row-major with j fastest; the thread carries vector j (y columns 8j..8j+7 of a
+head: RoPE pairs 4j..4j+3) of the vecs_per_thread heads g*vpt .. g*vpt+vpt-1 (only q, k, v heads; the gate heads
+are never read). Per thread, in three phases with no branch between the loads:
+  1. its row's position and slot and its heads' y vectors (a head past the row's last v head loads the last v
+     head instead: in bounds, never stored), all issued before any is used;
+  2. the four cos and four sin floats of lane j's pairs (two 16-byte loads from the clamped position's row),
+     shared by its heads;
+  3. every head's 8 local squares first (so every y load is issued before the first shuffle), then butterfly
+     shuffles over the 8 lanes of the (row, head group) round by round, rsqrt, RoPE, and 16-byte stores: y (q, k
+     heads), key_cache (k heads), value_cache (v heads, the loaded bits unchanged), each cache store only for a
+     valid slot. A lane past the end works on the last unit (in bounds) and stores nothing; the 8 lanes of a
+     group are all live or all past the end.
+The 8 lanes of a head write one contiguous 128-byte piece of y or of a cache row. No shared memory, no atomics:
+the result depends on nothing but the inputs, and not on vecs_per_thread.
+
+PDL: launched with programmatic stream serialization. Every thread executes griddepcontrol.wait before its first
+global read (y comes from the GEMM; positions, slots and the caches may come from earlier kernels), then
+griddepcontrol.launch_dependents: the predecessor is complete by then (at most two grids resident), and a
+PDL-aware successor (attention) may land its CTAs and prologue while this grid streams; it must wait for this
+grid before reading y or the caches, as every PDL dependent must.
+
+Input contract (the op checks it): y, key_cache, value_cache, cos_sin_cache 16-byte aligned; ld_y and the block
+strides multiples of 8 elements; M * row_units <= EPI_MAX_UNITS (the Int32 thread index); num_blocks * block_size and
+block_size * nkv * 64 < 2^31.
+"""
+# (no `from __future__ import annotations`: @cute.jit reads real annotation objects)
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+from cutlass.cute.runtime import make_ptr
+
+from ..store.abi import KernelAbi, LaunchSpec, pointer, scalar
+from ..variants.qkv_epilogue import (
+    EPI_BLOCK,
+    EPI_GRID_RULE,
+    EPI_HEAD_DIM,
+    EPI_LANES,
+    EPI_VEC_ELEMS,
+    QkvEpilogueVariant,
+)
+
+SUPPORTED_ARCHES = ("sm_90a", "sm_100a")  # plain loads/stores, shuffles and griddepcontrol: sm_90 and later
+_VEC = EPI_VEC_ELEMS
+_PAIRS = _VEC // 2  # RoPE pairs per 16-byte vector
+_CS_VEC = 4  # float32 per 16-byte cos|sin load
+_CS_VECS = 2 * EPI_HEAD_DIM // 2 // _CS_VEC  # 16-byte pieces of a cos|sin row: 8 cos, 8 sin
+_FAKE_ADDR = 1 << 20  # compile-time stand-in for the device pointers (16-byte aligned)
+
+
+class QkvEpilogueKernel:
+    """One compiled qkv_epilogue. Static: vectors per thread. Runtime: everything else."""
+
+    def __init__(self, v: QkvEpilogueVariant):
+        self.v = v
+        self.vpt = v.vecs_per_thread
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(self, y: cute.Pointer, positions: cute.Pointer, cos_sin: cute.Pointer, slots: cute.Pointer,
+                 kc: cute.Pointer, vc: cute.Pointer, m: Int32, nq: Int32, nkv: Int32, ld_y: Int32, max_pos: Int32,
+                 block_size: Int32, num_blocks: Int32, k_block_stride: Int64, v_block_stride: Int64, eps: Float32,
+                 stream: cuda.CUstream):
+        """The launch CuTe would do (the loader reproduces it from the manifest and variants' launch_grid)."""
+        total = m * ((nq + 2 * nkv + (self.vpt - 1)) // self.vpt * EPI_LANES)  # units (threads)
+        grid_x = (total + (EPI_BLOCK - 1)) // EPI_BLOCK
+        self.kernel(y, positions, cos_sin, slots, kc, vc, m, nq, nkv, ld_y, max_pos, block_size, num_blocks,
+                    k_block_stride, v_block_stride, eps).launch(grid=[grid_x, 1, 1], block=[EPI_BLOCK, 1, 1], smem=0,
+                                                                stream=stream, use_pdl=True)
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(self, y: cute.Pointer, positions: cute.Pointer, cos_sin: cute.Pointer, slots: cute.Pointer,
+               kc: cute.Pointer, vc: cute.Pointer, m: Int32, nq: Int32, nkv: Int32, ld_y: Int32, max_pos: Int32,
+               block_size: Int32, num_blocks: Int32, k_block_stride: Int64, v_block_stride: Int64, eps: Float32):
+        tidx = cute.arch.thread_idx()[0]
+        bidx = cute.arch.block_idx()[0]
+        cute.arch.griddepcontrol_wait()  # before any global read: y is the previous grid's output
+        cute.arch.griddepcontrol_launch_dependents()
+
+        heads = nq + 2 * nkv  # q, k, v heads of a row (the gate heads are never touched)
+        row_units = (heads + (self.vpt - 1)) // self.vpt * EPI_LANES  # threads per row
+        total = m * row_units
+        mY = cute.make_tensor(y, cute.make_layout((m, heads * EPI_LANES, _VEC),
+                                                  stride=(cute.assume(Int64(ld_y), divby=_VEC), _VEC, 1)))
+        mCS = cute.make_tensor(cos_sin, cute.make_layout((max_pos, _CS_VECS, _CS_VEC),
+                                                         stride=(_CS_VECS * _CS_VEC, _CS_VEC, 1)))
+        mPos = cute.make_tensor(positions, cute.make_layout(m))
+        mSlot = cute.make_tensor(slots, cute.make_layout(m))
+        block_vecs = block_size * nkv * EPI_LANES  # 16-byte vectors of one cache block
+        mK = cute.make_tensor(kc, cute.make_layout((num_blocks, block_vecs, _VEC),
+                                                   stride=(cute.assume(k_block_stride, divby=_VEC), _VEC, 1)))
+        mV = cute.make_tensor(vc, cute.make_layout((num_blocks, block_vecs, _VEC),
+                                                   stride=(cute.assume(v_block_stride, divby=_VEC), _VEC, 1)))
+        y_copy = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+        cs_copy = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+
+        # this thread: row r, lane j (columns 8j..8j+7 of a head), heads h0 .. h0 + vpt - 1. A lane past the end
+        # works on the last unit (in bounds) and stores nothing; so do the heads past the row's last v head.
+        w = bidx * EPI_BLOCK + tidx
+        live = w < total
+        wc = Uint32(cutlass.min(w, total - 1))  # total >= 1: the grid is empty when M == 0
+        ru = Uint32(row_units)
+        r_u = wc // ru
+        r = Int32(r_u)
+        rem = Int32(wc - r_u * ru)
+        j = rem % EPI_LANES
+        h0 = (rem // EPI_LANES) * self.vpt
+        # phase 1: position, slot and every y vector, no branch between the loads
+        pos = mPos[r]
+        slot = mSlot[r]
+        frags = []
+        for u in cutlass.range_constexpr(self.vpt):
+            f = cute.make_rmem_tensor(cute.make_layout(_VEC), BFloat16)
+            cute.copy(y_copy, mY[r, cutlass.min(h0 + u, heads - 1) * EPI_LANES + j, None], f)
+            frags.append(f)
+        # phase 2: cos and sin of lane j's four pairs (the same for all of this thread's heads)
+        p32 = Int32(cutlass.min(cutlass.max(pos, Int64(0)), Int64(max_pos) - Int64(1)))
+        cos_f = cute.make_rmem_tensor(cute.make_layout(_CS_VEC), Float32)
+        sin_f = cute.make_rmem_tensor(cute.make_layout(_CS_VEC), Float32)
+        cute.copy(cs_copy, mCS[p32, j, None], cos_f)
+        cute.copy(cs_copy, mCS[p32, _CS_VECS // 2 + j, None], sin_f)
+        # slot -> (block, offset): the slot bound is < 2^31 (the op checks it), so a 32-bit division is exact
+        limit = Int64(num_blocks) * Int64(block_size)
+        cached = live and slot >= Int64(0) and slot < limit
+        s32 = Int32(cutlass.min(cutlass.max(slot, Int64(0)), limit - Int64(1)))
+        blk = s32 // block_size
+        slot_vec0 = (s32 - blk * block_size) * nkv * EPI_LANES + j  # lane j of kv head 0 in the slot
+        # phase 3: the heads' 1 / rms, then per head RoPE and the 16-byte stores
+        rs = self._inv_rms(frags, eps)
+        for u in cutlass.range_constexpr(self.vpt):
+            o = self._roped(frags[u].load().to(Float32), rs[u], cos_f, sin_f)
+            h = h0 + u
+            if live and h < nq + nkv:
+                cute.copy(y_copy, o, mY[r, h * EPI_LANES + j, None])
+            if cached and h >= nq:
+                if h < nq + nkv:
+                    cute.copy(y_copy, o, mK[blk, slot_vec0 + (h - nq) * EPI_LANES, None])
+                elif h < heads:
+                    cute.copy(y_copy, frags[u], mV[blk, slot_vec0 + (h - nq - nkv) * EPI_LANES, None])
+
+    @cute.jit
+    def _inv_rms(self, frags, eps):
+        """1 / rms of each of this thread's heads: 8 local squares of every head first (so each of its y loads is
+        issued before the first shuffle), then butterfly shuffles over the head's 8 lanes (offsets 1, 2, 4), round
+        by round across the heads. Every lane runs them (v lanes too, whose
+        result is unused): the shuffles need all 32 lanes."""
+        ss = []
+        for u in cutlass.range_constexpr(self.vpt):
+            acc = Float32(0.0)
+            xf = frags[u].load().to(Float32)
+            for i in cutlass.range_constexpr(_VEC):
+                acc = acc + xf[i] * xf[i]
+            ss.append(acc)
+        for k in cutlass.range_constexpr(EPI_LANES.bit_length() - 1):
+            for u in cutlass.range_constexpr(self.vpt):
+                ss[u] = ss[u] + cute.arch.shuffle_sync_bfly(ss[u], offset=1 << k)
+        return [cute.math.rsqrt(ss[u] * Float32(1.0 / EPI_HEAD_DIM) + eps) for u in range(self.vpt)]
+
+    @cute.jit
+    def _roped(self, xf, rs, cos_f, sin_f):
+        """bf16 vector of the lane's 4 RoPE pairs, normed by rs: (a, b) -> (a c - b s, a s + b c), one rounding."""
+        cv = cos_f.load()
+        sv = sin_f.load()
+        o = cute.make_rmem_tensor(cute.make_layout(_VEC), BFloat16)
+        for i in cutlass.range_constexpr(_PAIRS):
+            a = xf[2 * i] * rs
+            b = xf[2 * i + 1] * rs
+            o[2 * i] = BFloat16(a * cv[i] - b * sv[i])
+            o[2 * i + 1] = BFloat16(a * sv[i] + b * cv[i])
+        return o
+
+
+# ---------------------------------------------------------------------- ABI and build
+def abi_for(v: QkvEpilogueVariant) -> KernelAbi:
+    """The launch ABI of `v` (pure: no compile). Order = the kernel's argument order."""
+    return KernelAbi(
+        params=(
+            pointer("y", "bf16 [M, N] GEMM result, q|k|v|gate, row stride ld_y, 16-byte aligned; q, k heads "
+                         "rewritten in place"),
+            pointer("positions", "int64 [M]"),
+            pointer("cos_sin_cache", "float32 [max_pos, 64] contiguous, 16-byte aligned"),
+            pointer("slot_mapping", "int64 [M]; < 0 or >= num_blocks * block_size: nothing written"),
+            pointer("key_cache", "bf16 [num_blocks, block_size, num_kv_heads, 64], inner dims contiguous, "
+                                 "16-byte aligned"),
+            pointer("value_cache", "same layout as key_cache, own block stride"),
+            scalar("M", "i32", "rows of y (tokens)"),
+            scalar("num_q_heads", "i32", "nq: q heads (= gate heads) per row"),
+            scalar("num_kv_heads", "i32", "nkv: k heads (= v heads) per row"),
+            scalar("ld_y", "i32", "row stride of y in elements, a multiple of 8"),
+            scalar("max_pos", "i32", "rows of cos_sin_cache"),
+            scalar("block_size", "i32"),
+            scalar("num_blocks", "i32"),
+            scalar("k_block_stride", "i64", "key_cache.stride(0) in elements, a multiple of 8"),
+            scalar("v_block_stride", "i64", "value_cache.stride(0) in elements, a multiple of 8"),
+            scalar("eps", "f32", "added to the mean of squares"),
+        ),
+        launch=LaunchSpec(block=(EPI_BLOCK, 1, 1), cluster=(1, 1, 1), dynamic_smem_bytes=0, pdl=True,
+                          grid=EPI_GRID_RULE),
+    )
+
+
+def compile_variant(v: QkvEpilogueVariant, arch: str):
+    """cubin, PTX and ABI of variant v for `arch` on any machine (no GPU needed)."""
+    from ..store.abi import check_abi_against_ptx
+    from . import CompiledKernel
+    from ._dsl import compile_to_cubin
+
+    if arch not in SUPPORTED_ARCHES:
+        raise NotImplementedError(f"qkv_epilogue is built for {' / '.join(SUPPORTED_ARCHES)}; {arch} is not "
+                                  "supported")
+    bf = make_ptr(BFloat16, _FAKE_ADDR, cute.AddressSpace.gmem, assumed_align=16)
+    f32 = make_ptr(Float32, _FAKE_ADDR, cute.AddressSpace.gmem, assumed_align=16)
+    i64 = make_ptr(Int64, _FAKE_ADDR, cute.AddressSpace.gmem, assumed_align=8)
+    cubin, ptx, symbol = compile_to_cubin(
+        QkvEpilogueKernel(v), bf, i64, f32, i64, bf, bf, Int32(16), Int32(16), Int32(1), Int32(2176), Int32(4096),
+        Int32(16), Int32(64), Int64(16 * 64), Int64(16 * 64), Float32(1e-5), cuda.CUstream(0), arch=arch)
+    abi = abi_for(v)
+    check_abi_against_ptx(abi, ptx, symbol)
+    return CompiledKernel(symbol=symbol, cubin=cubin, ptx=ptx, abi=abi)

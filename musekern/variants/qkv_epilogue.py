@@ -1,0 +1,139 @@
+"""Planner for qkv_epilogue: the fused epilogue of the attention front for a GEMM done elsewhere (cuBLAS).
+
+y = bf16(x @ W^T) [M, N] (q | k | v | gate, 64 columns a head) is given; the kernel RMS-norms and RoPEs the q
+and k heads in place and writes k and v to the paged caches (musekern.reference.fused_qknorm_rope_kv_insert).
+Pure: no cutlass, no GPU, no torch. The kernel (musekern/kernels/qkv_epilogue.py) imports the constants below.
+
+One build serves every N and head layout (nq, nkv and the row stride are runtime parameters); the variant is
+only how many 16-byte vectors each thread carries.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .base import VariantMixin
+from .qkv_front import supports_shape
+
+# Launch geometry (single source of truth; kernels/qkv_epilogue.py imports it). The kernel touches the q, k and v
+# heads of every row (H = nq + 2 nkv heads; the gate heads are neither read nor written), each as EPI_LANES
+# 16-byte vectors. A thread is one unit (row r, lane j, head group g): vector j of heads g * vpt .. g * vpt + vpt - 1
+# of row r (vpt = vecs_per_thread), so its vectors share one position, one slot and one cos|sin piece. A row is
+# row_units = EPI_LANES * ceil(H / vpt) units, flattened row-major with j fastest: the 8 lanes of one (row, head
+# group) are 8 consecutive, 8-aligned lanes that reduce each head's sum of squares with butterfly shuffles, and one
+# warp load reads 512 bytes of y: contiguous with vpt = 1, else 4 whole 128-byte heads vpt heads apart. Unit w of
+# the M * row_units is thread w % EPI_BLOCK of CTA w // EPI_BLOCK.
+EPI_HEAD_DIM = 64  # columns per head (Muse Spark); 32 RoPE pairs
+EPI_VEC_ELEMS = 8  # bf16 elements per 16-byte vector: 4 RoPE pairs
+EPI_LANES = EPI_HEAD_DIM // EPI_VEC_ELEMS  # lanes (vectors) per head
+EPI_BLOCK = 256  # threads per CTA (compiled with .reqntid)
+# Vectors (heads) per thread: all its y loads are issued before any is used, so a thread has 16 B x vpt of y in
+# flight; the cos|sin, position and slot loads are shared by its heads.
+EPI_VPT_CHOICES = (1, 2, 4, 8)
+# CTAs (of EPI_BLOCK threads) of each build an SM holds: ptxas gives them 32 / 48 / 77 / 127 registers a thread
+# (tests/test_kernels_qkv_epilogue.py checks the bound; capping them with .minnctapersm spills), so an SM has
+# 32 / 40 / 48 / 64 KiB of y loads in flight (2048 / 1280 / 768 / 512 threads x 16 B x vecs_per_thread).
+EPI_CTAS_PER_SM = {1: 8, 2: 5, 4: 3, 8: 2}
+# The rule (measured, bench/NOTES.md "qkv_epilogue"): inputs of at most EPI_SMALL_VECTORS 16-byte vectors (M * H * 8)
+# take one vector a thread, larger ones two. Two is the fastest build at every M >= 1024 of every shard (4-13% ahead
+# of 1, 4 and 8 at M = 65536) and within 0.1 us of the fastest at every M below; one is as fast on small inputs and
+# up to 0.16 us faster on some (TP4 M <= 64), where a call costs 1.2-1.3 us.
+EPI_VPT_SMALL = 1
+EPI_VPT_LARGE = 2
+EPI_SMALL_VECTORS = 128 * EPI_BLOCK
+# The flattened unit index is an Int32 in the kernel (the last CTA's dead lanes run up to EPI_BLOCK - 1 past it).
+EPI_MAX_UNITS = 2**31 - 1 - EPI_BLOCK
+EPI_GRID_RULE = (f"grid = (ceil(M * {EPI_LANES} * ceil((nq + 2 * nkv) / vecs_per_thread) / {EPI_BLOCK}), 1, 1); "
+                 f"block = ({EPI_BLOCK}, 1, 1); M == 0 launches nothing")
+
+
+@dataclass(frozen=True)
+class QkvEpilogueVariant(VariantMixin):
+    """One compiled qkv_epilogue: serves every N, head layout, row stride, cache layout and M."""
+    kernel: ClassVar[str] = "qkv_epilogue"
+    vecs_per_thread: int  # EPI_VPT_CHOICES; never changes a bit
+
+    def __post_init__(self):
+        if self.vecs_per_thread not in EPI_VPT_CHOICES:
+            raise ValueError(f"qkv_epilogue vecs_per_thread must be one of {EPI_VPT_CHOICES}, "
+                             f"got {self.vecs_per_thread!r}")
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """CTAs of this build one SM holds (register bound)."""
+        return EPI_CTAS_PER_SM[self.vecs_per_thread]
+
+
+def head_counts(n: int, num_kv_heads: int) -> tuple[int, int]:
+    """(nq, nkv) of a q | k | v | gate row of N columns; ValueError where N is not such a layout."""
+    if not supports_shape(n, num_kv_heads):
+        raise ValueError(f"N={n} is not a q|k|v|gate layout of {EPI_HEAD_DIM}-column heads with "
+                         f"num_kv_heads={num_kv_heads}")
+    return (n // EPI_HEAD_DIM - 2 * num_kv_heads) // 2, num_kv_heads
+
+
+def epilogue_vectors(m: int, n: int, num_kv_heads: int) -> int:
+    """16-byte vectors of y the kernel reads for M tokens: the q, k and v heads of every row."""
+    nq, nkv = head_counts(n, num_kv_heads)
+    return int(m) * (nq + 2 * nkv) * EPI_LANES
+
+
+def row_units(v: QkvEpilogueVariant, n: int, num_kv_heads: int) -> int:
+    """Threads per row of y: EPI_LANES per group of vecs_per_thread heads (the last group may be partial)."""
+    nq, nkv = head_counts(n, num_kv_heads)
+    return EPI_LANES * -(-(nq + 2 * nkv) // v.vecs_per_thread)
+
+
+def max_rows(v: QkvEpilogueVariant, n: int, num_kv_heads: int) -> int:
+    """The largest M one launch of `v` takes (the kernel's Int32 unit index)."""
+    return EPI_MAX_UNITS // row_units(v, n, num_kv_heads)
+
+
+def epilogue_variant(n: int, m: int, num_kv_heads: int) -> QkvEpilogueVariant:
+    """The build a call with N columns and M tokens takes (the rule above)."""
+    small = epilogue_vectors(m, n, num_kv_heads) <= EPI_SMALL_VECTORS
+    return QkvEpilogueVariant(EPI_VPT_SMALL if small else EPI_VPT_LARGE)
+
+
+def rows_served(v: QkvEpilogueVariant, n: int, num_kv_heads: int) -> tuple[int, int] | None:
+    """(first, last) M that the rule sends to `v` for this N (last: one launch's limit), or None."""
+    last = max_rows(v, n, num_kv_heads)
+    small_rows = EPI_SMALL_VECTORS // epilogue_vectors(1, n, num_kv_heads)
+    if v.vecs_per_thread == EPI_VPT_SMALL:
+        return (1, last if EPI_VPT_SMALL == EPI_VPT_LARGE else min(small_rows, last))
+    if v.vecs_per_thread == EPI_VPT_LARGE:
+        return (small_rows + 1, last)
+    return None
+
+
+def qkv_epilogue_variants() -> tuple[QkvEpilogueVariant, ...]:
+    """Every build the rule picks (the same for every shard), large inputs first."""
+    return tuple(QkvEpilogueVariant(vpt) for vpt in dict.fromkeys((EPI_VPT_LARGE, EPI_VPT_SMALL)))
+
+
+def launch_grid(v: QkvEpilogueVariant, m: int, n: int, num_kv_heads: int) -> tuple[int, int, int]:
+    """The grid of a launch (the kernel's own host code uses the same rule). (0, 1, 1) when M == 0: the caller
+    must then skip the launch. Depends on M and N only, never on data (CUDA-graph safe)."""
+    m = int(m)
+    if m < 0:
+        raise ValueError(f"qkv_epilogue: M={m} must be >= 0")
+    total = m * row_units(v, n, num_kv_heads)
+    if total > EPI_MAX_UNITS:
+        raise ValueError(f"qkv_epilogue: M={m} rows of N={n} are {total} threads of {v.label}; at most "
+                         f"{EPI_MAX_UNITS} (M <= {max_rows(v, n, num_kv_heads)}) per launch (Int32 index)")
+    return ((total + EPI_BLOCK - 1) // EPI_BLOCK, 1, 1)
+
+
+# ---------------------------------------------------------------- bytes the kernel must move
+POS_SLOT_BYTES = 16  # int64 position + int64 slot per token
+COS_SIN_ROW_BYTES = 2 * (EPI_HEAD_DIM // 2) * 4  # float32 cos | sin row per token (read once per token at best)
+
+
+def epilogue_bytes(m: int, n: int, num_kv_heads: int, written_slots: int | None = None) -> int:
+    """The fewest bytes of device memory one launch moves (each input read once, each output written once):
+    per token, the q and k heads of y read and written back, the v heads read, k and v written to the caches
+    (tokens with a valid slot: `written_slots`, default all M), its position, slot and cos|sin row."""
+    nq, nkv = head_counts(n, num_kv_heads)
+    head = EPI_HEAD_DIM * 2
+    w = m if written_slots is None else written_slots
+    return m * ((nq + nkv) * 2 * head + nkv * head + POS_SLOT_BYTES + COS_SIN_ROW_BYTES) + w * 2 * nkv * head

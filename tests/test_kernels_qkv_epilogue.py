@@ -1,0 +1,231 @@
+"""qkv_epilogue CuTe DSL kernel on CPU: the unit mapping's intended math against the reference, then compiles
+(sm_90a every build, sm_100a), the ABI against the PTX `.entry`, the PTX and SASS the design relies on (16-byte
+global loads and stores, no local memory, the y loads issued before the first shuffle, PDL), determinism.
+
+The compile tests need nvidia-cutlass-dsl (the `build` extra); the SASS ones cuobjdump/nvdisasm (pip wheels).
+"""
+from __future__ import annotations
+
+import re
+
+import nvdump
+import pytest
+from kv_layouts import paged_caches
+
+from musekern.store.abi import KernelAbi, check_abi_against_ptx, cubin_arch
+from musekern.variants.qkv_epilogue import (
+    EPI_BLOCK,
+    EPI_CTAS_PER_SM,
+    EPI_LANES,
+    EPI_VPT_CHOICES,
+    QkvEpilogueVariant,
+    head_counts,
+    launch_grid,
+    row_units,
+)
+
+torch = pytest.importorskip("torch")
+
+from musekern.reference import fused_qknorm_rope_kv_insert, rope_cos_sin_table  # noqa: E402
+
+ALL = [QkvEpilogueVariant(vpt) for vpt in EPI_VPT_CHOICES]
+PARAM_NAMES = ["y", "positions", "cos_sin_cache", "slot_mapping", "key_cache", "value_cache", "M", "num_q_heads",
+               "num_kv_heads", "ld_y", "max_pos", "block_size", "num_blocks", "k_block_stride", "v_block_stride", "eps"]
+EPS = 1e-5
+
+
+# ---------------------------------------------------------------- the intended math, on CPU
+def simulate(y, positions, cs, slots, kc, vc, nkv, eps, vpt):
+    """Runs the kernel's unit mapping (the formulas of kernels/qkv_epilogue.py), vectorized over the threads of the
+    grid, on CPU: returns the new y, and counts of how often each element of y and of the caches is written."""
+    m, n = y.shape
+    nq, _ = head_counts(n, nkv)
+    heads = nq + 2 * nkv
+    v = QkvEpilogueVariant(vpt)
+    ru = row_units(v, n, nkv)
+    total = m * ru
+    w = torch.arange(launch_grid(v, m, n, nkv)[0] * EPI_BLOCK)
+    live = w < total
+    wc = w.clamp(max=total - 1)
+    r, rem = wc // ru, wc % ru
+    j, h0 = rem % EPI_LANES, (rem // EPI_LANES) * vpt
+    # the 8 lanes of a (row, head group) are consecutive and 8-aligned, and all live or all dead
+    for t in (r, h0, live):
+        assert bool((t.view(-1, EPI_LANES) == t.view(-1, EPI_LANES)[:, :1]).all())
+    assert bool((j[live].view(-1, EPI_LANES) == torch.arange(EPI_LANES)).all())
+    p = positions[r].clamp(0, cs.shape[0] - 1)
+    cols4 = 4 * j[:, None] + torch.arange(4)
+    cos, sin = cs[p[:, None], cols4], cs[p[:, None], 32 + cols4]
+    nb, bs = kc.shape[0], kc.shape[1]
+    s = slots[r]
+    cached = live & (s >= 0) & (s < nb * bs)
+    s32 = s.clamp(0, nb * bs - 1)
+    blk, off = s32 // bs, s32 % bs
+    out = y.clone()
+    y_writes = torch.zeros(m, n, dtype=torch.int32)
+    k_writes = torch.zeros(kc.shape, dtype=torch.int32)
+    v_writes = torch.zeros(vc.shape, dtype=torch.int32)
+    cols8 = 8 * j[:, None] + torch.arange(8)
+    for u in range(vpt):
+        h = h0 + u
+        hl = h.clamp(max=heads - 1)  # a head past the last v head loads the last v head (never stored)
+        vec = y[r[:, None], hl[:, None] * 64 + cols8]
+        assert bool((r < m).all() and (hl * 64 + 63 < n).all())  # every load in bounds
+        xf = vec.float()
+        ss = (xf * xf).sum(-1).view(-1, EPI_LANES).sum(-1).repeat_interleave(EPI_LANES)
+        rs = torch.rsqrt(ss / 64 + eps)[:, None]
+        a, b = xf[:, 0::2] * rs, xf[:, 1::2] * rs
+        o = torch.stack((a * cos - b * sin, a * sin + b * cos), -1).reshape(-1, 8).to(torch.bfloat16)
+        st = live & (h < nq + nkv)
+        out[r[st][:, None], h[st][:, None] * 64 + cols8[st]] = o[st]
+        y_writes.index_put_((r[st][:, None], h[st][:, None] * 64 + cols8[st]), torch.tensor(1, dtype=torch.int32),
+                            accumulate=True)
+        for cache, writes, lo, hi, val in ((kc, k_writes, nq, nq + nkv, o), (vc, v_writes, nq + nkv, heads, vec)):
+            sel = cached & (h >= lo) & (h < hi)
+            idx = (blk[sel][:, None], off[sel][:, None], (h[sel] - lo)[:, None], cols8[sel])
+            cache[idx] = val[sel]
+            writes.index_put_(idx, torch.tensor(1, dtype=torch.int32), accumulate=True)
+    return out, y_writes, k_writes, v_writes
+
+
+def _case(m, n, nkv, layout, seed, num_blocks=5, block_size=4, max_pos=40):
+    g = torch.Generator().manual_seed(seed)
+    y = (torch.randn(m, n, generator=g) * 2).to(torch.bfloat16)
+    pos = torch.randint(-3, max_pos + 3, (m,), generator=g)  # some out of range: clamped
+    cap = num_blocks * block_size
+    slots = torch.randperm(cap, generator=g)[:m] if m <= cap else torch.arange(m) % (cap + 7)
+    slots = slots.clone()
+    seen = set()  # the valid slots distinct (two tokens on one slot are undefined)
+    for t, s in enumerate(slots.tolist()):
+        if 0 <= s < cap and s in seen:
+            slots[t] = -1
+        seen.add(s)
+    slots[::3] = -1  # padding
+    for t, s in ((1, cap + 2), (4, cap - 1)):  # past the cache; the last slot
+        if t < m:
+            slots[slots == s] = -1
+            slots[t] = s
+    kc, vc, _ = paged_caches(num_blocks, block_size, nkv, layout)
+    return y, pos, rope_cos_sin_table(max_pos, 10000.0), slots, kc, vc
+
+
+# Every build; TP8's and TP4's layouts (partial head groups at vpt 4 and 8), the smallest layout (N = 256, H = 3 <
+# vpt 4), rows that end mid-CTA; both cache layouts; padding, a slot past the cache, the last slot.
+@pytest.mark.parametrize("vpt", EPI_VPT_CHOICES)
+@pytest.mark.parametrize("m,n,nkv,layout", [(1, 2176, 1, "vllm"), (7, 2176, 1, "flashinfer"), (33, 4352, 2, "vllm"),
+                                            (5, 256, 1, "flashinfer"), (13, 1280, 2, "vllm")])
+def test_intended_math_matches_reference(vpt, m, n, nkv, layout):
+    y, pos, cs, slots, kc, vc = _case(m, n, nkv, layout, seed=vpt * 100 + m)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    ref = fused_qknorm_rope_kv_insert(y, pos, cs, slots, kc_ref, vc_ref, nkv, EPS)
+    out, y_w, k_w, v_w = simulate(y, pos, cs, slots, kc, vc, nkv, EPS, vpt)
+    nq, _ = head_counts(n, nkv)
+    qk = (nq + nkv) * 64
+    assert bool((y_w[:, :qk] == 1).all()) and bool((y_w[:, qk:] == 0).all()), "q, k once; v and gate never"
+    assert torch.equal(out[:, qk:], y[:, qk:])
+    # fp32 math, one rounding: within one bf16 ulp of the fp32 reference (summation order differs)
+    assert torch.allclose(out.float(), ref.float(), rtol=2 ** -7, atol=1e-6)
+    valid = [(t, s) for t, s in enumerate(slots.tolist()) if 0 <= s < kc.shape[0] * kc.shape[1]]
+    for writes in (k_w, v_w):
+        assert int(writes.sum()) == len(valid) * nkv * 64 and int(writes.max()) <= 1
+    assert torch.equal(vc, vc_ref)  # v: the loaded bits, bit for bit
+    assert torch.allclose(kc.float(), kc_ref.float(), rtol=2 ** -7, atol=1e-6)
+
+
+# ---------------------------------------------------------------- compile (needs the DSL)
+_COMPILED: dict = {}
+
+
+def _compile(v, arch="sm_90a"):
+    pytest.importorskip("cutlass")
+    if (v, arch) not in _COMPILED:
+        from musekern.kernels import compile_variant
+
+        _COMPILED[(v, arch)] = compile_variant(v, arch)
+    return _COMPILED[(v, arch)]
+
+
+def test_abi_for_is_pure_and_stable():
+    pytest.importorskip("cutlass")  # abi_for compiles nothing, but its module imports the DSL
+    from musekern.kernels.qkv_epilogue import abi_for
+
+    for v in ALL:
+        abi = abi_for(v)
+        assert [p.name for p in abi.params] == PARAM_NAMES
+        assert [(p.kind, p.align, p.size) for p in abi.params] == (
+            [("pointer", 8, 8)] * 6 + [("scalar", 4, 4)] * 7 + [("scalar", 8, 8)] * 2 + [("scalar", 4, 4)])
+        assert abi.launch.block == (EPI_BLOCK, 1, 1) and abi.launch.cluster == (1, 1, 1)
+        assert abi.launch.dynamic_smem_bytes == 0 and abi.launch.pdl and abi.tensormaps == ()
+        assert KernelAbi.from_json(abi.to_json()) == abi
+
+
+def _count(pattern, text):
+    return len(re.findall(pattern, text, re.M))
+
+
+def _check_ptx(ck, v, arch):
+    assert ck.cubin[:4] == b"\x7fELF" and cubin_arch(ck.cubin) == arch
+    check_abi_against_ptx(ck.abi, ck.ptx, ck.symbol)
+    ptx = ck.ptx[ck.ptx.index(".entry " + ck.symbol):]
+    vpt = v.vecs_per_thread
+    # y: vpt 16-byte loads; cos and sin: one 16-byte load each; position and slot: 8 bytes each. Stores: y, key
+    # cache and value cache for each head (16 bytes each, predicated per head type)
+    assert _count(r"^\s*(@%p\d+\s+)?ld\.global(\.\w+)*\.v4\.(b32|u32|f32)\s", ptx) == vpt + 2
+    assert _count(r"^\s*(@%p\d+\s+)?ld\.global(\.\w+)*\.(b64|u64|s64)\s", ptx) == 2
+    assert _count(r"^\s*(@%p\d+\s+)?ld\.global", ptx) == vpt + 4
+    assert _count(r"^\s*(@%p\d+\s+)?st\.global(\.\w+)*\.v4\.(b32|u32|f32)\s", ptx) == 3 * vpt
+    assert _count(r"^\s*(@%p\d+\s+)?st\.global", ptx) == 3 * vpt
+    assert _count(r"shfl\.sync\.bfly\.b32", ptx) == 3 * vpt  # offsets 1, 2, 4 per head
+    assert _count(r"griddepcontrol\.wait", ptx) == 1 and _count(r"griddepcontrol\.launch_dependents", ptx) == 1
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+    assert ".shared" not in ptx and "bar.sync" not in ptx and "atom." not in ptx and ".local" not in ptx
+    assert f".reqntid {EPI_BLOCK}, 1, 1" in ptx
+    assert "rsqrt.approx.f32" in ptx and "cvt.f32.bf16" in ptx
+
+
+@pytest.mark.parametrize("v", ALL, ids=lambda v: v.label)
+def test_compile_sm90a(v):
+    _check_ptx(_compile(v), v, "sm_90a")
+
+
+def test_compile_sm100a():
+    v = QkvEpilogueVariant(4)
+    _check_ptx(_compile(v, "sm_100a"), v, "sm_100a")
+
+
+def test_compile_is_deterministic():
+    pytest.importorskip("cutlass")
+    from musekern.kernels import compile_variant
+
+    a, b = compile_variant(ALL[1], "sm_90a"), compile_variant(ALL[1], "sm_90a")
+    assert a.cubin == b.cubin and a.ptx == b.ptx and a.symbol == b.symbol
+
+
+def test_builds_are_distinct_kernels():
+    assert len({_compile(v).cubin for v in ALL}) == len(ALL)
+
+
+@pytest.mark.parametrize("v", ALL, ids=lambda v: v.label)
+def test_sass(v, tmp_path):
+    ck = _compile(v)
+    usage = nvdump.resources(ck.cubin, tmp_path)
+    if usage is None:
+        pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"local memory (spills or stack arrays): {usage}"
+    regs = (usage["REG"] + 7) // 8 * 8
+    assert EPI_CTAS_PER_SM[v.vecs_per_thread] * EPI_BLOCK * regs <= 65536, f"{regs} registers"
+    sass = nvdump.dump(ck.cubin, tmp_path, "-sass")
+    if "Could not find executable" in sass.stderr:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    s = sass.stdout
+    vpt = v.vecs_per_thread
+    assert len(re.findall(r"\bLDG\.E\.128\b", s)) == vpt + 2
+    assert len(re.findall(r"\bSTG\.E\.128\b", s)) == 3 * vpt
+    assert not re.search(r"\b(LDG|STG)\.E(\.(8|16|32|64))?\b(?!\.128)", s.replace("LDG.E.64", "")), \
+        "a global access narrower than 16 bytes besides the position and slot loads"
+    assert len(re.findall(r"\bLDG\.E\.64\b", s)) == 2
+    assert not re.search(r"\b(STL|LDL)\b", s), "local-memory spill in SASS"
+    assert not re.search(r"\b(ATOMG|REDG|RED\.E)\b", s), "global atomic in SASS"
+    # every y load is issued before the first shuffle waits on one (bytes in flight: bench/NOTES.md qkv_epilogue)
+    head = s[:s.index("SHFL.BFLY")]
+    assert len(re.findall(r"\bLDG\.E\.128\b", head)) >= vpt

@@ -94,12 +94,15 @@ _INT_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_
 _FLOAT_KEYS = ("rms_norm_eps", "rope_theta")
 _DEFAULTS = {"attn_output_gate": False, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
              "max_position_embeddings": 4096}
-_MUSEKERN_DEFAULTS = {"max_decode_tokens": 16, "targets": []}
+# The largest M a fused-front build serves (variants.FRONT_MAX_TOKENS; a test keeps them equal): the plan builds the
+# front for M <= max_decode_tokens where the planner's rule picks it; every other M takes cuBLAS + the fused epilogue,
+# whose builds serve every M, so a larger value changes nothing but is accepted.
+FRONT_MAX_TOKENS = 32
+_MUSEKERN_DEFAULTS = {"max_decode_tokens": FRONT_MAX_TOKENS, "targets": []}
 DEFAULT_TP_SIZES = (1,)
 SERVING_DTYPE = "bfloat16"  # the dtype every planned kernel is built for
 CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16")  # a checkpoint saved in any of these is served in bf16
 SUPPORTED_DTYPES = (SERVING_DTYPE,)
-MAX_DECODE_TOKENS = 16  # qkv_front serves 1 <= M <= 16
 
 
 def _is_int(v) -> bool:
@@ -205,8 +208,6 @@ def parse_config(data, source: str = "<config>") -> ModelConfig:
         tps = _check_tps(src, "musekern.tensor_parallel_sizes", mk["tensor_parallel_sizes"], nq, nkv)
         tp_source = "config"
     mdt = _int(src, "musekern.max_decode_tokens", m["max_decode_tokens"])
-    if mdt > MAX_DECODE_TOKENS:
-        raise ConfigError(src, "musekern.max_decode_tokens", f"must be <= {MAX_DECODE_TOKENS}, got {mdt}")
     targets = m["targets"]
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise ConfigError(src, "musekern.targets", "must be a list of target names")

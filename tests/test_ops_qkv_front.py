@@ -171,9 +171,10 @@ REJECT = {
     "x not a tensor": (dict(x=[1, 2]), "x must be a torch.Tensor"),
     "x 1-D": (dict(x=lambda c: c["x"][0]), "x must be [M, 8192]"),
     "x hidden": (dict(x=lambda c: c["x"][:, :4096]), "x must be [M, 8192]"),
-    "M = 0": (dict(x=lambda c: c["x"][:0]), "M (x.shape[0])"),
-    "M = 17": (dict(x=lambda c: torch.zeros(17, K, dtype=torch.bfloat16)), "M (x.shape[0])"),
-    "x strided": (dict(x=lambda c: torch.zeros(5, 2 * K, dtype=torch.bfloat16)[:, ::2]), "x must be contiguous"),
+    "M = 0": (dict(x=lambda c: c["x"][:0]), "x must have at least one row (M >= 1)"),
+    "M = 17, 5 positions": (dict(x=lambda c: torch.zeros(17, K, dtype=torch.bfloat16)), "positions must be [M=17]"),
+    "x strided": (dict(x=lambda c: torch.zeros(5, 2 * K, dtype=torch.bfloat16)[:, ::2]),
+                  "x must be row-major contiguous"),
     "x misaligned": (dict(x=lambda c: torch.zeros(5 * K + 1, dtype=torch.bfloat16)[1:].view(5, K)), "aligned"),
     "weight dtype": (dict(weight=lambda c: c["weight"].half()), "weight.dtype"),
     "weight K": (dict(weight=lambda c: c["weight"][:, :128]), "weight must be [N, 8192]"),
@@ -250,7 +251,8 @@ def test_hidden_rows_ok():
     x = torch.zeros(3, K, dtype=torch.bfloat16)
     assert op.hidden_rows_ok(x)
     assert not op.hidden_rows_ok(x.float())
-    assert not op.hidden_rows_ok(torch.zeros(17, K, dtype=torch.bfloat16))
+    assert op.hidden_rows_ok(torch.zeros(17, K, dtype=torch.bfloat16))  # every M >= 1 (front or GEMM + epilogue)
+    assert not op.hidden_rows_ok(torch.zeros(0, K, dtype=torch.bfloat16))
     assert not op.hidden_rows_ok(torch.zeros(3, 2 * K, dtype=torch.bfloat16)[:, :K])
     assert not op.hidden_rows_ok("x")
 

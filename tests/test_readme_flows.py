@@ -12,7 +12,7 @@
   `pip install` steps are checked (they install this repository with extras it has), not run.
 
 The config every flow uses is tests/data/multimodal_wrapper.json (a published-style config.json with no
-musekern block: the README's `--tp 1,2,4,8` is what plans the 16 variants).
+musekern block: the README's `--tp 1,2,4,8` is what plans the bundled model's variants).
 """
 from __future__ import annotations
 
@@ -36,6 +36,17 @@ needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="needs the build extra (nvid
 README_REMOTE = "http://cache.internal:8080/musekern"
 NEUTRAL_HOME = "/home/user"
 TIME = re.compile(r"^\d+\.\ds$")
+
+
+def _planned() -> int:
+    from musekern.config import load_config, with_tensor_parallel
+    from musekern.targets import get_target
+    from musekern.variants import plan_model
+
+    return len(plan_model(with_tensor_parallel(load_config(CONFIG), (1, 2, 4, 8)), [get_target("h200")]))
+
+
+PLANNED = _planned()  # what the README's `--model cfg.json --target h200 --tp 1,2,4,8` plans
 
 
 # ---------------------------------------------------------------- reading the README
@@ -209,8 +220,9 @@ def test_ci_bundle_flow_runs_as_written(tmp_path):
     _run_ci(blocks, work)  # the merge block ends with `musekern doctor`: exit 1 if anything is missing
     from musekern.store.cache import Cache
 
-    assert len(Cache(work / "merged").entries()) == 16
-    assert len(Cache(work / "shard1").entries()) + len(Cache(work / "shard2").entries()) == 16  # split, not doubled
+    assert len(Cache(work / "merged").entries()) == PLANNED
+    # split between the shards, not doubled
+    assert len(Cache(work / "shard1").entries()) + len(Cache(work / "shard2").entries()) == PLANNED
 
 
 @needs_dsl
@@ -224,8 +236,8 @@ def test_ci_remote_flow_runs_as_written(tmp_path, nginx_server):
     (_, [later]) = _run_ci(blocks, work, subs={README_REMOTE: f"{url}/musekern"})
     jobs = [json.loads((work / f"prepare-{k}.json").read_text()) for k in (1, 2)]
     assert all(j["ok"] for j in jobs)
-    assert sum(j["counts"]["built"] for j in jobs) == 16  # each distinct build compiled once across the jobs
-    assert "0 built, 16 pulled, 0 cached, 0 failed" in later  # the later machine compiles nothing
+    assert sum(j["counts"]["built"] for j in jobs) == PLANNED  # each distinct build compiled once across the jobs
+    assert f"0 built, {PLANNED} pulled, 0 cached, 0 failed" in later  # the later machine compiles nothing
 
 
 # ---------------------------------------------------------------- "Deploying in a container"
@@ -304,11 +316,11 @@ def test_container_builds_as_written(tmp_path):
         else:
             pytest.fail(f"the test does not know Dockerfile instruction {instr}")
     assert len(stages) == 2 and len(outputs) == 2  # prepare + verify in the build stage, doctor in the serving one
-    assert "16 entries checked, 0 bad" in outputs[0] and "every planned variant is in the cache" in outputs[1]
-    # The build stage's prepare printed the table the README's top section shows (same 16 variants, same keys)
+    assert f"{PLANNED} entries checked, 0 bad" in outputs[0] and "every planned variant is in the cache" in outputs[1]
+    # The build stage's prepare printed the table the README's top section shows (same variants, same keys)
     lines = outputs[0].splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.split()[:3] == ["target", "arch", "status"])
-    built = table_rows(lines[start:start + 18])
+    built = table_rows(lines[start:start + 2 + PLANNED])  # header, rule, one row a build
     _, _, readme_table, _ = split_transcript(prepare_transcript())
     assert built == table_rows(readme_table), "README's prepare output is stale: run `make readme`"
 

@@ -127,9 +127,10 @@ def test_default_plan():
     entries = plan_model(load_config(), [H200])
     kinds = [(e.kernel, e.variant.params().get("n")) for e in entries]
     assert kinds.count(("qk_norm", None)) == 4  # with / without scale, large / small inputs
-    for n in (2176, 4352, 8704, 17408):
-        assert kinds.count(("qkv_front", n)) == 3
-    assert len(entries) == 18
+    assert kinds.count(("qkv_epilogue", None)) == 2  # one build serves every N: small and large inputs
+    for n, builds in ((2176, 4), (4352, 4), (8704, 4), (17408, 3)):  # tiles 1 (+ the M == 8 build), 2, and 4 but TP1
+        assert kinds.count(("qkv_front", n)) == builds
+    assert len(entries) == 21
     tp_of = {e.variant.n: e.tps for e in entries if e.kernel == "qkv_front"}
     assert tp_of == {17408: (1,), 8704: (2,), 4352: (4,), 2176: (8,)}
 
@@ -176,7 +177,7 @@ def test_plan_is_deterministic_across_hash_seeds():
         outs.add(r.stdout)
     assert len(outs) == 1
     doc = json.loads(outs.pop())
-    assert len(doc["variants"]) == 36
+    assert len(doc["variants"]) == 42  # 21 a target (test_default_plan) on h200 and on h20
 
 
 # each field of QkvFrontVariant that __post_init__ guards, with a value outside its domain (splits 4 / 8 and the
@@ -239,11 +240,10 @@ def test_warp_split_by_tile_count(tiles, split, stages, ok):
             make()
 
 
-# Above M = 16 (measured, bench/NOTES.md "The fused front above M = 16"): the front serves M <= 32 where heads x S
-# CTAs fill one wave at two per SM with more than one per SM (TP4, TP2 on the H200; one 4-tile build each), not
-# where the CTAs are alone on their SMs (TP8) or run in waves (TP1): those take cuBLAS + the fused epilogue above 16.
-# The M <= 16 builds stay the plan's everywhere.
-@pytest.mark.parametrize("n,nkv,served", [(2176, 1, False), (4352, 2, True), (8704, 4, True), (17408, 8, False)])
+# Above M = 16 (measured, bench/NOTES.md "The fused front above M = 16" and "Every M: which path"): the front serves
+# M <= 32 where heads x S CTAs fill one wave at two per SM (TP8, TP4, TP2 on the H200; one 4-tile build each), not
+# where the CTAs run in waves (TP1): it takes cuBLAS + the fused epilogue above 16. The M <= 16 builds stay the plan's.
+@pytest.mark.parametrize("n,nkv,served", [(2176, 1, True), (4352, 2, True), (8704, 4, True), (17408, 8, False)])
 def test_front_variants_above_16(n, nkv, served):
     from musekern.variants import front_serves
 

@@ -1,11 +1,16 @@
-"""musekern.qkv_front: the fused decode attention front (seed 000) on the cached CuTe DSL kernel.
+"""musekern.qkv_front: the Muse Spark attention front, for every M, on cached kernels (no compiler at run time).
 
 qkv_front(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
           out=None) -> y
-computes y = bf16(x @ weight^T), RMS-norms + RoPEs the q and k heads, and writes k and v into
-the paged caches (see musekern.reference.qkv_front_reference, which it equals up to the GEMM's
-summation order). Importing this module never imports cutlass: the kernel comes from the cache
-through musekern.runtime; `compile_qkv_front` and `QkvFrontKernel` import the DSL lazily.
+computes y = bf16(x @ weight^T), RMS-norms + RoPEs the q and k heads, and writes k and v into the paged caches
+(musekern.reference.qkv_front_reference, which it equals up to the GEMM's summation order). On the GPU each call
+takes one of two paths, by the planner's measured rule for (N, M, this GPU) (`musekern.variants.front_serves`):
+- the fused front: one CuTe DSL launch (split-K GEMM, norm, RoPE, y store, K/V insert);
+- cuBLAS's GEMM (`torch.mm` into y) + the fused epilogue (musekern.ops.qkv_epilogue), for every other M.
+Either way: no host sync, nothing allocated but y (none with `out=`), capturable in a CUDA graph once `prepare`
+has loaded the builds the M values need. `qkv_front_auto` is the same on CUDA tensors and the plain-torch
+reference on CPU tensors. Importing this module never imports cutlass; `compile_qkv_front` and
+`QkvFrontKernel` import the DSL lazily.
 """
 from __future__ import annotations
 
@@ -13,179 +18,100 @@ import functools
 
 import torch
 
-from ..variants.qkv_front import HEAD_COLS, HIDDEN, MAX_TOKENS, QkvFrontVariant, launch_grid, supports_shape
-from ..variants.qkv_front_rules import variant
+from ..variants.qkv_front import HIDDEN, QkvFrontVariant, launch_grid, supports_shape
+from ..variants.qkv_front_rules import front_serves, variant
+from . import checks, qkv_epilogue
 from ._bind import binder
+from .checks import ALIGN, is_tensor, overlaps
 
-_ALIGN = 16  # TMA needs 16-byte aligned bases (x, weight); y is stored with 4-byte vectors from a 16B base
-_INT32_MAX = 2**31 - 1
-
-
-def _is_tensor(t) -> bool:
-    return isinstance(t, torch.Tensor)
+_supports_shape = functools.lru_cache(maxsize=256)(supports_shape)
 
 
 def hidden_rows_ok(x) -> bool:
-    """x is a bf16 [M, 8192] matrix with 1 <= M <= 16, contiguous and 16-byte aligned (TMA-able)."""
-    return (_is_tensor(x) and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == HIDDEN
-            and 1 <= x.shape[0] <= MAX_TOKENS and x.is_contiguous() and x.data_ptr() % _ALIGN == 0)
-
-
-def _cache_reason(name: str, c, num_kv_heads: int) -> str | None:
-    if not _is_tensor(c):
-        return f"{name} must be a torch.Tensor, got {type(c).__name__}"
-    if c.dtype != torch.bfloat16:
-        return f"{name}.dtype must be bfloat16, got {c.dtype}"
-    if c.dim() != 4 or c.shape[2] != num_kv_heads or c.shape[3] != HEAD_COLS:
-        return (f"{name} must be [num_blocks, block_size, num_kv_heads={num_kv_heads}, {HEAD_COLS}], "
-                f"got shape {tuple(c.shape)}")
-    nb, bs = c.shape[0], c.shape[1]
-    if nb < 1 or bs < 1:
-        return f"{name} must have at least one block of one slot, got shape {tuple(c.shape)}"
-    inner = (num_kv_heads * HEAD_COLS, HEAD_COLS, 1)
-    # strides of size-1 dims are meaningless in torch (any value addresses the same elements)
-    bad = any(c.shape[d] > 1 and c.stride(d) != inner[d - 1] for d in (1, 2, 3))
-    if bad:
-        return (f"{name}'s inner three dims must be contiguous (strides (..., {inner[0]}, {inner[1]}, 1)), "
-                f"got strides {tuple(c.stride())}")
-    if nb > 1 and c.stride(0) < bs * inner[0]:
-        return f"{name}'s block stride {c.stride(0)} is smaller than a block ({bs * inner[0]} elements)"
-    if nb * bs > _INT32_MAX:
-        return f"{name} has {nb} x {bs} slots; at most {_INT32_MAX} are supported"
-    if c.data_ptr() % 4:
-        return f"{name} must be 4-byte aligned"
-    return None
-
-
-def _kv_reason(key_cache, value_cache, num_kv_heads) -> str | None:
-    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
-        r = _cache_reason(name, c, num_kv_heads)
-        if r:
-            return r
-    if tuple(key_cache.shape) != tuple(value_cache.shape):
-        return f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} differ in shape"
-    return None
+    """x is a bf16 [M, 8192] matrix with M >= 1, contiguous and 16-byte aligned (TMA-able)."""
+    return (is_tensor(x) and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == HIDDEN
+            and x.shape[0] >= 1 and x.is_contiguous() and x.data_ptr() % ALIGN == 0)
 
 
 def kv_cache_layout_ok(key_cache, value_cache, num_kv_heads: int) -> bool:
-    """bf16 [num_blocks, block_size, num_kv_heads, 64] caches, inner three dims contiguous, any block
-    stride (vLLM's split [2, blocks, ...] and FlashInfer's [blocks, 2, ...] NHD layouts), same shape."""
+    """bf16 [num_blocks, block_size, num_kv_heads, 64] caches, inner three dims contiguous, any block stride that is a
+    multiple of 8 (vLLM's split [2, blocks, ...] and FlashInfer's [blocks, 2, ...] NHD layouts), same shape."""
     if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
         return False
-    return _kv_reason(key_cache, value_cache, num_kv_heads) is None
+    return checks.kv_reason(key_cache, value_cache, num_kv_heads) is None
+
+
+def _matrix_reason(name: str, t, rows: str) -> str | None:
+    """x or weight: a bf16 [rows, 8192] row-major, 16-byte aligned matrix (the front reads both with TMA)."""
+    if not is_tensor(t):
+        return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+    if t.dtype != torch.bfloat16:
+        return f"{name}.dtype must be bfloat16, got {t.dtype}"
+    if t.dim() != 2 or t.shape[1] != HIDDEN:
+        return f"{name} must be [{rows}, {HIDDEN}], got shape {tuple(t.shape)}"
+    if t.shape[0] < 1:
+        return f"{name} must have at least one row ({rows} >= 1), got shape {tuple(t.shape)}"
+    if not t.is_contiguous():
+        return f"{name} must be row-major contiguous, got strides {tuple(t.stride())}"
+    if t.data_ptr() % ALIGN:
+        return f"{name} must be {ALIGN}-byte aligned (data_ptr % {ALIGN} = {t.data_ptr() % ALIGN})"
+    return None
 
 
 def _layout_reason(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
                    out) -> str | None:
     """Every check but the device one (so the rejections are testable with CPU tensors)."""
-    for name, t in (("x", x), ("weight", weight), ("positions", positions), ("cos_sin_cache", cos_sin_cache),
-                    ("slot_mapping", slot_mapping)):
-        if not _is_tensor(t):
-            return f"{name} must be a torch.Tensor, got {type(t).__name__}"
-    if x.dtype != torch.bfloat16:
-        return f"x.dtype must be bfloat16, got {x.dtype}"
-    if x.dim() != 2 or x.shape[1] != HIDDEN:
-        return f"x must be [M, {HIDDEN}], got shape {tuple(x.shape)}"
-    m = x.shape[0]
-    if not 1 <= m <= MAX_TOKENS:
-        return f"M (x.shape[0]) must be in 1..{MAX_TOKENS}, got {m}"
-    if not x.is_contiguous():
-        return f"x must be contiguous, got strides {tuple(x.stride())}"
-    if x.data_ptr() % _ALIGN:
-        return f"x must be {_ALIGN}-byte aligned (data_ptr % {_ALIGN} = {x.data_ptr() % _ALIGN})"
-    if weight.dtype != torch.bfloat16:
-        return f"weight.dtype must be bfloat16, got {weight.dtype}"
-    if weight.dim() != 2 or weight.shape[1] != HIDDEN:
-        return f"weight must be [N, {HIDDEN}], got shape {tuple(weight.shape)}"
-    if not weight.is_contiguous():
-        return f"weight must be row-major contiguous, got strides {tuple(weight.stride())}"
-    if weight.data_ptr() % _ALIGN:
-        return f"weight must be {_ALIGN}-byte aligned"
-    n = weight.shape[0]
-    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int):
-        return f"num_kv_heads must be an int, got {num_kv_heads!r}"
-    if not supports_shape(n, num_kv_heads):
-        return (f"N={n} is not a q|k|v|gate layout of 64-column heads with num_kv_heads={num_kv_heads} "
-                f"(needs N % 64 == 0, N/64 - 2*num_kv_heads = 2*nq > 0, nq % num_kv_heads == 0)")
-    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
-        if t.dtype != torch.int64:
-            return f"{name}.dtype must be int64, got {t.dtype}"
-        if t.dim() != 1 or t.shape[0] != m:
-            return f"{name} must be [M={m}], got shape {tuple(t.shape)}"
-        if t.stride(0) != 1 and m > 1:
-            return f"{name} must be contiguous, got stride {t.stride(0)}"
-    if cos_sin_cache.dtype != torch.float32:
-        return f"cos_sin_cache.dtype must be float32, got {cos_sin_cache.dtype}"
-    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != HEAD_COLS or cos_sin_cache.shape[0] < 1:
-        return f"cos_sin_cache must be [max_pos >= 1, {HEAD_COLS}], got shape {tuple(cos_sin_cache.shape)}"
-    if not cos_sin_cache.is_contiguous():
-        return f"cos_sin_cache must be contiguous, got strides {tuple(cos_sin_cache.stride())}"
-    if cos_sin_cache.shape[0] * HEAD_COLS > _INT32_MAX:
-        return f"cos_sin_cache has {cos_sin_cache.shape[0]} rows; at most {_INT32_MAX // HEAD_COLS} are supported"
-    r = _kv_reason(key_cache, value_cache, num_kv_heads)
+    r = _matrix_reason("x", x, "M") or _matrix_reason("weight", weight, "N")
     if r:
         return r
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0 or eps == float("inf"):
-        return f"eps must be a finite float >= 0, got {eps!r}"
+    m, n = x.shape[0], weight.shape[0]
+    r = (checks.num_kv_heads_reason(num_kv_heads)
+         or checks.layout_reason(n, num_kv_heads, supports_shape, "weight.shape[0]")
+         or checks.token_inputs_reason(m, positions, slot_mapping, cos_sin_cache)
+         or checks.kv_reason(key_cache, value_cache, num_kv_heads) or checks.eps_reason(eps))
+    if r:
+        return r
+    if m > qkv_epilogue.rows_any_build(n, num_kv_heads):
+        return (f"M={m} rows of N={n} exceed one launch's {qkv_epilogue.rows_any_build(n, num_kv_heads)} "
+                "(Int32 thread index); split the call")
     if out is not None:
-        if not _is_tensor(out) or out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n):
+        if not is_tensor(out) or out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n):
             return f"out must be a bfloat16 tensor of shape ({m}, {n})"
-        if not out.is_contiguous() or out.data_ptr() % _ALIGN:
-            return f"out must be contiguous and {_ALIGN}-byte aligned"
-        if _overlaps(out, x):
-            return "out must not overlap x (other CTAs may still be reading x while y is stored)"
+        if not out.is_contiguous() or out.data_ptr() % ALIGN:
+            return f"out must be contiguous and {ALIGN}-byte aligned"
+        for name, t in (("x", x), ("key_cache", key_cache), ("value_cache", value_cache)):
+            if overlaps(out, t):
+                return f"out must not overlap {name} (it is written while {name} is still read or written)"
     return None
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
-    return a.device == b.device and a0 < b1 and b0 < a1
-
-
-_supports_shape = functools.lru_cache(maxsize=256)(supports_shape)
 
 
 def _fast_ok(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
              out) -> bool:
-    """The common valid call, accepted with as few tensor attribute reads as possible (issue 5: the checked
-    call's host cost). Stricter than `_layout_reason` + the device checks (exact strides instead of
-    "contiguous", a CUDA x, same device index everywhere): whatever it accepts, those accept; anything
-    else goes through them for the reason."""
+    """The common valid call, accepted with as few tensor attribute reads as possible (the checked call's host
+    cost). Stricter than `_layout_reason` + the device checks (exact strides, a CUDA x, one device index): whatever
+    it accepts, those accept; anything else goes through them for the reason."""
     try:
         bf = torch.bfloat16
         m = x.shape[0]
         n = weight.shape[0]
-        kshape = key_cache.shape
         nkv = num_kv_heads
         if not (x.dtype is bf and weight.dtype is bf and key_cache.dtype is bf and value_cache.dtype is bf
                 and positions.dtype is torch.int64 and slot_mapping.dtype is torch.int64
                 and cos_sin_cache.dtype is torch.float32 and type(nkv) is int and type(eps) is float
-                and 0.0 <= eps < float("inf") and 1 <= m <= MAX_TOKENS and x.is_cuda):
+                and 0.0 <= eps < float("inf") and m >= 1 and x.is_cuda):
             return False
         dev = x.get_device()
         if not (x.stride() == (HIDDEN, 1) and x.shape[1] == HIDDEN and weight.stride() == (HIDDEN, 1)
                 and weight.shape[1] == HIDDEN and _supports_shape(n, nkv)
-                and (x.data_ptr() | weight.data_ptr()) % _ALIGN == 0
-                and positions.shape == (m,) and slot_mapping.shape == (m,)
-                and positions.stride() == (1,) and slot_mapping.stride() == (1,)
-                and cos_sin_cache.stride() == (HEAD_COLS, 1) and cos_sin_cache.shape[1] == HEAD_COLS
-                and 0 < cos_sin_cache.shape[0] <= _INT32_MAX // HEAD_COLS
-                and len(kshape) == 4 and kshape == value_cache.shape and kshape[2] == nkv
-                and kshape[3] == HEAD_COLS and kshape[0] >= 1 and kshape[1] >= 1
-                and kshape[0] * kshape[1] <= _INT32_MAX
-                and key_cache.stride()[1:] == (nkv * HEAD_COLS, HEAD_COLS, 1)
-                and value_cache.stride()[1:] == (nkv * HEAD_COLS, HEAD_COLS, 1)
-                and key_cache.stride(0) >= kshape[1] * nkv * HEAD_COLS
-                and value_cache.stride(0) >= kshape[1] * nkv * HEAD_COLS
-                and (key_cache.data_ptr() | value_cache.data_ptr()) % 4 == 0
-                and weight.get_device() == dev and positions.get_device() == dev
-                and slot_mapping.get_device() == dev and cos_sin_cache.get_device() == dev
-                and key_cache.get_device() == dev and value_cache.get_device() == dev):
+                and (x.data_ptr() | weight.data_ptr()) % ALIGN == 0 and weight.get_device() == dev
+                and m <= qkv_epilogue.rows_any_build(n, nkv)
+                and checks.fast_tokens_and_caches(m, dev, positions, slot_mapping, cos_sin_cache, key_cache,
+                                                  value_cache, nkv)):
             return False
         if out is not None:
             return (out.dtype is bf and out.shape == (m, n) and out.stride() == (n, 1)
-                    and out.data_ptr() % _ALIGN == 0 and out.get_device() == dev and not _overlaps(out, x))
+                    and out.data_ptr() % ALIGN == 0 and out.get_device() == dev and not overlaps(out, x)
+                    and not overlaps(out, key_cache) and not overlaps(out, value_cache))
         return True
     except (AttributeError, TypeError, IndexError):  # not tensors, wrong ranks: the slow path says why
         return False
@@ -193,7 +119,7 @@ def _fast_ok(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value
 
 def unsupported(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
                 out=None) -> str | None:
-    """Why the qkv_front kernel cannot take this call (checked before launch), or None."""
+    """Why the GPU path cannot take this call (checked before launch), or None."""
     if _fast_ok(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
                 out):
         return None
@@ -201,27 +127,20 @@ def unsupported(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, va
                        eps, out)
     if r:
         return r
-    named = [("x", x), ("weight", weight), ("positions", positions), ("cos_sin_cache", cos_sin_cache),
+    named = [("weight", weight), ("positions", positions), ("cos_sin_cache", cos_sin_cache),
              ("slot_mapping", slot_mapping), ("key_cache", key_cache), ("value_cache", value_cache)]
-    if out is not None:
-        named.append(("out", out))
-    if not x.is_cuda:
-        return f"x must be on a CUDA device, got {x.device} (use musekern.reference for CPU tensors)"
-    for name, t in named:
-        if t.device != x.device:
-            return f"{name} is on {t.device}, x on {x.device}: all tensors must be on one CUDA device"
-    return None
+    return checks.device_reason("x", x, named + ([("out", out)] if out is not None else []))
 
 
 # ---------------------------------------------------------------- launch
 @functools.lru_cache(maxsize=None)
 def _target(device_index: int):
-    from ..targets import local_target
+    from ..targets import check_supported, local_target
 
     t = local_target(device_index)
     if t is None:
         raise RuntimeError(f"qkv_front: no CUDA device {device_index} visible to the driver")
-    return t
+    return check_supported(t)
 
 
 @functools.lru_cache(maxsize=None)
@@ -229,7 +148,13 @@ def _variant(n: int, m: int, num_kv_heads: int, device_index: int) -> QkvFrontVa
     return variant(n, m, num_kv_heads, _target(device_index))
 
 
-# How each value the kernel's launch ABI (kernels/qkv_front.py::abi_for) names is computed from a call; the
+@functools.lru_cache(maxsize=4096)
+def _fused(n: int, m: int, device_index: int) -> bool:
+    """Does the fused front serve (N, M) on this device (the planner's rule)?"""
+    return front_serves(n, m, _target(device_index))
+
+
+# How each value the front's launch ABI (kernels/qkv_front.py::abi_for) names is computed from a call; the
 # loaded kernel's param_names give the order (ops/_bind.py). Tensor-map parameters take the tensor itself.
 _ARGS = "x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out"
 _VALUES = {
@@ -249,22 +174,9 @@ def launch_args(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, va
                                          eps, out), strict=True))
 
 
-def launch(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
-           out=None) -> torch.Tensor:
-    """No checks: launch the cached variant this call takes on torch's current stream."""
-    m, n = x.shape[0], weight.shape[0]
-    if out is None:
-        out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-    dev = x.get_device()
-    kernel, grid, bind = _launch_plan(n, m, num_kv_heads, dev if dev >= 0 else torch.cuda.current_device())
-    kernel.launch_ordered(grid, bind(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps,
-                                     out))
-    return out
-
-
 @functools.lru_cache(maxsize=None)
-def _launch_plan(n: int, m: int, num_kv_heads: int, device_index: int):
-    """(loaded kernel, grid, its binder) of a call shape: resolved once per process (the host cost of `launch`)."""
+def _front_plan(n: int, m: int, num_kv_heads: int, device_index: int):
+    """(loaded kernel, grid, its binder) of a fused-front call shape: resolved once per process."""
     from ..runtime import get_kernel
 
     v = _variant(n, m, num_kv_heads, device_index)
@@ -272,26 +184,53 @@ def _launch_plan(n: int, m: int, num_kv_heads: int, device_index: int):
     return kernel, launch_grid(v), binder(v.label, kernel.param_names, _VALUES, _ARGS)
 
 
+def launch_front(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
+                 out) -> torch.Tensor:
+    """No checks: the fused front for this call (its M must be one a front build serves), into `out`."""
+    dev = x.get_device()
+    kernel, grid, bind = _front_plan(weight.shape[0], x.shape[0], num_kv_heads,
+                                     dev if dev >= 0 else torch.cuda.current_device())
+    kernel.launch_ordered(grid, bind(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps,
+                                     out))
+    return out
+
+
+def launch_gemm_epilogue(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads,
+                         eps, out) -> torch.Tensor:
+    """No checks: cuBLAS's GEMM into `out`, then the fused epilogue on it in place (every M)."""
+    torch.mm(x, weight.t(), out=out)
+    return qkv_epilogue.launch(out, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads,
+                               eps)
+
+
+def launch(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
+           out=None) -> torch.Tensor:
+    """No checks: the path the planner picks for this call, on torch's current stream."""
+    m, n = x.shape[0], weight.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    dev = x.get_device()
+    path = launch_front if _fused(n, m, dev if dev >= 0 else torch.cuda.current_device()) else launch_gemm_epilogue
+    return path(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out)
+
+
 def qkv_front(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
               out=None) -> torch.Tensor:
-    """Checked qkv_front: raises TypeError (wrong types/dtypes) or ValueError with the reason, else launches."""
+    """Checked: raises TypeError (wrong types/dtypes) or ValueError with the reason, else launches."""
     reason = unsupported(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads,
                          eps, out)
     if reason is not None:
-        if "dtype" in reason or "must be a torch.Tensor" in reason or "must be an int" in reason:
-            raise TypeError(f"qkv_front: {reason}")
-        raise ValueError(f"qkv_front: {reason}")
+        checks.raise_for("qkv_front", reason)
     return launch(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
                   out)
 
 
 def qkv_front_auto(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
                    out=None) -> torch.Tensor:
-    """The kernel when it can take the call and a GPU is there, else the plain-torch reference."""
-    if torch.cuda.is_available() and unsupported(x, weight, positions, cos_sin_cache, slot_mapping, key_cache,
-                                                 value_cache, num_kv_heads, eps, out) is None:
-        return launch(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads,
-                      eps, out)
+    """`qkv_front` for CUDA tensors (every M, never the plain-torch path); the reference for CPU tensors."""
+    if is_tensor(x) and x.is_cuda:
+        return qkv_front(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads,
+                         eps, out)
     from ..reference import qkv_front_reference
 
     return qkv_front_reference(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
@@ -307,31 +246,41 @@ def _default_kv_heads(n: int) -> int:
     raise ValueError(f"N={n} is not a shard of the default model; pass num_kv_heads")
 
 
-def prepare(N: int, rows=MAX_TOKENS, num_kv_heads: int | None = None, device=None) -> list:
-    """Load every variant the calls with weight rows N and M in `rows` take (before CUDA graph capture).
+def device_index(device=None) -> int:
+    """The CUDA device index `device` names (None: torch's current device); a one-line error without CUDA."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device is visible to torch (torch.cuda.is_available() is False): load and "
+                           "launch kernels on the GPU machine, after `musekern prepare` built the cache")
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    idx = torch.device(device).index
+    return idx if idx is not None else torch.cuda.current_device()
 
-    `rows`: an int (every M in 1..rows) or an iterable of M values. `num_kv_heads` defaults to the
-    bundled model's shard of this N. Returns the loaded kernels (raises MissingKernelError, naming
-    the `musekern prepare` command, if one is not in the cache).
+
+def prepare(N: int, rows=16, num_kv_heads: int | None = None, device=None) -> list:
+    """Load every build the calls with weight rows N and M in `rows` take, fused front or GEMM + epilogue, and
+    create cuBLAS's handle for the GEMM path: after this, those calls capture in a CUDA graph.
+
+    `rows`: an int (every M in 1..rows) or an iterable of M values. `num_kv_heads` defaults to the bundled
+    model's shard of this N. Returns the loaded kernels (raises MissingKernelError, naming the `musekern
+    prepare` command, if one is not in the cache).
     """
     from ..runtime import get_kernel
 
+    dev = device_index(device)
     if num_kv_heads is None:
         num_kv_heads = _default_kv_heads(N)
-    ms = range(1, rows + 1) if isinstance(rows, int) else rows
-    if device is None:
-        dev = torch.cuda.current_device()
-    elif isinstance(device, int):
-        dev = device
-    else:
-        idx = torch.device(device).index
-        dev = idx if idx is not None else torch.cuda.current_device()
-    seen, kernels = set(), []
-    for m in ms:
-        v = _variant(N, int(m), num_kv_heads, dev)
-        if v not in seen:
-            seen.add(v)
-            kernels.append(get_kernel(v, device=dev))
+    ms = sorted({int(m) for m in (range(1, rows + 1) if isinstance(rows, int) else rows)})
+    fused = [m for m in ms if _fused(N, m, dev)]
+    kernels = list(dict.fromkeys(get_kernel(_variant(N, m, num_kv_heads, dev), device=dev) for m in fused))
+    gemm = [m for m in ms if m not in fused]
+    if gemm:
+        kernels += qkv_epilogue.prepare(N, gemm, num_kv_heads, dev)
+        with torch.cuda.device(dev):  # cuBLAS's handle and workspace for this stream, outside any capture
+            a = torch.zeros(8, HIDDEN, dtype=torch.bfloat16, device=f"cuda:{dev}")
+            torch.mm(a, a.t())
     return kernels
 
 
@@ -350,5 +299,5 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["unsupported", "hidden_rows_ok", "kv_cache_layout_ok", "launch", "launch_args", "qkv_front",
-           "qkv_front_auto", "prepare", "compile_qkv_front"]  # + QkvFrontKernel (lazy, module __getattr__)
+__all__ = ["unsupported", "hidden_rows_ok", "kv_cache_layout_ok", "launch", "launch_front", "launch_gemm_epilogue",
+           "launch_args", "qkv_front", "qkv_front_auto", "prepare", "compile_qkv_front"]

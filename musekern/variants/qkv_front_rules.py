@@ -129,18 +129,18 @@ def variant(n: int, m: int, num_kv_heads: int, target: Target) -> QkvFrontVarian
                            trigger_ahead=trigger_ahead(n, s, target, tiles, stages))
 
 
-# NOTES "The fused front above M = 16": the front where it measured faster than cuBLAS's bare GEMM (isolated
-# launches), else the GEMM and the fused epilogue. Above M = 16 the 4-tile consumer needs ~0.45-0.6 us a k-tile:
-# it keeps up where a CTA's share of the stream is as slow (heads x S CTAs one wave at two per SM, but more than
-# one per SM: TP4, TP2), not where CTAs are alone on their SMs (TP8) or run in waves (TP1).
+# NOTES "The fused front above M = 16" and "Every M: which path": the front where it measured faster than its
+# alternative, cuBLAS's GEMM + the fused epilogue, else that. Above M = 16 the 4-tile consumer needs ~0.45-0.6 us a
+# k-tile: it keeps up where the grid is one wave at two CTAs per SM (TP8 isolated 15.6-15.7 us against the GEMM +
+# epilogue's 16.1-16.9; TP4, TP2 0.90-0.93x the bare GEMM alone), not where CTAs run in waves (TP1: 81-88 us against
+# 75-79).
 def front_serves(n: int, m: int, target: Target) -> bool:
     """Does the fused front take a call with weight rows N and M tokens on `target` (pure)?"""
     if not 1 <= m <= FRONT_MAX_TOKENS:
         return False
     if m <= MAX_TOKENS:
         return True
-    s = k_split(n, target)
-    return one_wave_at_two_per_sm(n, s, target) and not alone_on_sm(n, s, target)
+    return one_wave_at_two_per_sm(n, k_split(n, target), target)
 
 
 def qkv_front_variants(n: int, num_kv_heads: int, target: Target, max_tokens: int = MAX_TOKENS):

@@ -328,3 +328,50 @@ def test_a_parameter_the_op_cannot_bind_names_the_fix():
 
     with pytest.raises(UnboundParameterError, match=r"takes new_thing.*musekern prepare"):
         binder("qkv_front[...]", ("x", "new_thing"), op._VALUES, op._ARGS)
+
+
+# ---------------------------------------------------------------- every M: the two GPU paths (plumbing, on CPU)
+def test_auto_is_the_reference_on_cpu_at_every_m():
+    for m in (1, 17, 40):
+        c = make_case(m=m, num_blocks=16)
+        assert torch.equal(op.qkv_front_auto(**c), qkv_front_reference(**make_case(m=m, num_blocks=16)))
+
+
+# TP8 / TP4 / TP2 take the fused front up to M = 32 (one wave at two CTAs per SM), TP1 only up to 16; every other M
+# takes the GEMM + epilogue (variants.front_serves, measured: bench/NOTES.md "Every M: which path")
+@pytest.mark.parametrize("n,fused_up_to", [(2176, 32), (4352, 32), (8704, 32), (17408, 16)])
+def test_the_path_follows_the_planner(monkeypatch, n, fused_up_to):
+    monkeypatch.setattr(op, "_target", lambda dev: get_target("h200"))
+    op._fused.cache_clear()
+    try:
+        assert [m for m in (1, 8, 16, 17, 32, 33, 64, 4096) if op._fused(n, m, 0)] == [
+            m for m in (1, 8, 16, 17, 32) if m <= fused_up_to]
+    finally:
+        op._fused.cache_clear()
+
+
+def test_gemm_epilogue_path_is_mm_then_the_epilogue_in_place(monkeypatch):
+    """launch_gemm_epilogue = torch.mm into out, then the epilogue on out (here the reference's, in place)."""
+    calls = []
+
+    def epilogue(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps):
+        calls.append(y.data_ptr())
+        y.copy_(fused_qknorm_rope_kv_insert(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
+                                            num_kv_heads, eps))
+        return y
+
+    monkeypatch.setattr(op.qkv_epilogue, "launch", epilogue)
+    c = make_case(m=40, num_blocks=16)
+    out = torch.empty(40, c["weight"].shape[0], dtype=torch.bfloat16)
+    y = op.launch_gemm_epilogue(**c, out=out)
+    ref = make_case(m=40, num_blocks=16)
+    assert y is out and calls == [out.data_ptr()]
+    # torch.mm's CPU summation order differs from the reference's float GEMM: equal to a bf16 rounding step
+    assert torch.allclose(y.float(), qkv_front_reference(**ref).float(), rtol=2 ** -7, atol=2 ** -7)
+    assert torch.equal(c["key_cache"] != 0, ref["key_cache"] != 0)  # the same slots written
+
+
+def test_prepare_without_cuda_is_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"no CUDA device is visible to torch .* `musekern prepare`"):
+        op.prepare(2176)

@@ -68,7 +68,8 @@ class Scheduler:
 
     def __post_init__(self):
         self.rng = random.Random(self.seed)
-        self.gen = torch.Generator().manual_seed(self.seed)
+        # hidden states from a stream apart from random_weights' (same seed: hidden rows would repeat weight rows)
+        self.gen = torch.Generator().manual_seed(10_000 + self.seed)
         self.free = list(range(self.num_blocks))
         self.rng.shuffle(self.free)
 

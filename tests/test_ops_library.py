@@ -222,3 +222,11 @@ def test_inductor_writes_the_caches_in_place():
     assert "musekern.qkv_front.default(" in code
     assert "clone" not in code and "copy_" not in code, "inductor copies a cache around the op"
 
+
+
+def test_package_exports_register_the_ops():
+    import musekern
+
+    assert musekern.register_ops() is torch.ops.musekern
+    assert musekern.prepare_ops is library.prepare
+    assert library.qkv_front is OPS.qkv_front.default and library.qk_norm is OPS.qk_norm.default

@@ -1,5 +1,6 @@
-"""A multi-request serving run for the decoder attention block (examples/decode_attention.py), shared by its CPU
-test (tests/test_example_decode_attention.py) and the GPU test (tests/test_gpu_engine.py).
+"""Test helpers of the ops in an engine, shared by the CPU tests (tests/test_ops_library.py,
+tests/test_example_decode_attention.py) and the GPU tests (tests/test_gpu_engine.py): `Ops`, a compiled layer's use
+of the ops, and a multi-request serving run for the decoder attention block of examples/decode_attention.py.
 
 `Scheduler` plays the engine: requests join with a prompt (prefilled in the step they join, beside the others'
 decode tokens), decode one token a step, leave; blocks come from a shuffled free list and go back to it, so a
@@ -22,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HEAD = 64
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512)  # CUDA-graph batch sizes an engine would pad to
 SENTINEL = 64.0  # exact in bf16; a cache row that still holds it was never written, and reading it is far off
+EPS = 1e-5
 
 
 def load_example():
@@ -34,6 +36,39 @@ def load_example():
     sys.modules[name] = mod  # dataclasses look their module up while the file executes
     spec.loader.exec_module(mod)
     return mod
+
+
+cache_views = load_example().cache_views  # (key_cache, value_cache) of the one kv tensor, in a layout
+
+
+class Ops(torch.nn.Module):
+    """The ops as an engine's compiled layer calls them: the caches are views of one graph input (`kv`)."""
+
+    def __init__(self, layout: str = "vllm"):
+        super().__init__()
+        self.layout = layout
+
+    def forward(self, x, weight, positions, cos_sin_cache, slot_mapping, kv):
+        kc, vc = cache_views(kv, self.layout)
+        y = torch.ops.musekern.qkv_front(x, weight, positions, cos_sin_cache, slot_mapping, kc, vc, kc.shape[2], EPS)
+        return y, torch.ops.musekern.qk_norm(y[:, :1024], 64, EPS, 0.125)
+
+
+def module_args(c: dict, kv=None) -> tuple:
+    """`Ops`' arguments from a case dict (x, weight, positions, cos_sin_cache, slot_mapping, kv)."""
+    return (c["x"], c["weight"], c["positions"], c["cos_sin_cache"], c["slot_mapping"],
+            c["kv"] if kv is None else kv)
+
+
+def front_args(c: dict, kv=None) -> tuple:
+    """musekern::qkv_front's arguments from a case dict (c["layout"] says how kv holds the two caches)."""
+    kc, vc = cache_views(c["kv"] if kv is None else kv, c["layout"])
+    return (c["x"], c["weight"], c["positions"], c["cos_sin_cache"], c["slot_mapping"], kc, vc, c["num_kv_heads"],
+            EPS)
+
+
+def same(got, want) -> bool:
+    return len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 @dataclass
@@ -185,9 +220,8 @@ class DenseFloat32Block:
 
 def untouched_ok(before: torch.Tensor, after: torch.Tensor, slots: torch.Tensor, layout: str) -> bool:
     """Every cache row outside the step's valid slots is bit for bit what it was."""
-    ex = load_example()
-    kb, vb = ex.cache_views(before, layout)
-    ka, va = ex.cache_views(after, layout)
+    kb, vb = cache_views(before, layout)
+    ka, va = cache_views(after, layout)
     nb, bs = kb.shape[0], kb.shape[1]
     keep = torch.ones(nb * bs, dtype=torch.bool, device=before.device)
     valid = slots[(slots >= 0) & (slots < nb * bs)].to(before.device)

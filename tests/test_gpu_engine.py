@@ -10,12 +10,24 @@ capture is attempted), and the decode run records which path served its M > 16 s
 from __future__ import annotations
 
 import json
+import logging
 import math
 import warnings
 
 import pytest
 import torch
-from engine_scenario import Scheduler, load_example, run_schedule, serve
+from engine_scenario import (
+    EPS,
+    Ops,
+    Scheduler,
+    cache_views,
+    front_args,
+    load_example,
+    module_args,
+    run_schedule,
+    same,
+    serve,
+)
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import musekern
@@ -27,7 +39,7 @@ from musekern.reference import rope_cos_sin_table
 
 pytestmark = pytest.mark.gpu
 
-K, D, EPS = 8192, 64, 1e-5
+K, D = 8192, 64
 SHARDS = {s.tp: s for s in load_config().shards()}
 OPS = torch.ops.musekern
 ISSUE_13 = "issue 13: qkv_front_auto serves M > 16 with the plain-torch reference (host sync, not capturable)"
@@ -64,20 +76,11 @@ def case(weights, m, tp=8, layout="vllm", num_blocks=64, block_size=16, max_pos=
                 num_kv_heads=s.num_kv_heads)
 
 
-def views(kv, layout):
-    return (kv[0], kv[1]) if layout == "vllm" else (kv[:, 0], kv[:, 1])
-
-
-def front_args(c, kv=None):
-    kc, vc = views(c["kv"] if kv is None else kv, c["layout"])
-    return (c["x"], c["weight"], c["positions"], c["cos_sin_cache"], c["slot_mapping"], kc, vc, c["num_kv_heads"], EPS)
-
-
 def refill(c, seed):
     """New values in the same input tensors (what a graph replay reads)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     m = c["x"].shape[0]
-    kc = views(c["kv"], c["layout"])[0]
+    kc = cache_views(c["kv"], c["layout"])[0]
     slots = torch.randperm(kc.shape[0] * kc.shape[1], device="cuda", generator=g)[:m]
     slots[1::4] = -1
     c["x"].copy_(torch.randn(m, K, device="cuda", generator=g))
@@ -111,28 +114,6 @@ def m_above_16_reason(weights, m) -> str | None:
         for n, f in originals.items():
             setattr(musekern.reference, n, f)
     return f"{ISSUE_13} (called {sorted(set(calls))})" if calls else None
-
-
-class Ops(torch.nn.Module):
-    """The ops as an engine's compiled layer calls them: the caches are views of one input (`kv`)."""
-
-    def __init__(self, layout="vllm"):
-        super().__init__()
-        self.layout = layout
-
-    def forward(self, x, weight, positions, cos_sin_cache, slot_mapping, kv):
-        kc, vc = views(kv, self.layout)
-        y = OPS.qkv_front(x, weight, positions, cos_sin_cache, slot_mapping, kc, vc, kc.shape[2], EPS)
-        return y, OPS.qk_norm(y[:, :1024], 64, EPS, 0.125)
-
-
-def module_args(c, kv=None):
-    return (c["x"], c["weight"], c["positions"], c["cos_sin_cache"], c["slot_mapping"],
-            c["kv"] if kv is None else kv)
-
-
-def same(got, want) -> bool:
-    return len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 # ---------------------------------------------------------------- prepare, then capture with nothing else loaded
@@ -187,7 +168,7 @@ def test_op_is_the_checked_kernel_bitwise_with_no_host_sync(weights, m):
 
 
 # ---------------------------------------------------------------- inductor
-def test_inductor_fullgraph_bitwise_in_place_and_one_graph_for_every_m(weights):
+def test_inductor_fullgraph_bitwise_in_place_and_one_graph_for_every_m(weights, record_property):
     """Zero graph breaks; the compiled layer equals eager bit for bit; the caches are written in place (no clone
     or copy in the generated code); mark_dynamic M: one graph for M = 2..16 and above (the M > 16 path is inside
     the op), one more for M = 1 (torch specializes sizes 0/1 of backed dynamic dims)."""
@@ -208,6 +189,8 @@ def test_inductor_fullgraph_bitwise_in_place_and_one_graph_for_every_m(weights):
         if i == 0:
             got, codes = run_and_get_code(compiled, *module_args(c))
             code = "\n".join(codes)
+            record_property("code_lines", json.dumps([ln.strip()[:200] for ln in code.splitlines()
+                                                      if any(w in ln for w in ("musekern", "clone", "copy_"))]))
             assert "musekern.qkv_front.default(" in code
             assert "clone" not in code and "copy_" not in code, "inductor copies a cache around the op"
         else:
@@ -236,6 +219,29 @@ class OpsLayer(torch.nn.Module):
 def test_reduce_overhead_replays_without_python_and_matches_eager(weights, monkeypatch, m):
     if m > 16 and (why := m_above_16_reason(weights, m)):
         pytest.xfail(why)
+    grab = _CudagraphLog()
+    log = torch._logging.getArtifactLogger("torch._inductor.cudagraph_utils", "cudagraphs")
+    log.addHandler(grab)
+    torch._logging.set_logs(cudagraphs=True)  # where inductor says why it skips CUDA graphs
+    try:
+        _reduce_overhead(weights, monkeypatch, m, grab)
+    finally:
+        torch._logging.set_logs()
+        log.removeHandler(grab)
+
+
+class _CudagraphLog(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.msgs = []
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if "cudagraph" in msg.lower():
+            self.msgs.append(msg[:300])
+
+
+def _reduce_overhead(weights, monkeypatch, m, grab):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     c = case(weights, m, seed=100)
@@ -254,7 +260,8 @@ def test_reduce_overhead_replays_without_python_and_matches_eager(weights, monke
         got = [t.clone() for t in compiled(c["x"], c["positions"], c["slot_mapping"])]
         assert same(got, want) and torch.equal(layer.kv, kv_want), f"call {i}"
         replayed = len(calls) == before
-    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+    skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    assert skips == 0, f"CUDA graphs skipped: {grab.msgs}"
     assert replayed, "the last call ran the op's Python: no CUDA graph replay"
 
 

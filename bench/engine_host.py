@@ -112,6 +112,7 @@ def build_rows(n=2176, nkv=1, m=1):
     rows = {
         "torch.mm [1,64]x[64,64]": lambda: torch.mm(mm_a, mm_b),
         "torch.empty y": lambda: torch.empty((m, n), dtype=torch.bfloat16, device="cuda"),
+        "torch.cuda.is_available()": torch.cuda.is_available,
         "empty op: Library.impl": lambda: lib_empty(*args),
         "empty op: custom_op": lambda: custom_empty(*args),
         "op musekern::qkv_front": lambda: op(*args),

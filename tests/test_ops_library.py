@@ -11,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from engine_scenario import EPS, Ops, front_args, module_args, same  # noqa: E402
 from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
@@ -18,7 +19,7 @@ from musekern.config import load_config  # noqa: E402
 from musekern.ops import library  # noqa: E402
 from musekern.reference import qk_norm_reference, qkv_front_reference, rope_cos_sin_table  # noqa: E402
 
-K, D, EPS = 8192, 64, 1e-5
+K, D = 8192, 64
 SHARDS = {s.tp: s for s in load_config().shards()}  # the planned N: 2176 / 4352 / 8704 / 17408
 OPS = torch.ops.musekern
 
@@ -44,15 +45,6 @@ def case(m=5, tp=8, layout="vllm", num_blocks=8, block_size=4, max_pos=64, seed=
     kv = torch.full(shape, -7.0, dtype=torch.bfloat16)
     return dict(x=x, weight=w, positions=pos, cos_sin_cache=rope_cos_sin_table(max_pos, 1e6), slot_mapping=slots,
                 kv=kv, num_kv_heads=s.num_kv_heads, layout=layout)
-
-
-def views(kv, layout):
-    return (kv[0], kv[1]) if layout == "vllm" else (kv[:, 0], kv[:, 1])
-
-
-def front_args(c, kv=None):
-    kc, vc = views(c["kv"] if kv is None else kv, c["layout"])
-    return (c["x"], c["weight"], c["positions"], c["cos_sin_cache"], c["slot_mapping"], kc, vc, c["num_kv_heads"], EPS)
 
 
 # ---------------------------------------------------------------- schemas
@@ -138,28 +130,6 @@ def test_cpu_qk_norm_is_the_reference_and_checks():
 
 
 # ---------------------------------------------------------------- torch.compile (CPU: the reference kernels)
-class Ops(torch.nn.Module):
-    """What an engine's compiled layer does with the ops: the caches are views of one graph input (`kv`)."""
-
-    def __init__(self, layout):
-        super().__init__()
-        self.layout = layout
-
-    def forward(self, x, weight, positions, cos_sin_cache, slot_mapping, kv):
-        kc, vc = views(kv, self.layout)
-        y = OPS.qkv_front(x, weight, positions, cos_sin_cache, slot_mapping, kc, vc, kc.shape[2], EPS)
-        return y, OPS.qk_norm(y[:, :1024], 64, EPS, 0.125)
-
-
-def same(got, want) -> bool:
-    return len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-
-
-def module_args(c, kv=None):
-    return (c["x"], c["weight"], c["positions"], c["cos_sin_cache"], c["slot_mapping"],
-            c["kv"] if kv is None else kv)
-
-
 @pytest.mark.parametrize("layout", ["vllm", "flashinfer"])
 def test_fullgraph_compile_has_no_break_and_matches_eager_bitwise(layout):
     mod = Ops(layout)

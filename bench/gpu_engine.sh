@@ -9,7 +9,8 @@
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 timeout "${TEST_TIMEOUT:-170}" python3 -m pytest -m gpu -q -o junit_family=xunit1 -p no:cacheprovider \
-  --timeout=120 --timeout-method=thread --junitxml "$DEST/engine.junit.xml" tests/test_gpu_engine.py 2>&1 | tail -n 25
+  --timeout=120 --timeout-method=thread -rA --junitxml "$DEST/engine.junit.xml" tests/test_gpu_engine.py 2>&1 \
+  | tee "$DEST/engine-pytest.txt" | grep -E "^(PASSED|FAILED|XFAIL|ERROR|SKIPPED)|passed|failed" | cut -c1-220
 rc=${PIPESTATUS[0]}
 python3 bench/gpu_results.py "$DEST/engine.junit.xml" "$DEST/engine-tests.json" | tail -n 4
 timeout "${HOST_TIMEOUT:-100}" python3 bench/engine_host.py --out "$DEST/engine-host.json" > "$DEST/engine-host.txt" 2>&1

@@ -22,29 +22,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SCHEMA = ("(Tensor x, Tensor weight, Tensor positions, Tensor cos_sin_cache, Tensor slot_mapping, "
-          "Tensor(a!) key_cache, Tensor(b!) value_cache, int num_kv_heads, float eps) -> Tensor")
 TARGET_OP_VS_MM = 1.5  # issue 14: the op's eager host time <= 1.5x a tiny torch.mm's
 ISSUE_8C3618F = {"mm_us": 13.0, "launch_us": 12.0, "qkv_front_us": 19.5, "custom_op_empty_us": 13.0,
                  "library_empty_us": 3.6}  # issue 14's measurement at 8c3618f, for reference
 
 
-def empty_ops(y):
-    """The same schema as musekern::qkv_front, bodies that return a preallocated y: the registration route alone."""
+def empty_ops(y, key: str = "CUDA"):
+    """Ops of musekern::qkv_front's schema whose bodies return a preallocated y: each registration route's own cost.
+    (The schema is given, not inferred from annotations: `from __future__ import annotations` makes them strings.)"""
     import torch
 
+    from musekern.ops.library import QKV_FRONT_SCHEMA
+
+    schema = QKV_FRONT_SCHEMA[QKV_FRONT_SCHEMA.index("("):]
     lib = torch.library.Library("musekern_probe", "FRAGMENT")
-    lib.define("lib_empty" + SCHEMA)
-    lib.impl("lib_empty", lambda *a: y, "CUDA")
+    lib.define("lib_empty" + schema)
+    lib.impl("lib_empty", lambda *a: y, key)
     torch.library.register_fake("musekern_probe::lib_empty", lambda x, w, *a: x.new_empty((x.shape[0], w.shape[0])),
                                 lib=lib)
-
-    @torch.library.custom_op("musekern_probe::custom_empty", mutates_args=("key_cache", "value_cache"))
-    def custom_empty(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                     slot_mapping: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     num_kv_heads: int, eps: float) -> torch.Tensor:
-        return y
-
+    torch.library.custom_op("musekern_probe::custom_empty", lambda *a: y, mutates_args=("key_cache", "value_cache"),
+                            schema=schema)
     return lib, torch.ops.musekern_probe.lib_empty.default, torch.ops.musekern_probe.custom_empty.default
 
 
@@ -110,12 +107,12 @@ def build_rows(n=2176, nkv=1, m=1):
     qgrid = qk_grid(qv, 16, 16)
     qk_values = qk._block.values(qk_args)
     rows = {
-        "torch.mm [1,64]x[64,64]": lambda: torch.mm(mm_a, mm_b),
+        MM_ROW: lambda: torch.mm(mm_a, mm_b),
         "torch.empty y": lambda: torch.empty((m, n), dtype=torch.bfloat16, device="cuda"),
         "torch.cuda.is_available()": torch.cuda.is_available,
         "empty op: Library.impl": lambda: lib_empty(*args),
         "empty op: custom_op": lambda: custom_empty(*args),
-        "op musekern::qkv_front": lambda: op(*args),
+        OP_ROW: lambda: op(*args),
         "op via packet torch.ops.musekern.qkv_front": lambda: torch.ops.musekern.qkv_front(*args),
         "musekern.qkv_front (checked, out=)": lambda: musekern.qkv_front(*args, out=y),
         "musekern.qkv_front (checked)": lambda: musekern.qkv_front(*args),
@@ -188,6 +185,27 @@ def measure(rows: dict, rounds: int, calls: int) -> dict:
     return {k: {"median_us": statistics.median(v), "min_us": min(v), "max_us": max(v)} for k, v in samples.items()}
 
 
+MM_ROW, OP_ROW = "torch.mm [1,64]x[64,64]", "op musekern::qkv_front"
+
+
+def report(res: dict, notes: dict, meta: dict) -> tuple[dict, list]:
+    """The results document and the stdout table from the medians (pure: tested on CPU)."""
+    mm = res[MM_ROW]["median_us"]
+    rows = {k: dict(r, x_mm=r["median_us"] / mm) for k, r in res.items()}
+    op_x = rows[OP_ROW]["x_mm"]
+    doc = {**meta, "rows": rows, "notes": notes,
+           "target": {"op_vs_mm": TARGET_OP_VS_MM, "op_vs_mm_measured": op_x, "pass": op_x <= TARGET_OP_VS_MM},
+           "issue_14_at_8c3618f": ISSUE_8C3618F}
+    m, rounds, calls = meta.get("shape", {}).get("M"), meta.get("rounds"), meta.get("calls_per_batch")
+    table = [f"\nhost cost per eager call ({meta.get('device')}, commit {str(meta.get('commit'))[:12]}, M={m}; "
+             f"median of {rounds} rounds x {calls} calls)", f"{'row':48} {'us':>7} {'x mm':>6} {'min':>7} {'max':>7}"]
+    table += [f"{k:48} {r['median_us']:7.2f} {r['x_mm']:6.2f} {r['min_us']:7.2f} {r['max_us']:7.2f}"
+              for k, r in rows.items()]
+    table.append(f"op / torch.mm = {op_x:.2f} (target <= {TARGET_OP_VS_MM}): "
+                 f"{'PASS' if op_x <= TARGET_OP_VS_MM else 'MISS'}; notes {json.dumps(notes)}")
+    return doc, table
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
@@ -200,25 +218,13 @@ def main(argv=None) -> int:
     from musekern.bench.report import commit_info
 
     rows, notes, _lib = build_rows(m=a.m)
-    res = measure(rows, a.rounds, a.calls)
-    mm = res["torch.mm [1,64]x[64,64]"]["median_us"]
-    for r in res.values():
-        r["x_mm"] = r["median_us"] / mm
-    op_x = res["op musekern::qkv_front"]["x_mm"]
-    doc = {**commit_info(), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "shape": {"N": 2176, "num_kv_heads": 1, "M": a.m}, "rounds": a.rounds, "calls_per_batch": a.calls,
-           "command": "python3 bench/engine_host.py --out $OUT/engine-host.json", "rows": res, "notes": notes,
-           "target": {"op_vs_mm": TARGET_OP_VS_MM, "op_vs_mm_measured": op_x, "pass": op_x <= TARGET_OP_VS_MM},
-           "issue_14_at_8c3618f": ISSUE_8C3618F}
+    meta = {**commit_info(), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "shape": {"N": 2176, "num_kv_heads": 1, "M": a.m}, "rounds": a.rounds, "calls_per_batch": a.calls,
+            "command": "python3 bench/engine_host.py --out $OUT/engine-host.json"}
+    doc, table = report(measure(rows, a.rounds, a.calls), notes, meta)
     if a.out:
         Path(a.out).write_text(json.dumps(doc, indent=1))
-    print(f"\nhost cost per eager call ({doc['device']}, commit {str(doc['commit'])[:12]}, M={a.m}; "
-          f"median of {a.rounds} rounds x {a.calls} calls)")
-    print(f"{'row':48} {'us':>7} {'x mm':>6} {'min':>7} {'max':>7}")
-    for k, r in res.items():
-        print(f"{k:48} {r['median_us']:7.2f} {r['x_mm']:6.2f} {r['min_us']:7.2f} {r['max_us']:7.2f}")
-    print(f"op / torch.mm = {op_x:.2f} (target <= {TARGET_OP_VS_MM}): {'PASS' if op_x <= TARGET_OP_VS_MM else 'MISS'}"
-          f"; notes {json.dumps(notes)}")
+    print("\n".join(table))
     return 0
 
 

@@ -10,6 +10,9 @@ _LAZY = {
     "qk_norm": ("musekern.ops.qk_norm", "qk_norm"),
     "qkv_front": ("musekern.ops.qkv_front", "qkv_front"),
     "qkv_front_auto": ("musekern.ops.qkv_front", "qkv_front_auto"),
+    # torch.ops.musekern.{qkv_front, qk_norm}: registered when musekern.ops.library is imported (either name does)
+    "register_ops": ("musekern.ops.library", "register_ops"),
+    "prepare_ops": ("musekern.ops.library", "prepare"),
     "get_kernel": ("musekern.runtime", "get_kernel"),
     "load_config": ("musekern.config", "load_config"),
     "get_target": ("musekern.targets", "get_target"),

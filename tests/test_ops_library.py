@@ -1,0 +1,202 @@
+"""torch.ops.musekern.*: schemas, fake implementations, opcheck, the CPU kernels, torch.compile (all on CPU).
+
+The same checks on CUDA tensors (the cached kernels, inductor, CUDA graphs) are in tests/test_gpu_engine.py.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from engine_scenario import EPS, Ops, front_args, module_args, same  # noqa: E402
+from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+from musekern.config import load_config  # noqa: E402
+from musekern.ops import library  # noqa: E402
+from musekern.reference import qk_norm_reference, qkv_front_reference, rope_cos_sin_table  # noqa: E402
+
+K, D = 8192, 64
+SHARDS = {s.tp: s for s in load_config().shards()}  # the planned N: 2176 / 4352 / 8704 / 17408
+OPS = torch.ops.musekern
+
+
+@functools.lru_cache(maxsize=None)
+def weight(tp):
+    g = torch.Generator().manual_seed(tp)
+    return (torch.randn(SHARDS[tp].n, K, generator=g) / math.sqrt(K)).to(torch.bfloat16)
+
+
+def case(m=5, tp=8, layout="vllm", num_blocks=8, block_size=4, max_pos=64, seed=0, pad=False):
+    """CPU inputs of one qkv_front call; `kv` is the one tensor both caches are views of."""
+    g = torch.Generator().manual_seed(seed)
+    s = SHARDS[tp]
+    x = torch.randn(m, K, generator=g).to(torch.bfloat16)
+    w = weight(tp)
+    pos = torch.randint(0, max_pos, (m,), generator=g)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:m]
+    if pad:
+        slots[::3] = -1
+    shape = (2, num_blocks, block_size, s.num_kv_heads, D) if layout == "vllm" else \
+        (num_blocks, 2, block_size, s.num_kv_heads, D)
+    kv = torch.full(shape, -7.0, dtype=torch.bfloat16)
+    return dict(x=x, weight=w, positions=pos, cos_sin_cache=rope_cos_sin_table(max_pos, 1e6), slot_mapping=slots,
+                kv=kv, num_kv_heads=s.num_kv_heads, layout=layout)
+
+
+# ---------------------------------------------------------------- schemas
+def test_schemas_name_the_mutated_caches_and_fresh_outputs():
+    front = OPS.qkv_front.default._schema
+    assert str(front) == f"musekern::{library.QKV_FRONT_SCHEMA}"
+    written = [a.name for a in front.arguments if a.alias_info is not None and a.alias_info.is_write]
+    assert written == ["key_cache", "value_cache"]
+    norm = OPS.qk_norm.default._schema
+    assert [a.name for a in norm.arguments] == ["x", "head_dim", "eps", "scale"]
+    assert not any(a.alias_info for a in norm.arguments)
+    assert [a.default_value for a in norm.arguments[2:]] == [1e-5, 1.0]
+    for schema in (front, norm):  # outputs are new tensors (no alias of an input)
+        assert len(schema.returns) == 1 and schema.returns[0].alias_info is None
+    for op in (OPS.qkv_front.default, OPS.qk_norm.default):
+        assert torch.Tag.pt2_compliant_tag in op.tags and torch.Tag.needs_fixed_stride_order in op.tags
+
+
+# ---------------------------------------------------------------- fake implementations
+# Every planned N (TP 1..8), M at the kernels' edges (1, 16) and above them (17, 300: the M > 16 path).
+@pytest.mark.parametrize("tp", sorted(SHARDS))
+@pytest.mark.parametrize("m", [1, 16, 17, 300])
+def test_qkv_front_fake_shape(tp, m):
+    s = SHARDS[tp]
+    with FakeTensorMode():
+        kv = torch.empty(2, 4, 16, s.num_kv_heads, D, dtype=torch.bfloat16)
+        y = OPS.qkv_front(torch.empty(m, K, dtype=torch.bfloat16), torch.empty(s.n, K, dtype=torch.bfloat16),
+                          torch.empty(m, dtype=torch.int64), torch.empty(64, D), torch.empty(m, dtype=torch.int64),
+                          kv[0], kv[1], s.num_kv_heads, EPS)
+    assert (tuple(y.shape), y.stride(), y.dtype) == ((m, s.n), (s.n, 1), torch.bfloat16)
+
+
+# strided rows (q heads inside a fused row) come out contiguous; both dtypes the kernel takes
+@pytest.mark.parametrize("m,hd,ld,dtype", [(1, 64, 1024, torch.bfloat16), (7, 128, 2176, torch.bfloat16),
+                                           (300, 64, 1024, torch.float16)])
+def test_qk_norm_fake_shape(m, hd, ld, dtype):
+    for mode in ("fake", "meta"):
+        if mode == "fake":
+            with FakeTensorMode():
+                out = OPS.qk_norm(torch.empty(m, ld, dtype=dtype)[:, :1024 - hd], hd)
+        else:
+            out = OPS.qk_norm(torch.empty(m, ld, dtype=dtype, device="meta")[:, :1024 - hd], hd)
+        assert (tuple(out.shape), out.stride(), out.dtype) == ((m, 1024 - hd), (1024 - hd, 1), dtype)
+
+
+def test_meta_tensors_take_the_fake():
+    s = SHARDS[8]
+    kv = torch.empty(2, 4, 16, 1, D, dtype=torch.bfloat16, device="meta")
+    i64 = torch.empty(3, dtype=torch.int64, device="meta")
+    y = OPS.qkv_front(torch.empty(3, K, dtype=torch.bfloat16, device="meta"),
+                      torch.empty(s.n, K, dtype=torch.bfloat16, device="meta"), i64,
+                      torch.empty(64, D, device="meta"), i64, kv[0], kv[1], 1, EPS)
+    assert y.device.type == "meta" and tuple(y.shape) == (3, s.n)
+
+
+# ---------------------------------------------------------------- opcheck and the CPU kernels
+@pytest.mark.parametrize("layout", ["vllm", "flashinfer"])
+def test_opcheck_qkv_front_cpu(layout):
+    c = case(m=5, layout=layout, pad=True)
+    torch.library.opcheck(OPS.qkv_front.default, front_args(c))
+
+
+@pytest.mark.parametrize("hd,scale", [(64, 1.0), (128, 0.125)])
+def test_opcheck_qk_norm_cpu(hd, scale):
+    x = torch.randn(6, 2176).to(torch.bfloat16)[:, :1024]  # strided rows
+    torch.library.opcheck(OPS.qk_norm.default, (x, hd, 1e-6, scale))
+
+
+def test_cpu_qkv_front_is_the_reference_and_writes_the_caches():
+    c = case(m=6, tp=4, pad=True)
+    want_kv = c["kv"].clone()
+    want = qkv_front_reference(*front_args(c, want_kv))
+    got = OPS.qkv_front(*front_args(c))
+    assert torch.equal(got, want) and torch.equal(c["kv"], want_kv)
+    assert not torch.equal(c["kv"], torch.full_like(c["kv"], -7.0))  # something was written
+
+
+def test_cpu_qk_norm_is_the_reference_and_checks():
+    x = torch.randn(5, 2176).to(torch.bfloat16)[:, :1024]
+    assert torch.equal(OPS.qk_norm(x, 64, 1e-6, 0.5), qk_norm_reference(x, 64, 1e-6, 0.5))
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        OPS.qk_norm(x, 96)
+
+
+# ---------------------------------------------------------------- torch.compile (CPU: the reference kernels)
+@pytest.mark.parametrize("layout", ["vllm", "flashinfer"])
+def test_fullgraph_compile_has_no_break_and_matches_eager_bitwise(layout):
+    mod = Ops(layout)
+    c = case(m=5, layout=layout, pad=True)
+    explain = torch._dynamo.explain(mod)(*module_args(c, c["kv"].clone()))
+    assert explain.graph_break_count == 0 and explain.graph_count == 1
+    compiled = torch.compile(mod, backend="aot_eager", fullgraph=True)
+    kv_eager = c["kv"].clone()
+    want = mod(*module_args(c, kv_eager))
+    got = compiled(*module_args(c))
+    assert same(got, want) and torch.equal(c["kv"], kv_eager)
+
+
+def _run_ms(compiled, mod, ms, mark):
+    for i, m in enumerate(ms):
+        c = case(m=m, num_blocks=16, seed=i)
+        for t in (c["x"], c["positions"], c["slot_mapping"]):
+            mark(t, 0)
+        kv_eager = c["kv"].clone()
+        want = mod(*module_args(c, kv_eager))
+        got = compiled(*module_args(c))
+        assert same(got, want) and torch.equal(c["kv"], kv_eager), f"M={m}"
+
+
+# M across the kernels' range (2..16) and above it (17, 40: the M > 16 path), then M = 1.
+def test_dynamic_m_compiles_once_for_the_range_and_once_for_m_1():
+    """mark_dynamic: one graph serves every M >= 2; M = 1 gets one more (torch specializes sizes 0 and 1 of
+    backed dynamic dims, whatever the ops: `mark_unbacked` avoids it, next test)."""
+    mod = Ops("vllm")
+    cnt = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(mod, backend=cnt, fullgraph=True)
+    _run_ms(compiled, mod, [2, 3, 8, 9, 16, 17, 40], torch._dynamo.mark_dynamic)
+    assert cnt.frame_count == 1
+    _run_ms(compiled, mod, [1], torch._dynamo.mark_dynamic)
+    assert cnt.frame_count == 2
+
+
+def test_unbacked_m_compiles_once_for_every_m():
+    from torch._dynamo.decorators import mark_unbacked
+
+    mod = Ops("vllm")
+    cnt = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(mod, backend=cnt, fullgraph=True)
+    _run_ms(compiled, mod, [5, 1, 16, 17], mark_unbacked)
+    assert cnt.frame_count == 1
+
+
+def test_inductor_writes_the_caches_in_place():
+    """Caches given as views of one graph input: inductor re-inplaces the functionalized op (no copy of a cache).
+    (Two cache inputs that share storage would make it clone one whole cache and copy it back every call.)"""
+    from torch._inductor.utils import run_and_get_code
+
+    mod = Ops("vllm")
+    c = case(m=5, pad=True)
+    kv_eager = c["kv"].clone()
+    want = mod(*module_args(c, kv_eager))
+    got, codes = run_and_get_code(torch.compile(mod, fullgraph=True), *module_args(c))
+    assert same(got, want) and torch.equal(c["kv"], kv_eager)
+    code = "\n".join(codes)
+    assert "musekern.qkv_front.default(" in code
+    assert "clone" not in code and "copy_" not in code, "inductor copies a cache around the op"
+
+
+
+def test_package_exports_register_the_ops():
+    import musekern
+
+    assert musekern.register_ops() is torch.ops.musekern
+    assert musekern.prepare_ops is library.prepare
+    assert library.qkv_front is OPS.qkv_front.default and library.qk_norm is OPS.qk_norm.default

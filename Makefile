@@ -43,7 +43,7 @@ test: install
 	$(PY) -m pytest --junitxml=.pytest-last.xml -o junit_family=xunit1 $(PYTEST_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check musekern tests bench
+	$(VENV)/bin/ruff check musekern tests bench examples
 
 # Rewrite the README's `make prepare` transcript from a real run (tests/test_readme_flows.py checks it).
 readme: install

@@ -148,15 +148,15 @@ def launch_breakdown(ops, args, y, n, nkv, m):
     import torch
 
     try:
-        kernel, grid, with_m = ops._launch_plan(n, m, nkv, 0)
-        base = ops._launch_values(*args[:7], args[8], y, with_m)
+        kernel, grid, bind = ops._front_plan(n, m, nkv, 0)
+        base = bind(*args[:7], args[8], y)
         kernel.launch_ordered(grid, list(base))
         cfg_addr = kernel._config(grid, torch.cuda.current_stream().cuda_stream, kernel.abi.launch.pdl)[1]
         raw = kernel._c_launch
     except Exception as e:  # recorded, not fatal
         return {}, {"breakdown_error": f"{type(e).__name__}: {e}"[:300]}
     rows = {
-        "_launch_values (binding alone)": lambda: ops._launch_values(*args[:7], args[8], y, with_m),
+        "binder (binding alone)": lambda: bind(*args[:7], args[8], y),
         # packs the param block with `base` (y preallocated): the bare call right after it relaunches exactly that
         "LoadedKernel.launch_ordered (values ready)": lambda: kernel.launch_ordered(grid, list(base)),
     }

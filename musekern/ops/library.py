@@ -88,7 +88,7 @@ def register_ops():
 
 
 # ---------------------------------------------------------------- before CUDA graph capture
-def prepare(n: int, rows=_qkv_front.MAX_TOKENS, num_kv_heads: int | None = None, qk_norm_head_dims=(),
+def prepare(n: int, rows=16, num_kv_heads: int | None = None, qk_norm_head_dims=(),
             dtype=torch.bfloat16, device=None) -> list:
     """Load every kernel the ops take for weight rows N and M in `rows`, before a CUDA graph is captured.
 
@@ -97,24 +97,12 @@ def prepare(n: int, rows=_qkv_front.MAX_TOKENS, num_kv_heads: int | None = None,
     and without a scale, for small and large inputs). Raises MissingKernelError (naming the
     `musekern prepare` command) when one is not in the cache. Returns the loaded kernels.
     """
-    from ..runtime import get_kernel
-    from ..variants.qk_norm import qk_norm_variants
+    from . import qk_norm as _qk_norm
 
     kernels = list(_qkv_front.prepare(n, rows, num_kv_heads=num_kv_heads, device=device))
-    dev = _device_index(device)
-    name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     for hd in qk_norm_head_dims:
-        kernels += [get_kernel(v, device=dev) for v in qk_norm_variants(name, hd)]
+        kernels += _qk_norm.prepare(hd, dtype, device)
     return kernels
-
-
-def _device_index(device) -> int:
-    if device is None:
-        return torch.cuda.current_device()
-    if isinstance(device, int):
-        return device
-    idx = torch.device(device).index
-    return idx if idx is not None else torch.cuda.current_device()
 
 
 __all__ = ["NAMESPACE", "QKV_FRONT_SCHEMA", "QK_NORM_SCHEMA", "qkv_front", "qk_norm", "prepare", "register_ops"]

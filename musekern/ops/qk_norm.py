@@ -81,3 +81,13 @@ def _loaded(variant, device_index: int):
 
     kernel = get_kernel(variant, device=device_index)
     return kernel, binder(variant.label, kernel.param_names, _VALUES, _ARGS)
+
+
+def prepare(head_dim: int, dtype=torch.bfloat16, device=None) -> list:
+    """Load every qk_norm build of this head size and dtype (with and without a scale, for small and large inputs)
+    before a CUDA graph is captured; returns them (MissingKernelError names the `musekern prepare` command)."""
+    from ..variants.qk_norm import qk_norm_variants
+    from .qkv_front import device_index
+
+    dev = device_index(device)
+    return [_loaded(v, dev)[0] for v in qk_norm_variants(_DTYPES[dtype], head_dim)]

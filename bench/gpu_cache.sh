@@ -25,9 +25,11 @@ for v in gpu_test_builds(planned):
     print(v.label)
 PY
 )
-# the front above M = 16: the builds the rules pick for M = 17..64 (the default config plans M <= 16), their
+# the front above M = 16: the builds the rules pick for M = 17..64 (the plan has those for M <= 32), their
 # same-bits / other-warp-split builds and the alternatives bench/front_large_m.py times beside them
 while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python bench/front_large_m.py labels)
+# every qkv_epilogue build (the plan takes 1 and 2 vectors a thread; the GPU tests and the sanitizer run all four)
+for vpt in 1 2 4 8; do labels+=(--variant "qkv_epilogue[vecs_per_thread=$vpt]"); done
 # the ring-depth / k_split sweep of bench/sweep_variants.py (issue 5's levers)
 while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python bench/sweep_variants.py --print-labels)
 $MK prepare --target h200 --cache-dir "$CACHE" -j 2 "${labels[@]}" >&2

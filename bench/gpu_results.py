@@ -4,6 +4,7 @@ and print a short table. Usage: python3 bench/gpu_results.py round.junit.xml out
 from __future__ import annotations
 
 import collections
+import glob
 import importlib.metadata
 import json
 import os
@@ -54,13 +55,13 @@ def main(xml_path: str, out_path: str) -> int:
             props = {p.get("name"): p.get("value") for p in tc.iter("property")}
             tests.append({"test": f"{tc.get('classname')}::{tc.get('name')}", "outcome": outcome,
                           "seconds": float(tc.get("time") or 0), "properties": props, "message": msg})
-    sanitizer = {}
-    for tool in ("memcheck", "racecheck", "synccheck"):
-        log = os.path.join(os.path.dirname(os.path.abspath(out_path)), f"sanitizer-{tool}.log")
-        if os.path.exists(log):
-            lines = open(log, errors="replace").read().splitlines()
-            sanitizer[tool] = {"summary": [ln for ln in lines if "SUMMARY" in ln][-1:],
-                               "ran": [ln for ln in lines if ln.startswith("sanitize:")][-1:]}
+    sanitizer = {}  # sanitizer-<tool>[-<script>].log beside the output: one record each
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    for log in sorted(glob.glob(os.path.join(out_dir, "sanitizer-*.log"))):
+        lines = open(log, errors="replace").read().splitlines()
+        sanitizer[os.path.basename(log)[len("sanitizer-"):-len(".log")]] = {
+            "summary": [ln for ln in lines if "SUMMARY" in ln][-1:],
+            "ran": [ln for ln in lines if ln.startswith("sanitize:")][-1:]}
     doc = {"commit": build.get("commit"), "sanitizer": sanitizer, "cache_built_dirty": build.get("dirty"),
            "device": device(),
            "versions": versions(), "cutlass_importable": importlib.util.find_spec("cutlass") is not None,
@@ -76,7 +77,7 @@ def main(xml_path: str, out_path: str) -> int:
         print(f"{mod:48} {c['passed']:7} {c['failed']:7} {c['error']:6} {c['skipped']:8}")
     for tool, r in sanitizer.items():
         summary, ran = " ".join(r["summary"]) or "no summary", " ".join(r["ran"]) or "did not finish"
-        print(f"sanitizer {tool:10} {summary} | {ran}")
+        print(f"sanitizer {tool:22} {summary} | {ran}")
     return 0
 
 

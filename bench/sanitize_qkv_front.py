@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """One launch of every default-model qkv_front variant (and qk_norm) with hostile inputs, for compute-sanitizer:
 padding slots (-1), a slot past the end of the cache, positions past the end of the table and negative,
-M = 1, 8, 16 (all three builds per N), FlashInfer's strided cache layout. Exit 0 if every launch ran.
+M = 1, 8, 16, 24 (every front build per N) and 40 (torch.mm + the fused epilogue), FlashInfer's strided cache
+layout. Exit 0 if every launch ran.
 
   compute-sanitizer --tool memcheck python3 bench/sanitize_qkv_front.py
 """
@@ -23,7 +24,7 @@ def main() -> int:
     n_launch = 0
     for shard in model.shards():
         w = (torch.randn(shard.n, HIDDEN, device="cuda") / 90).to(torch.bfloat16)
-        for m in (1, 8, 16):
+        for m in (1, 8, 16, 24, 40):
             x = torch.randn(m, HIDDEN, device="cuda").to(torch.bfloat16)
             pos = torch.randint(0, max_pos, (m,), device="cuda")
             pos[0] = max_pos + 1000

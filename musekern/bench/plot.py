@@ -7,8 +7,7 @@ import sys
 SERIES = (("chain", "o-"), ("after-norm", "s-"), ("isolated", "^-"), ("cublas", "x--"), ("unfused", "d:"))
 
 
-def write_plot(doc: dict, out_dir: str, name: str = "qkv_front_roofline.png") -> str | None:
-    """One panel per N (x: M, y: TB/s of weight bytes); None, with a warning, when matplotlib is missing."""
+def _pyplot():
     try:
         import matplotlib
 
@@ -16,6 +15,14 @@ def write_plot(doc: dict, out_dir: str, name: str = "qkv_front_roofline.png") ->
         import matplotlib.pyplot as plt
     except ImportError:
         print("warning: matplotlib is not installed: no plot written", file=sys.stderr)
+        return None
+    return plt
+
+
+def write_plot(doc: dict, out_dir: str, name: str = "qkv_front_roofline.png") -> str | None:
+    """One panel per N (x: M, y: TB/s of weight bytes); None, with a warning, when matplotlib is missing."""
+    plt = _pyplot()
+    if plt is None:
         return None
     rows = [r for r in doc["rows"] if r.get("tbps") is not None]
     ns = sorted({r["N"] for r in rows})
@@ -38,6 +45,41 @@ def write_plot(doc: dict, out_dir: str, name: str = "qkv_front_roofline.png") ->
     axes[0][0].set_ylabel("weight bytes / time (TB/s)")
     axes[0][-1].legend(fontsize=7, loc="lower right")
     fig.suptitle(f"qkv_front on {doc.get('device')} (after-norm: front's added time)", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(out_dir, exist_ok=True)
+    p = os.path.join(out_dir, name)
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+ALL_M_SERIES = (("musekern", "o-", "musekern (planner's path)"), ("cublas", "x--", "cuBLAS GEMM alone"),
+                ("gemm_epilogue", "s:", "cuBLAS + fused epilogue"), ("unfused", "d:", "cuBLAS + torch epilogue"),
+                ("compiled", "v:", "cuBLAS + torch.compile epilogue"))
+
+
+def write_all_m_plot(doc: dict, out_dir: str, name: str = "qkv_front_all_m.png") -> str | None:
+    """One panel per N of the all-M table: us per layer against M (log-log), every path side by side."""
+    rows = doc.get("all_m") or []
+    plt = _pyplot() if rows else None
+    if plt is None:
+        return None
+    ns = sorted({r["N"] for r in rows})
+    fig, axes = plt.subplots(1, len(ns), figsize=(4.4 * len(ns), 3.8), squeeze=False)
+    for ax, n in zip(axes[0], ns, strict=True):
+        tp = next(r["tp"] for r in rows if r["N"] == n)
+        for key, style, label in ALL_M_SERIES:
+            pts = sorted((r["M"], r["us"][key]) for r in rows if r["N"] == n and r["us"].get(key))
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, ms=4)
+        ax.set_title(f"TP{tp}  N={n}")
+        ax.set_xlabel("M (tokens)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel("us per layer")
+    axes[0][0].legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"the attention front at every M on {doc.get('device')}", fontsize=10)
     fig.tight_layout()
     os.makedirs(out_dir, exist_ok=True)
     p = os.path.join(out_dir, name)

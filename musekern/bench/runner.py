@@ -23,6 +23,7 @@ class BenchConfig:
     quick: bool = False
     qk_norm: bool = True
     host: bool = True
+    all_m: bool = True
 
     @classmethod
     def make(cls, quick=False, tps=(), ms=(), modes=()):
@@ -85,6 +86,32 @@ def run_qkv_front(cfg: BenchConfig, copy_tbps: float, sw: Stopwatch) -> tuple[li
     return rows, pairs
 
 
+def run_all_m(cfg: BenchConfig, copy_tbps: float, sw: Stopwatch) -> tuple[list, list, str | None]:
+    """(rows, cliffs, compile error) of the all-M table (all_m.py): TP 8, 4, 1 at every M of all_m.ALL_M."""
+    import torch
+
+    from . import all_m
+
+    compiled, compile_error = all_m._compiled_epilogue()
+    rows = []
+    for shard in _shards(BenchConfig(tps=all_m.ALL_M_TPS)):
+        shard.allocate()
+        for m in (all_m.ALL_M if not cfg.quick else (1, 17, 64, 4096)):
+            try:
+                got = all_m.measure_all_m(shard, m, copy_tbps, cfg.samples, compiled)
+            except Exception as e:
+                got = {"us": {}, "path": "-", "error": f"{type(e).__name__}: {e}"}
+                torch.cuda.synchronize()  # a sticky CUDA error raises here and ends the run
+            r = all_m.row(shard.tp, shard.n, shard.num_kv_heads, m, got["us"], got["path"], copy_tbps)
+            r.update({k: v for k, v in got.items() if k not in ("us", "path")})
+            rows.append(r)
+            log(f"{sw} all-M TP{shard.tp} M={m} ({r['path']}): musekern {r['us'].get('musekern')} us, cuBLAS "
+                f"{r['us'].get('cublas')} us" + (f"  ERROR {r['error']}" if r.get("error") else ""))
+        shard.free()
+        torch.cuda.empty_cache()
+    return rows, all_m.cliffs(rows, copy_tbps), compile_error
+
+
 def run_host(cfg: BenchConfig, sw: Stopwatch) -> dict:
     from .host import first_call_subprocess, measure_eager
 
@@ -123,6 +150,8 @@ def run(cfg: BenchConfig) -> dict:
                    "frac_of_copy_bw": None, "checks": [], "status": "-"}]
         log(f"{sw} qk_norm done")
     host = run_host(cfg, sw) if cfg.host else {}
+    if cfg.all_m:
+        meta["all_m"], meta["all_m_cliffs"], meta["all_m_compile_error"] = run_all_m(cfg, copy0, sw)
     copy1 = copy_bandwidth()
     log(f"{sw} copy bandwidth at the end: {copy1:.3f} TB/s (fractions use the start value)")
     meta.update(copy_TBps_end=copy1, wall_s=round(time.perf_counter() - sw.t0, 1), pairs=pairs)

@@ -40,24 +40,27 @@ def gpu_available() -> bool:
               help="Decode token count(s) M (repeatable; default 1 2 4 8 9 12 16).")
 @click.option("--no-host", is_flag=True, help="Skip the host-cost and fresh-process measurements.")
 @click.option("--no-qk-norm", is_flag=True, help="Skip the qk_norm measurements.")
-def bench_cmd(quick, as_json, out_dir, modes, tps, ms, no_host, no_qk_norm):
+@click.option("--no-all-m", is_flag=True, help="Skip the all-M table (M 1..16384: fused front vs GEMM + epilogue).")
+def bench_cmd(quick, as_json, out_dir, modes, tps, ms, no_host, no_qk_norm, no_all_m):
     """Benchmark qkv_front (chain, after-norm, isolated) against copy bandwidth, cuBLAS and an unfused chain;
     qk_norm bandwidth; host cost per call. Writes qkv_front_bench.json and qkv_front_roofline.png to --out."""
     mode_list = _modes(modes)
     if not gpu_available():
         raise Failure(NO_GPU)
-    from ..bench import plot, report, runner
+    from ..bench import all_m, plot, report, runner
 
     cfg = runner.BenchConfig.make(quick=quick, tps=tps, ms=ms, modes=mode_list)
-    cfg.host, cfg.qk_norm = not no_host, not no_qk_norm
+    cfg.host, cfg.qk_norm, cfg.all_m = not no_host, not no_qk_norm, not no_all_m
     doc = runner.run(cfg)
     path = report.write_json(doc, out_dir)
-    png = plot.write_plot(doc, out_dir)
-    log(f"wrote {path}" + (f" and {png}" if png else ""))
+    pngs = [p for p in (plot.write_plot(doc, out_dir), plot.write_all_m_plot(doc, out_dir)) if p]
+    log(f"wrote {path}" + "".join(f" and {p}" for p in pngs))
     if as_json:
         emit_json(doc)
     else:
         click.echo(report.format_table(doc))
+        if doc.get("all_m"):
+            click.echo(all_m.format_all_m(doc))
 
 
 def register(group) -> None:

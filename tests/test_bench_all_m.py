@@ -1,0 +1,65 @@
+"""musekern/bench/all_m.py: the all-M table's row math, targets, cliffs and text (pure: no GPU)."""
+import pytest
+
+from musekern.bench import all_m
+
+COPY = 4.0  # TB/s
+
+
+def _us(**kw):
+    base = {"musekern": 10.0, "cublas": 15.0, "unfused": 50.0, "gemm_epilogue": 16.0, "epilogue": 1.2}
+    return {**base, **kw}
+
+
+# one row per regime the targets distinguish: small M at TP8 / TP4 (path < cuBLAS, >= 3x unfused, epilogue
+# <= 2.5 us), the band 65..1023 (no target), prefill (epilogue bandwidth, GEMM + epilogue <= 1.10x cuBLAS),
+# TP1 at small M (only the epilogue's time)
+@pytest.mark.parametrize("tp,m,names", [
+    (8, 1, {"epilogue_us", "x_cublas", "vs_unfused"}), (4, 64, {"epilogue_us", "x_cublas", "vs_unfused"}),
+    (8, 128, set()), (8, 4096, {"epilogue_frac", "gemm_epilogue_x_cublas"}), (1, 17, {"epilogue_us"})])
+def test_targets_apply_where_the_issue_sets_them(tp, m, names):
+    n, nkv = {8: (2176, 1), 4: (4352, 2), 1: (17408, 8)}[tp]
+    r = all_m.row(tp, n, nkv, m, _us(), "front", COPY)
+    assert {c["name"] for c in r["checks"]} == names
+    assert r["status"] == ("-" if not names else r["status"])
+
+
+def test_row_math():
+    r = all_m.row(8, 2176, 1, 4096, _us(musekern=200.0, cublas=190.0, gemm_epilogue=200.0, epilogue=6.0,
+                                         unfused=420.0), "gemm", COPY)
+    assert r["x_cublas"] == pytest.approx(200 / 190) and r["speedup_vs_unfused"] == pytest.approx(2.1)
+    # the epilogue's bytes (variants.qkv_epilogue.epilogue_bytes): 5008 B a token at TP8 (NOTES "qkv_epilogue")
+    assert r["epilogue_bytes"] == 5008 * 4096
+    assert r["epilogue_frac_of_copy_bw"] == pytest.approx(5008 * 4096 / 6e-6 / 1e12 / COPY)
+    checks = {c["name"]: c["pass"] for c in r["checks"]}
+    assert checks == {"epilogue_frac": True, "gemm_epilogue_x_cublas": True}
+
+
+def test_a_missing_measurement_is_not_a_pass():
+    r = all_m.row(8, 2176, 1, 16, {"cublas": 15.0}, "front", COPY)
+    assert r["status"] != "PASS" and all(c["pass"] is None for c in r["checks"])
+
+
+def test_cliffs_compare_the_jump_with_the_bytes():
+    rows = [all_m.row(8, 2176, 1, m, _us(musekern=t), p, COPY)
+            for m, t, p in ((16, 10.0, "front"), (17, 10.2, "front"), (32, 10.5, "front"), (33, 16.5, "gemm"))]
+    got = {(c["from"], c["to"]): c for c in all_m.cliffs(rows, COPY)}
+    assert got[(16, 17)]["pass"] and not got[(32, 33)]["pass"] and got[(32, 33)]["paths"] == ["front", "gemm"]
+    assert got[(16, 17)]["bytes_explain_us"] == pytest.approx((8192 * 2 + 2176 * 2) / (COPY * 1e12) * 1e6)
+    assert (64, 65) not in got  # not measured: no verdict
+
+
+def test_table_has_a_line_per_row_and_per_step():
+    rows = [all_m.row(8, 2176, 1, m, _us(), "front", COPY) for m in (16, 17)]
+    rows[1]["error"] = "output check: NaN"
+    text = all_m.format_all_m({"all_m": rows, "all_m_cliffs": all_m.cliffs(rows, COPY)})
+    lines = text.splitlines()
+    assert len(lines) == 3 + 2 + 1 and "ERROR output check" in lines[4] and lines[-1].startswith("step TP8 M 16->17")
+    assert all_m.format_all_m({}) == ""
+
+
+def test_the_grid_covers_the_rules_edges():
+    from musekern.config import FRONT_MAX_TOKENS
+
+    assert {16, 17, FRONT_MAX_TOKENS, FRONT_MAX_TOKENS + 1, 64, 65, 16384} <= set(all_m.ALL_M)
+    assert all((a in all_m.ALL_M and b in all_m.ALL_M) for a, b in all_m.CLIFF_PAIRS)

@@ -167,7 +167,7 @@ def test_python_example_uses_a_planned_variant():
     from musekern.targets import get_target
     from musekern.variants import plan_model, qk_norm_variant
 
-    (code,) = [b for lang, b in fenced_blocks(section("Using it")) if lang == "python"]
+    code = "\n".join(b for lang, b in fenced_blocks(section("Using it")) if lang == "python")
     calls = [n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") ==
              "qk_norm"]
     assert calls

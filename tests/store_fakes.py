@@ -1,0 +1,73 @@
+"""Fake entries for the store tests: no GPU and no compiler, so these tests run in seconds on 2 cores.
+
+A fake build writes a deterministic fake cubin per key (compiles are deterministic too) and a manifest
+shaped like the builder's (a real launch-ABI record, so every check the loader relies on applies).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from musekern.store.abi import KernelAbi, LaunchSpec, pointer, scalar
+from musekern.store.cache import Cache
+from musekern.store.keys import KeyParts
+
+SRC = "ab" * 32
+
+
+def fake_parts(i: int = 0, kernel: str = "qk_norm", arch: str = "sm_90a", dsl: str = "4.8.1",
+               src: str = SRC, abi: int = 1) -> KeyParts:
+    return KeyParts.make(kernel, {"dtype": "bfloat16", "head_dim": 64, "has_scale": bool(i % 2), "i": i},
+                         arch, src, dsl, abi)
+
+
+def fake_cubin(parts: KeyParts) -> bytes:
+    """Deterministic bytes per key (compiles are deterministic: same inputs, same cubin)."""
+    return b"\x7fELF" + hashlib.sha256(parts.key().encode()).digest() * 8
+
+
+FAKE_ABI = KernelAbi((pointer("x"), pointer("out"), scalar("m", "i32")), LaunchSpec((256, 1, 1)))
+
+
+def fake_manifest(parts: KeyParts) -> dict:
+    """What the builder hands to Cache.put (build/compile.py: label, variant, symbol, arch, ABI, built_with)."""
+    return {"kernel": parts.kernel, "label": parts.label, "variant": parts.variant_params,
+            "symbol": f"kernel_{parts.kernel}", "arch": parts.arch, "abi": FAKE_ABI.to_json(),
+            "built_with": {"nvidia-cutlass-dsl": parts.dsl_version}}
+
+
+def fake_build(parts: KeyParts, counter: Path | None = None):
+    def build():
+        if counter is not None:
+            with open(counter, "a") as f:  # O_APPEND: one line per build, from any process
+                f.write(parts.key() + "\n")
+        return fake_cubin(parts), fake_manifest(parts)
+    return build
+
+
+def put(cache: Cache, parts: KeyParts):
+    return cache.put(parts, fake_cubin(parts), fake_manifest(parts))
+
+
+def filled(path: Path, idx, order=None) -> Cache:
+    c = Cache(path)
+    for i in (order or idx):
+        put(c, fake_parts(i))
+    return c
+
+
+def tree(root: Path) -> dict:
+    """Snapshot of every path under root with its mtime and size (to prove nothing was written)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            p = Path(dirpath, n)
+            st = p.lstat()
+            out[str(p)] = (st.st_mtime_ns, st.st_size)
+    return out
+
+
+def chmod_w(path: Path) -> None:
+    """Entry files are 0444: make one writable so a test can damage it (also as non-root)."""
+    os.chmod(path, 0o644)

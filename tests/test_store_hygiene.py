@@ -1,0 +1,69 @@
+"""store/hygiene.py: gc by last use and size, recorded plans (clean --stale), stats, staging debris, clear."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from store_fakes import fake_cubin, fake_manifest, fake_parts
+
+from musekern.store import hygiene
+from musekern.store.cache import Cache, CacheError
+
+
+@pytest.fixture
+def cache(tmp_path) -> Cache:
+    return Cache(tmp_path / "cache")
+
+
+def test_gc_older_than_and_max_size(cache):
+    parts = [fake_parts(i) for i in range(4)]
+    for p in parts:
+        cache.put(p, fake_cubin(p), fake_manifest(p))
+    now = time.time()
+    for age_days, p in zip((40, 20, 5, 1), parts, strict=True):
+        cache.touch(p.key())
+        t = now - age_days * 86400
+        os.utime(cache.used_dir / p.key(), (t, t))
+    removed = hygiene.gc(cache, older_than=30 * 86400, now=now)
+    assert [e.key for e in removed] == [parts[0].key()]
+    two_newest = sum(cache.get(p.key()).size_bytes for p in parts[2:])
+    dry = hygiene.gc(cache, max_size=two_newest, now=now, dry_run=True)
+    assert [e.key for e in dry] == [parts[1].key()] and len(cache.entries()) == 3  # dry run removes nothing
+    removed = hygiene.gc(cache, max_size=two_newest, now=now)
+    assert [e.key for e in removed] == [parts[1].key()]  # least recently used first
+    assert {e.key for e in cache.entries()} == {parts[2].key(), parts[3].key()}
+    with pytest.raises(ValueError):
+        hygiene.gc(cache)
+
+
+def test_record_plan_and_stale_entries(cache):
+    parts = [fake_parts(i) for i in range(3)]
+    for p in parts:
+        cache.put(p, fake_cubin(p), fake_manifest(p))
+    with pytest.raises(CacheError, match="no plan is recorded"):
+        hygiene.stale_entries(cache)
+    hygiene.record_plan(cache, "/path/to/cfg.json|h200", [parts[0].key()])  # any name (a path) is fine
+    hygiene.record_plan(cache, "other", [parts[1].key()])
+    assert hygiene.plans(cache) == {"/path/to/cfg.json|h200": [parts[0].key()], "other": [parts[1].key()]}
+    assert [e.key for e in hygiene.stale_entries(cache)] == [parts[2].key()]
+    hygiene.forget_plan(cache, "other")
+    assert {e.key for e in hygiene.stale_entries(cache)} == {parts[1].key(), parts[2].key()}
+    with pytest.raises(ValueError):
+        hygiene.record_plan(cache, "x", ["not-a-key"])
+
+
+def test_stats_and_clean(cache):
+    a, b = fake_parts(0), fake_parts(1, kernel="qkv_front", arch="sm_100a")
+    for p in (a, b):
+        cache.put(p, fake_cubin(p), fake_manifest(p))
+    s = hygiene.stats(cache)
+    assert s["entries"] == 2 and s["bytes"] == sum(e.size_bytes for e in cache.entries())
+    assert s["by_kernel"]["qk_norm"]["entries"] == 1 and s["by_arch"]["sm_100a"]["entries"] == 1
+    old = cache.tmp_dir / "crashed.123"
+    old.mkdir(parents=True)
+    fresh = cache.tmp_dir / "live.456"
+    fresh.mkdir()
+    os.utime(old, (time.time() - 7200,) * 2)
+    assert hygiene.clean_tmp(cache) == 1 and fresh.exists() and not old.exists()
+    assert hygiene.clear(cache) == 2 and cache.entries() == []

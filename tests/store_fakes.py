@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
+
+import pytest
 
 from musekern.store.abi import KernelAbi, LaunchSpec, pointer, scalar
 from musekern.store.cache import Cache
@@ -71,3 +74,12 @@ def tree(root: Path) -> dict:
 def chmod_w(path: Path) -> None:
     """Entry files are 0444: make one writable so a test can damage it (also as non-root)."""
     os.chmod(path, 0o644)
+
+
+def as_other_user() -> list[str]:
+    """The command prefix that makes a child unable to read a file chmod 000: `setpriv` to nobody as root."""
+    if os.geteuid() != 0:
+        return []
+    if not shutil.which("setpriv"):
+        pytest.skip("running as root without setpriv: cannot make a file unreadable")
+    return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]

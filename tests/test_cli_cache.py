@@ -8,11 +8,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import click
 import pytest
 from click.testing import CliRunner
+from store_fakes import as_other_user
 
 from musekern.cli import cache_cmds
 from musekern.cli.cache_cmds import parse_duration, parse_size
@@ -252,3 +256,102 @@ def test_writes_on_read_only_cache_fail_with_one_line(cli, tmp_path):
         r = cli(*args, "--cache-dir", ro)
         assert r.exit_code == 1 and "read-only" in r.stderr and len(r.stderr.strip().splitlines()) == 1, args
     assert cli("ls", "--cache-dir", ro).exit_code == 0  # reading still works
+
+
+# ---------------------------------------------------------------- issues 12 and 15: errors are one line with their fix
+REPRO = pytest.mark.xfail(strict=True, reason="issues 12/15: reproduced here, fixed by a later commit")
+
+
+@REPRO
+def test_gc_max_size_with_400_digits_is_a_usage_error(cli, filled):
+    r = cli("gc", "--cache-dir", filled.root, "--max-size", "9" * 400)
+    assert r.exit_code == 2 and "--max-size" in r.output
+
+
+@REPRO
+def test_a_cache_dir_that_is_a_file_is_not_a_directory(cli, tmp_path, monkeypatch):
+    f = tmp_path / "file"
+    f.write_text("")
+    monkeypatch.setenv("MUSEKERN_CACHE_DIR", str(f))
+    for args in (("clean", "--all"), ("gc", "--max-size", "1"), ("verify",)):
+        r = cli(*args)
+        assert r.exit_code == 1 and "not a directory" in r.stderr and "read-only" not in r.stderr, (args, r.output)
+
+
+@REPRO
+@pytest.mark.parametrize("args,command", [(("clean", "--all"), "clean"), (("gc", "--max-size", "1"), "gc"),
+                                          (("verify", "--repair"), "verify --repair")])
+def test_read_only_errors_name_the_command_that_was_run(cli, filled, monkeypatch, args, command):
+    put(filled, fake_parts(9))
+    bad = filled.get(fake_parts(9).key())
+    os.chmod(bad.cubin_path, 0o644)
+    bad.cubin_path.write_bytes(b"\x7fELF")  # so verify --repair has something to remove
+    monkeypatch.setattr(Cache, "read_only", property(lambda self: True))
+    r = cli(*args, "--cache-dir", filled.root)
+    assert r.exit_code == 1 and "read-only" in r.stderr and f"musekern {command}" in r.stderr
+    assert "musekern prepare" not in r.stderr, r.stderr
+
+
+@REPRO
+def test_import_into_a_read_only_cache_names_import(cli, filled, tmp_path, monkeypatch):
+    out = tmp_path / "b.tar"
+    assert cli("export", "--all", "-o", out, "--cache-dir", filled.root).exit_code == 0
+    monkeypatch.setattr(Cache, "read_only", property(lambda self: True))
+    r = cli("import", out, "--cache-dir", tmp_path / "other")
+    assert r.exit_code == 1 and "musekern import" in r.stderr and "musekern prepare" not in r.stderr
+
+
+@REPRO
+def test_verify_of_a_missing_cache_dir_fails(cli, tmp_path):
+    r = cli("verify", "--cache-dir", tmp_path / "typo")
+    assert r.exit_code == 1 and str(tmp_path / "typo") in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@REPRO
+def test_ls_marks_entries_that_do_not_verify(cli, filled):
+    bad = filled.get(fake_parts(1).key())
+    os.chmod(bad.cubin_path, 0o644)
+    bad.cubin_path.write_bytes(b"\x7fELF")
+    cubinless = filled.get(fake_parts(2).key())
+    os.unlink(cubinless.cubin_path)
+    doc = json.loads(cli("ls", "--cache-dir", filled.root, "--json").stdout)
+    state = {e["key"]: e["ok"] for e in doc["entries"]}
+    assert state[bad.key] is False and state[cubinless.key] is False and state[fake_parts(0).key()] is True
+    r = cli("ls", "--cache-dir", filled.root)
+    rows = {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln[:16] in (bad.key[:16], cubinless.key[:16])}
+    assert all("BAD" in row for row in rows.values()) and len(rows) == 2
+
+
+@REPRO
+def test_clean_dry_run_never_says_removed(cli, filled):
+    (filled.tmp_dir / f"{fake_parts(5).key()}.1.dead").mkdir(parents=True)
+    hygiene.record_plan(filled, "p", [fake_parts(0).key()])
+    for args in (("clean", "--dry-run"), ("clean", "--stale", "--dry-run"), ("clean", "--all", "--dry-run")):
+        r = cli(*args, "--cache-dir", filled.root)
+        assert r.exit_code == 0 and " removed" not in r.stdout.replace("would be removed", ""), (args, r.stdout)
+
+
+@REPRO
+@pytest.mark.parametrize("args", [("ls",), ("verify",), ("stats",), ("gc", "--max-size", "1"), ("clean",),
+                                  ("explain", "qk_norm[dtype=bfloat16]"), ("import", "BUNDLE")])
+def test_an_unreadable_cache_dir_is_one_line_naming_it(world_dir, args):
+    """A cache directory this user may not read (PermissionError): one error line naming the path and the fix,
+    exit 1, never a traceback. As root the command runs as `nobody` (root reads through mode bits)."""
+    c = Cache(world_dir / "cache")
+    put(c, fake_parts(0))
+    bundle = world_dir / "b.tar"
+    from musekern.store.bundle import export_bundle
+
+    export_bundle(c, [fake_parts(0).key()], bundle)
+    os.chmod(bundle, 0o644)
+    os.chmod(c.root, 0o700)  # the other user can neither list nor enter it
+    args = [str(bundle) if a == "BUNDLE" else a for a in args]
+    code = ("import sys; from musekern.cli.cache_cmds import register; import click; g = click.Group('musekern'); "
+            "register(g); g(sys.argv[1:], prog_name='musekern')")
+    # through MUSEKERN_CACHE_DIR: click itself refuses an unreadable --cache-dir (a usage error, exit 2)
+    r = subprocess.run([*as_other_user(), sys.executable, "-c", code, *args], capture_output=True, text=True,
+                       timeout=60, cwd=Path(__file__).resolve().parents[1],
+                       env={**os.environ, "MUSEKERN_CACHE_DIR": str(c.root)})
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr[-3000:]
+    assert str(c.root) in lines[0] and "ermission" in lines[0], lines

@@ -124,3 +124,66 @@ def test_without_the_dsl_a_corrupt_entry_is_missing_not_a_hit(tmp_path, monkeypa
     e.cubin_path.write_bytes(e.cubin_path.read_bytes()[:-3])
     r = prepare(tmp_path / "c", *LABELS, code=1)
     assert "musekern[build]" in r.output
+
+
+# ---------------------------------------------------------------- issue 12: the whole plan onto a full disk
+REPRO = pytest.mark.xfail(strict=True, reason="issue 12: reproduced here, fixed by a later commit")
+
+
+def _fake_builds(monkeypatch):
+    """prepare() without the compiler: each variant 'compiles' to a fake cubin with a real-shaped manifest."""
+    import hashlib
+
+    from store_fakes import FAKE_ABI
+
+    from musekern.build import prepare as prepare_mod
+    from musekern.build.compile import Built
+
+    def build_variant(variant, arch):
+        cubin = b"\x7fELF" + hashlib.sha256(f"{variant.label}{arch}".encode()).digest() * 64
+        return Built(cubin, {"kernel": variant.kernel, "label": variant.label, "variant": variant.params(),
+                             "symbol": "kernel_fake", "arch": arch, "abi": FAKE_ABI.to_json(), "built_with": {}})
+
+    monkeypatch.setattr(prepare_mod, "build_variant", build_variant)
+    return prepare_mod
+
+
+def _plan():
+    from musekern.config import load_config
+    from musekern.targets import get_target
+    from musekern.variants import plan_model
+
+    return plan_model(load_config(None), [get_target("h200")])
+
+
+@REPRO
+@pytest.mark.parametrize("room", [0, 2000, 20_000, 60_000])
+def test_prepare_onto_a_full_disk_fails_per_variant_and_tears_nothing(tmp_path, monkeypatch, room):
+    """The whole plan with `room` bytes left: per-variant errors naming the path and the fix, never an
+    exception out of prepare (before: the plan record's write raised out of prepare; a staging write's error was
+    `OSError: [Errno 28] No space left on device`, naming no path), and no torn entry."""
+    import errno
+
+    prepare_mod = _fake_builds(monkeypatch)
+    cache = Cache(tmp_path / "c")
+    real = os.write
+    left = [room]
+
+    def write(fd, data):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            target = ""
+        if target.startswith(str(cache.root)):
+            if left[0] < len(data):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            left[0] -= len(data)
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    report = prepare_mod.prepare(_plan(), cache, plan_name="cfg|h200")
+    failed = [r for r in report.results if r.status == prepare_mod.FAILED]
+    assert failed and all("no space left" in r.error.lower() and str(cache.root) in r.error and "\n" not in r.error
+                          for r in failed), [r.error for r in failed]
+    monkeypatch.setattr(os, "write", real)
+    assert cache.audit() == {} and not list(cache.tmp_dir.iterdir())

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 from store_fakes import fake_cubin, fake_manifest, fake_parts
@@ -67,3 +68,76 @@ def test_stats_and_clean(cache):
     os.utime(old, (time.time() - 7200,) * 2)
     assert hygiene.clean_tmp(cache) == 1 and fresh.exists() and not old.exists()
     assert hygiene.clear(cache) == 2 and cache.entries() == []
+
+
+# ---------------------------------------------------------------- maintenance beside writers
+REPRO = pytest.mark.xfail(strict=True, reason="issue 12: reproduced here, fixed by a later commit")
+
+
+def _writer_stopped_mid_staging(root: str, i: int, ready, go, result, die: bool) -> None:
+    """Child: put entry `i`, stopping after its staging dir is written (before the rename that commits it):
+    wait there for `go`, or (die=True) SIGKILL itself there, leaving the staging dir as a crash would."""
+    import signal
+
+    from musekern.store import cache as cache_mod
+
+    real = cache_mod.fsync_dir
+
+    def stop_in_staging(path):
+        if "tmp" in Path(path).parts:
+            ready.set()
+            if die:
+                os.kill(os.getpid(), signal.SIGKILL)
+            go.wait(30)
+        real(path)
+
+    cache_mod.fsync_dir = stop_in_staging
+    try:
+        c = Cache(root)
+        p = fake_parts(i)
+        c.put(p, fake_cubin(p), fake_manifest(p))
+        result.put(("ok", c.verify_entry(p.key())))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        result.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def _mp():
+    import multiprocessing
+
+    return multiprocessing.get_context("fork")
+
+
+@REPRO
+def test_clean_all_beside_a_live_writer_never_tears_its_entry(cache):
+    """clean --all (hygiene.clear) while a writer stages: the writer's staging dir is left alone and its
+    entry commits whole (before: clear deleted tmp/ under it; the review saw torn entries returned as built)."""
+    for i in range(3):
+        p = fake_parts(i)
+        cache.put(p, fake_cubin(p), fake_manifest(p))
+    ctx = _mp()
+    ready, go, result = ctx.Event(), ctx.Event(), ctx.Queue()
+    child = ctx.Process(target=_writer_stopped_mid_staging, args=(str(cache.root), 7, ready, go, result, False))
+    child.start()
+    try:
+        assert ready.wait(30)
+        hygiene.clear(cache)
+        hygiene.clean_tmp(cache, max_age_s=0)
+    finally:
+        go.set()
+        child.join(30)
+    status, detail = result.get(timeout=5)
+    assert status == "ok" and detail == [], detail
+    assert [e.key for e in cache.entries()] == [fake_parts(7).key()]
+
+
+@REPRO
+def test_a_killed_writers_staging_dir_is_removed_by_clean_at_once(cache):
+    """kill -9 of a writer mid-staging leaves debris; clean removes it right away (before: kept for an hour)."""
+    ctx = _mp()
+    ready, go, result = ctx.Event(), ctx.Event(), ctx.Queue()
+    child = ctx.Process(target=_writer_stopped_mid_staging, args=(str(cache.root), 1, ready, go, result, True))
+    child.start()
+    child.join(30)
+    assert child.exitcode == -9 and list(cache.tmp_dir.iterdir())
+    assert hygiene.clean_tmp(cache) == 1
+    assert list(cache.tmp_dir.iterdir()) == []

@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-from store_fakes import as_other_user
+from store_fakes import FAKE_ABI, as_other_user
 
 from musekern.cli import cache_cmds
 from musekern.cli.cache_cmds import parse_duration, parse_size
@@ -46,7 +46,7 @@ def fake_parts(i: int, kernel="qk_norm", arch="sm_90a", dsl="4.8.1") -> KeyParts
 def put(cache: Cache, p: KeyParts):
     cubin = b"\x7fELF" + hashlib.sha256(p.key().encode()).digest() * 4
     return cache.put(p, cubin, {"kernel": p.kernel, "label": p.label, "variant": p.variant_params, "symbol": "k",
-                                "arch": p.arch, "abi": {}, "built_with": {}})
+                                "arch": p.arch, "abi": FAKE_ABI.to_json(), "built_with": {}})
 
 
 @pytest.fixture
@@ -249,13 +249,19 @@ def test_import_bad_bundle_exits_1(cli, tmp_path):
 
 
 def test_writes_on_read_only_cache_fail_with_one_line(cli, tmp_path):
-    f = tmp_path / "file"
-    f.write_text("")
-    ro = f / "cache"
-    for args in (("clean", "--all"), ("gc", "--max-size", "1"), ("clean",)):
-        r = cli(*args, "--cache-dir", ro)
-        assert r.exit_code == 1 and "read-only" in r.stderr and len(r.stderr.strip().splitlines()) == 1, args
-    assert cli("ls", "--cache-dir", ro).exit_code == 0  # reading still works
+    ro = tmp_path / "ro"
+    put(Cache(ro), fake_parts(0))
+    for dirpath, _, _ in os.walk(ro):
+        os.chmod(dirpath, 0o555)  # no write bit: read-only for root too (the store holds itself to mode bits)
+    try:
+        for args in (("clean", "--all"), ("gc", "--max-size", "1"), ("clean",)):
+            r = cli(*args, "--cache-dir", ro)
+            assert r.exit_code == 1 and "read-only" in r.stderr and len(r.stderr.strip().splitlines()) == 1, args
+        assert cli("ls", "--cache-dir", ro).exit_code == 0  # reading still works
+        assert cli("verify", "--cache-dir", ro).exit_code == 0
+    finally:
+        for dirpath, _, _ in os.walk(ro):
+            os.chmod(dirpath, 0o755)
 
 
 # ---------------------------------------------------------------- issues 12 and 15: errors are one line with their fix
@@ -292,7 +298,6 @@ def test_read_only_errors_name_the_command_that_was_run(cli, filled, monkeypatch
     assert "musekern prepare" not in r.stderr, r.stderr
 
 
-@REPRO
 def test_import_into_a_read_only_cache_names_import(cli, filled, tmp_path, monkeypatch):
     out = tmp_path / "b.tar"
     assert cli("export", "--all", "-o", out, "--cache-dir", filled.root).exit_code == 0
@@ -331,9 +336,10 @@ def test_clean_dry_run_never_says_removed(cli, filled):
         assert r.exit_code == 0 and " removed" not in r.stdout.replace("would be removed", ""), (args, r.stdout)
 
 
-@REPRO
-@pytest.mark.parametrize("args", [("ls",), ("verify",), ("stats",), ("gc", "--max-size", "1"), ("clean",),
-                                  ("explain", "qk_norm[dtype=bfloat16]"), ("import", "BUNDLE")])
+@pytest.mark.parametrize("args", [pytest.param(("ls",), marks=REPRO), pytest.param(("verify",), marks=REPRO),
+                                  pytest.param(("stats",), marks=REPRO), ("gc", "--max-size", "1"), ("clean",),
+                                  pytest.param(("explain", "qk_norm[dtype=bfloat16]"), marks=REPRO),
+                                  ("import", "BUNDLE")])
 def test_an_unreadable_cache_dir_is_one_line_naming_it(world_dir, args):
     """A cache directory this user may not read (PermissionError): one error line naming the path and the fix,
     exit 1, never a traceback. As root the command runs as `nobody` (root reads through mode bits)."""

@@ -127,7 +127,6 @@ def test_without_the_dsl_a_corrupt_entry_is_missing_not_a_hit(tmp_path, monkeypa
 
 
 # ---------------------------------------------------------------- issue 12: the whole plan onto a full disk
-REPRO = pytest.mark.xfail(strict=True, reason="issue 12: reproduced here, fixed by a later commit")
 
 
 def _fake_builds(monkeypatch):
@@ -156,7 +155,6 @@ def _plan():
     return plan_model(load_config(None), [get_target("h200")])
 
 
-@REPRO
 @pytest.mark.parametrize("room", [0, 2000, 20_000, 60_000])
 def test_prepare_onto_a_full_disk_fails_per_variant_and_tears_nothing(tmp_path, monkeypatch, room):
     """The whole plan with `room` bytes left: per-variant errors naming the path and the fix, never an

@@ -185,7 +185,6 @@ def test_launch_config_c_layout():
     assert tuple(first) == (4, 0, 2, 1)  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4, cluster (2, 1, ...)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12: reproduced here, fixed by a later commit")
 @pytest.mark.parametrize("dsl", ["4.8.1", None])
 def test_a_truncated_manifest_is_reported_corrupt_not_missing(tmp_path, monkeypatch, dsl):
     """Exact key (DSL installed) or any DSL version's build (a serving image): a half-written manifest is

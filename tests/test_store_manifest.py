@@ -9,8 +9,6 @@ from store_fakes import chmod_w, fake_parts, put
 
 from musekern.store.cache import Cache, CorruptEntryError
 
-REPRO = pytest.mark.xfail(strict=True, reason="issue 12: reproduced here, fixed by a later commit")
-
 
 @pytest.fixture
 def cache(tmp_path) -> Cache:
@@ -40,7 +38,6 @@ EDITS = {
 }
 
 
-@REPRO
 @pytest.mark.parametrize("field", sorted(EDITS))
 def test_an_edit_of_any_manifest_field_is_caught_on_load_and_verify(cache, field):
     p = fake_parts()
@@ -51,7 +48,6 @@ def test_an_edit_of_any_manifest_field_is_caught_on_load_and_verify(cache, field
         cache.load(p.key())
 
 
-@REPRO
 def test_single_bit_flips_of_a_manifest_are_caught_sample(cache):
     """A sample of single-bit flips over the whole file (the full sweep over a real manifest is below)."""
     p = fake_parts()

@@ -265,16 +265,13 @@ def test_writes_on_read_only_cache_fail_with_one_line(cli, tmp_path):
 
 
 # ---------------------------------------------------------------- issues 12 and 15: errors are one line with their fix
-REPRO = pytest.mark.xfail(strict=True, reason="issues 12/15: reproduced here, fixed by a later commit")
 
 
-@REPRO
 def test_gc_max_size_with_400_digits_is_a_usage_error(cli, filled):
     r = cli("gc", "--cache-dir", filled.root, "--max-size", "9" * 400)
     assert r.exit_code == 2 and "--max-size" in r.output
 
 
-@REPRO
 def test_a_cache_dir_that_is_a_file_is_not_a_directory(cli, tmp_path, monkeypatch):
     f = tmp_path / "file"
     f.write_text("")
@@ -284,7 +281,6 @@ def test_a_cache_dir_that_is_a_file_is_not_a_directory(cli, tmp_path, monkeypatc
         assert r.exit_code == 1 and "not a directory" in r.stderr and "read-only" not in r.stderr, (args, r.output)
 
 
-@REPRO
 @pytest.mark.parametrize("args,command", [(("clean", "--all"), "clean"), (("gc", "--max-size", "1"), "gc"),
                                           (("verify", "--repair"), "verify --repair")])
 def test_read_only_errors_name_the_command_that_was_run(cli, filled, monkeypatch, args, command):
@@ -306,13 +302,11 @@ def test_import_into_a_read_only_cache_names_import(cli, filled, tmp_path, monke
     assert r.exit_code == 1 and "musekern import" in r.stderr and "musekern prepare" not in r.stderr
 
 
-@REPRO
 def test_verify_of_a_missing_cache_dir_fails(cli, tmp_path):
     r = cli("verify", "--cache-dir", tmp_path / "typo")
     assert r.exit_code == 1 and str(tmp_path / "typo") in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-@REPRO
 def test_ls_marks_entries_that_do_not_verify(cli, filled):
     bad = filled.get(fake_parts(1).key())
     os.chmod(bad.cubin_path, 0o644)
@@ -327,7 +321,6 @@ def test_ls_marks_entries_that_do_not_verify(cli, filled):
     assert all("BAD" in row for row in rows.values()) and len(rows) == 2
 
 
-@REPRO
 def test_clean_dry_run_never_says_removed(cli, filled):
     (filled.tmp_dir / f"{fake_parts(5).key()}.1.dead").mkdir(parents=True)
     hygiene.record_plan(filled, "p", [fake_parts(0).key()])
@@ -336,10 +329,8 @@ def test_clean_dry_run_never_says_removed(cli, filled):
         assert r.exit_code == 0 and " removed" not in r.stdout.replace("would be removed", ""), (args, r.stdout)
 
 
-@pytest.mark.parametrize("args", [pytest.param(("ls",), marks=REPRO), pytest.param(("verify",), marks=REPRO),
-                                  pytest.param(("stats",), marks=REPRO), ("gc", "--max-size", "1"), ("clean",),
-                                  pytest.param(("explain", "qk_norm[dtype=bfloat16]"), marks=REPRO),
-                                  ("import", "BUNDLE")])
+@pytest.mark.parametrize("args", [("ls",), ("verify",), ("stats",), ("gc", "--max-size", "1"), ("clean",),
+                                  ("explain", "qk_norm[dtype=bfloat16]"), ("import", "BUNDLE")])
 def test_an_unreadable_cache_dir_is_one_line_naming_it(world_dir, args):
     """A cache directory this user may not read (PermissionError): one error line naming the path and the fix,
     exit 1, never a traceback. As root the command runs as `nobody` (root reads through mode bits)."""

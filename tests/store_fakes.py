@@ -5,6 +5,7 @@ shaped like the builder's (a real launch-ABI record, so every check the loader r
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -83,3 +84,23 @@ def as_other_user() -> list[str]:
     if not shutil.which("setpriv"):
         pytest.skip("running as root without setpriv: cannot make a file unreadable")
     return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+@functools.lru_cache(maxsize=None)
+def real_builds() -> tuple:
+    """Two real compiled entries, (parts, cubin, builder manifest) each, compiled once per test process (CuTe DSL
+    on the CPU, ~3 s each): qk_norm variants that differ in dtype, head_dim and scale, so their cubins have
+    different symbols and parameter lists. Skips where the build extra is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("cutlass") is None:
+        pytest.skip("needs the build extra (nvidia-cutlass-dsl) to compile a real cubin")
+    from musekern.build.compile import build_variant
+    from musekern.store.keys import dsl_version, key_parts
+    from musekern.variants import QkNormVariant
+
+    out = []
+    for v in (QkNormVariant("bfloat16", 64, False), QkNormVariant("float16", 128, True)):
+        b = build_variant(v, "sm_90a")
+        out.append((key_parts(v, "sm_90a", dsl_version()), b.cubin, b.manifest))
+    return tuple(out)

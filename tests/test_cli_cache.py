@@ -352,3 +352,80 @@ def test_an_unreadable_cache_dir_is_one_line_naming_it(world_dir, args):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1, r.stderr[-3000:]
     assert str(c.root) in lines[0] and "ermission" in lines[0], lines
+
+
+def test_gc_keeps_a_lasting_size_policy(cli, filled, monkeypatch):
+    """`gc --set-max-size` writes the policy and trims to it; a plain `gc` then works without flags."""
+    monkeypatch.delenv("MUSEKERN_MAX_SIZE", raising=False)
+    assert cli("gc", "--cache-dir", filled.root).exit_code == 2  # no policy yet: say what to pass
+    limit = hygiene.stats(filled)["bytes"] - 1  # one byte less than the four entries: one must go
+    r = cli("gc", "--set-max-size", str(limit), "--cache-dir", filled.root, "--json")
+    assert r.exit_code == 0 and len(json.loads(r.stdout)["removed"]) == 1 and len(filled.entries()) == 3
+    put(filled, fake_parts(7))
+    r = cli("gc", "--cache-dir", filled.root, "--json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and doc["max_size"] == limit and doc["bytes_left"] <= limit
+    s = json.loads(cli("stats", "--cache-dir", filled.root, "--json").stdout)
+    assert (s["max_size"], s["max_size_source"]) == (limit, "policy.json")
+    assert cli("gc", "--set-max-size", "none", "--cache-dir", filled.root).exit_code == 0
+    assert cli("gc", "--cache-dir", filled.root).exit_code == 2
+    assert cli("gc", "--set-max-size", "2G", "--dry-run", "--cache-dir", filled.root).exit_code == 2
+
+
+def test_stats_shows_counters_and_staging(cli, filled):
+    hygiene.count(filled, "hit")
+    hygiene.count(filled, "miss")
+    (filled.tmp_dir / f"{fake_parts(9).key()}.1.dead").mkdir(parents=True)
+    r = cli("stats", "--cache-dir", filled.root)
+    assert r.exit_code == 0 and "1 hit, 1 missed (50% hits)" in r.stdout and "1 of dead writers" in r.stdout
+    assert "musekern clean" in r.stderr
+    s = json.loads(cli("stats", "--zero", "--cache-dir", filled.root, "--json").stdout)
+    assert s["counters"] == {"hit": 0, "miss": 0, "built": 0, "pulled": 0} and s["staging"]["debris"] == 1
+    assert cli("clean", "--cache-dir", filled.root).exit_code == 0
+    assert json.loads(cli("stats", "--cache-dir", filled.root, "--json").stdout)["staging"]["debris"] == 0
+
+
+def test_clean_all_keeps_what_a_running_prepare_holds(cli, filled):
+    import threading
+
+    held, release = threading.Event(), threading.Event()
+    key = fake_parts(0).key()
+
+    def writer():
+        with filled.lock(key):
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        assert held.wait(10)
+        r = cli("clean", "--all", "--cache-dir", filled.root, "--json")
+        doc = json.loads(r.stdout)
+        assert r.exit_code == 0 and doc["busy"] == [key] and len(doc["removed"]) == 3
+    finally:
+        release.set()
+        t.join()
+    assert [e.key for e in filled.entries()] == [key]
+
+
+def test_import_onto_a_full_disk_names_what_was_not_stored(cli, filled, tmp_path, monkeypatch):
+    import errno
+
+    out = tmp_path / "b.tar"
+    assert cli("export", "--all", "-o", out, "--cache-dir", filled.root).exit_code == 0
+    dst = tmp_path / "dst"
+    real = os.write
+
+    def full(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(dst)):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", full)
+    r = cli("import", out, "--cache-dir", dst, "--json")
+    monkeypatch.undo()
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 1 and len(doc["failed"]) == 4 and not doc["added"]
+    assert all("no space left" in f["reason"] and str(dst) in f["reason"] for f in doc["failed"])
+    assert "musekern import" in r.stderr and Cache(dst).audit() == {}

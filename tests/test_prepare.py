@@ -185,3 +185,36 @@ def test_prepare_onto_a_full_disk_fails_per_variant_and_tears_nothing(tmp_path, 
                           for r in failed), [r.error for r in failed]
     monkeypatch.setattr(os, "write", real)
     assert cache.audit() == {} and not list(cache.tmp_dir.iterdir())
+
+
+def test_prepare_counts_lookups_and_trims_to_the_size_policy_keeping_its_plan(tmp_path, monkeypatch):
+    """ccache-style: after a run the cache is trimmed to its lasting size policy, least recently used first,
+    never removing what this plan needs; each planned variant counts one hit or miss, each build one built."""
+    from store_fakes import fake_cubin, fake_manifest, fake_parts
+
+    prepare_mod = _fake_builds(monkeypatch)
+    monkeypatch.delenv("MUSEKERN_MAX_SIZE", raising=False)
+    cache = Cache(tmp_path / "c")
+    old = [fake_parts(i) for i in range(3)]
+    for p in old:
+        cache.put(p, fake_cubin(p), fake_manifest(p))
+    plan = _plan()
+    hygiene.set_max_size(cache, 1)  # smaller than the plan itself: only the old entries can go
+    report = prepare_mod.prepare(plan, cache, plan_name="cfg|h200")
+    assert report.ok and sorted(report.trimmed) == sorted(p.key() for p in old)
+    assert len(cache.entries()) == len(plan) and not any(cache.get(p.key()) for p in old)
+    assert hygiene.counters(cache) == {"hit": 0, "miss": len(plan), "built": len(plan), "pulled": 0}
+    again = prepare_mod.prepare(plan, cache, plan_name="cfg|h200")
+    assert again.count(prepare_mod.HIT) == len(plan) and again.trimmed == []
+    assert hygiene.counters(cache)["hit"] == len(plan)
+
+
+def test_prepare_into_a_cache_under_proc_is_one_cache_error(tmp_path, monkeypatch):
+    """`prepare --cache-dir /proc/nope`: one CacheError naming the path (the CLI prints it; before, a chained
+    FileNotFoundError traceback)."""
+    from musekern.store.cache import CacheError
+
+    prepare_mod = _fake_builds(monkeypatch)
+    with pytest.raises(CacheError) as ei:
+        prepare_mod.prepare(_plan()[:1], Cache("/proc/nope"))
+    assert "/proc/nope" in str(ei.value) and "\n" not in str(ei.value) and "--cache-dir" in str(ei.value)

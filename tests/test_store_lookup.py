@@ -86,3 +86,16 @@ def test_nearest_names_the_differing_part(cache):
     # a variant param difference is itemised
     lines = fake_parts(2).describe_differences(have)
     assert any(line.startswith("variant.i:") for line in lines)
+
+
+def test_a_damaged_entry_is_named_not_missed_unless_the_policy_verifies(cache):
+    """A manifest that does not parse: without `verify` the lookup returns it (empty manifest) so that
+    `Cache.load` names it as corrupt; with `verify` it is a miss (prepare rebuilds it)."""
+    exact = fake_parts(dsl="4.8.1")
+    e = cache.put(exact, fake_cubin(exact), fake_manifest(exact))
+    os.chmod(e.manifest_path, 0o644)
+    e.manifest_path.write_bytes(b'{"truncated": ')
+    for wanted, policy in ((exact, EXACT), (fake_parts(dsl=""), ANY_DSL)):
+        hit = lookup.find(cache, wanted, policy)
+        assert hit is not None and hit.key == exact.key() and hit.manifest == {}
+        assert lookup.find(cache, wanted, Policy(other_dsl=policy.other_dsl, verify=True)) is None

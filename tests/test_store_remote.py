@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import free_port
-from store_fakes import FAKE_ABI
+from store_fakes import FAKE_ABI, real_builds
 
 from musekern.store.cache import Cache
 from musekern.store.keys import KeyParts
@@ -340,3 +340,56 @@ def test_bad_timeouts_are_one_line_errors_naming_the_variable(monkeypatch, value
     monkeypatch.setenv("MUSEKERN_REMOTE_TIMEOUT", value)
     with pytest.raises(RemoteError, match="MUSEKERN_REMOTE_TIMEOUT"):
         RemoteCache.from_env(None)
+
+
+def test_one_prepare_spends_at_most_the_remote_budget(server, tmp_path):
+    """Each request under its timeout, but slow: once the budget of the whole run (MUSEKERN_REMOTE_DEADLINE) is
+    spent the remote is dropped with one warning naming the variable, and the rest builds locally at once."""
+    def slow_miss(h):  # 8 of these take 4.8 s without a budget
+        time.sleep(0.6)
+        h.send_response(404)
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+
+    s = server(slow_miss)
+    r = RemoteCache(s.url, timeout=2, deadline=1)
+    c = Cache(tmp_path / "c")
+    t0 = time.monotonic()
+    for i in range(8):
+        p = fake_parts(i)
+        c.obtain(p, fake_build(p, []), remote=r)
+    assert time.monotonic() - t0 < 3 and r.dead
+    assert len(r.warnings) == 1 and "MUSEKERN_REMOTE_DEADLINE" in r.warnings[0]
+
+
+def test_from_env_reads_the_budget(monkeypatch):
+    monkeypatch.setenv(ENV_REMOTE, "http://cache.example/")
+    monkeypatch.setenv("MUSEKERN_REMOTE_DEADLINE", "30")
+    monkeypatch.setenv("MUSEKERN_REMOTE_TIMEOUT", "3")
+    r = RemoteCache.from_env(None)
+    assert (r.timeout, r.budget) == (3.0, 30.0)
+    monkeypatch.setenv("MUSEKERN_REMOTE_DEADLINE", "-5")
+    with pytest.raises(RemoteError, match="MUSEKERN_REMOTE_DEADLINE"):
+        RemoteCache.from_env(None)
+
+
+def test_an_ac_record_naming_another_variants_blob_is_rejected(nginx_server, tmp_path):
+    """ac/<key> rewritten to name another variant's real blob, with its digest recomputed (a consistent
+    forgery): the blob's ELF names another kernel, so the pull is rejected and nothing is stored."""
+    from musekern.store import manifest as manifest_mod
+
+    url, root = nginx_server
+    (pa, ca, ma), (pb, cb, mb) = real_builds()
+    a = Cache(tmp_path / "a")
+    ea, eb = a.put(pa, ca, ma), a.put(pb, cb, mb)
+    r = RemoteCache(url, upload=True)
+    assert r.push(ea) and r.push(eb)
+    forged = manifest_mod.seal({**ea.manifest, "cubin_sha256": eb.manifest["cubin_sha256"],
+                                "cubin_size": eb.manifest["cubin_size"]})
+    (root / "ac" / pa.key()).write_bytes(manifest_mod.manifest_bytes(forged))
+    rb = RemoteCache(url)
+    b = Cache(tmp_path / "b")
+    assert rb.pull(pa, b) is None and b.get(pa.key()) is None
+    assert rb.stats["rejected"] == 1 and "has no kernel" in rb.warnings[0]
+    # and a good upload repairs the record
+    assert r.push(ea) and RemoteCache(url).pull(pa, b) is not None

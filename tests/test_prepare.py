@@ -3,6 +3,7 @@ caches refused in one line, shards, and a real remote HTTP cache (nginx) for pul
 import importlib.util
 import json
 import os
+import shutil
 import stat
 
 import pytest
@@ -218,3 +219,46 @@ def test_prepare_into_a_cache_under_proc_is_one_cache_error(tmp_path, monkeypatc
     with pytest.raises(CacheError) as ei:
         prepare_mod.prepare(_plan()[:1], Cache("/proc/nope"))
     assert "/proc/nope" in str(ei.value) and "\n" not in str(ei.value) and "--cache-dir" in str(ei.value)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="needs root and mount(8) for a tmpfs")
+# free space from one page (not even the plan record fits) to room for all of it (the plan's fake entries take
+# two pages each on a tmpfs, the lock files, stamps and index markers a page more per variant)
+@pytest.mark.parametrize("room_kib", [4, 8, 16, 32, 64, 128, 1024])
+def test_prepare_and_import_onto_a_real_full_tmpfs(tmp_path, monkeypatch, room_kib):
+    """The review's free-space levels on a real filesystem (a tmpfs of `room_kib`): whole-plan prepare and
+    import end without a traceback, every failure is one line, nothing is torn, no staging dir is left."""
+    import subprocess
+
+    prepare_mod = _fake_builds(monkeypatch)
+    src = Cache(tmp_path / "src")
+    plan = _plan()
+    assert prepare_mod.prepare(plan, src).ok
+    bundle = tmp_path / "b.tar"
+    from musekern.store.bundle import export_bundle, import_bundle
+
+    export_bundle(src, [e.key for e in src.entries()], bundle)
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room_kib}k", "tmpfs", str(mnt)], capture_output=True,
+                       text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        for run in ("prepare", "import"):
+            cache = Cache(mnt / run)
+            if run == "prepare":
+                report = prepare_mod.prepare(plan, cache, plan_name="cfg|h200")
+                errors = [x.error for x in report.results if x.status == prepare_mod.FAILED]
+            else:
+                rep = import_bundle(cache, bundle)
+                errors = [reason for _, reason in rep.failed]
+                assert not rep.rejected
+            assert all("\n" not in err and str(cache.root) in err for err in errors), errors
+            assert cache.audit() == {}
+            assert not cache.tmp_dir.exists() or list(cache.tmp_dir.iterdir()) == []
+            if room_kib in (4, 1024):  # the ends of the grid: full at once, and room for everything
+                assert bool(errors) == (room_kib == 4), (run, room_kib, errors)
+            subprocess.run(["rm", "-rf", str(cache.root)], check=True)
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)

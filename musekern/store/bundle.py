@@ -36,7 +36,7 @@ from .manifest import MAX_CUBIN_BYTES, MAX_MANIFEST_BYTES, check, cubin_problems
 INDEX_NAME = "musekern-bundle.json"
 BUNDLE_FORMAT = 1
 MAX_INDEX_BYTES = 64 << 20
-MAX_BUNDLE_BYTES = 4 << 30  # the sum of the members' sizes; cubins are 10-500 KB, a full plan a few MB
+MAX_BUNDLE_BYTES = 1 << 30  # the sum of the members' sizes; cubins are 10-500 KB, a full plan a few MB
 MAX_MEMBERS = 100_000
 _MEMBER_RE = re.compile(r"^entries/([0-9a-f]{64})/(manifest\.json|kernel\.cubin)$")
 
@@ -139,11 +139,12 @@ def _limit(name: str) -> int:
     return MAX_MANIFEST_BYTES if name.endswith(MANIFEST_NAME) else MAX_CUBIN_BYTES
 
 
-def _members(path: Path, read: bool):
+def _members(path: Path, read):
     """(name, bytes or None) of every member in order, after checking each header: a known name, a regular
     file, within its size limit, not twice, and the running total of sizes within MAX_BUNDLE_BYTES. Checked
     from the headers before any data is read, so a decompression bomb is refused before it is decompressed
-    and memory stays bounded by one member. With read=False only the headers are walked."""
+    and memory stays bounded by one member. `read(name, size)` says which members' bytes to read (the others
+    give None); read=False walks the headers only."""
     seen, total = set(), 0
     with _open_tar(path) as tar:
         try:
@@ -168,7 +169,7 @@ def _members(path: Path, read: bool):
                 if total > MAX_BUNDLE_BYTES:
                     raise _Bad(f"members total more than {MAX_BUNDLE_BYTES} bytes (a decompression bomb?); "
                                "nothing was imported")
-                if read:
+                if read and read(name, ti.size):
                     f = tar.extractfile(ti)
                     data = f.read(ti.size + 1) if f else b""
                     if len(data) != ti.size:
@@ -189,7 +190,7 @@ def _check_entry(key: str, meta, mbytes: bytes | None, cubin: bytes | None):
     if not isinstance(meta, dict):
         raise ValueError("bundle index entry is not an object")
     if mbytes is None or cubin is None:
-        raise ValueError("manifest.json or kernel.cubin missing from the bundle")
+        raise ValueError("manifest.json or kernel.cubin missing from the bundle, or not the size its index says")
     if sha256_hex(mbytes) != meta.get("manifest_sha256"):
         raise ValueError("manifest.json does not match the bundle index (corrupted)")
     if sha256_hex(cubin) != meta.get("cubin_sha256") or len(cubin) != meta.get("cubin_size"):
@@ -230,7 +231,7 @@ def import_bundle(cache: Cache, path: Path | str) -> ImportReport:
     imported. Memory holds one entry at a time.
     """
     path = Path(path)
-    names = [name for name, _ in _members(path, read=False)]  # every header checked before anything is stored
+    names = [name for name, _ in _members(path, False)]  # every header checked before anything is stored
     if not names or names[0] != INDEX_NAME:
         raise BundleError(f"{path}: no {INDEX_NAME}; not a musekern bundle")
     keys_in_tar = {m.group(1) for m in map(_MEMBER_RE.match, names) if m}
@@ -264,7 +265,16 @@ def import_bundle(cache: Cache, path: Path | str) -> ImportReport:
             return
         report.added.append(key)
 
-    for name, data in _members(path, read=True):
+    def wanted(name: str, size: int) -> bool:
+        """Read the index, and an entry's files only when the index lists them at that size (a lying header
+        or a stray entry is rejected without its bytes in memory)."""
+        if name == INDEX_NAME:
+            return True
+        key, file = _MEMBER_RE.match(name).groups()
+        meta = metas.get(key)
+        return isinstance(meta, dict) and (file == MANIFEST_NAME or meta.get("cubin_size") == size)
+
+    for name, data in _members(path, wanted):
         if name == INDEX_NAME:
             index, metas = _index(path, data)
             for k in sorted(metas):  # a key that is not one (a number, junk) is rejected, never a crash

@@ -487,6 +487,7 @@ class Cache:
         self._mkdirs(self.entries_dir, self.tmp_dir, command=command)
         stage = self._stage_name(key)
         where = stage
+        entry = Entry(key, final, full)  # what we verified and wrote (re-reading it would only race bit rot)
         try:
             os.mkdir(stage, 0o755)
             where = stage / CUBIN_NAME
@@ -502,7 +503,10 @@ class Cache:
                     raise
                 # Lost a race with a writer that did not use our lock (or a stale dir): keep theirs
                 # if it is sound, else replace it once.
-                if self.inspect(key).status != "sound":
+                theirs = self.inspect(key)
+                if theirs.status == "sound":
+                    entry = theirs.entry
+                else:
                     self._discard(final, command)
                     os.rename(stage, final)
             fsync_dir(self.entries_dir)
@@ -510,12 +514,8 @@ class Cache:
             raise self.access_error(e, where, command) from None
         finally:
             rmtree(stage)
-        insp = self.inspect(key)
-        if insp.status != "sound":
-            raise CacheError(f"entry {key} is not sound right after it was committed in {self.root}: "
-                             f"{'; '.join(insp.problems) or insp.status}")
         self.index(parts, key)
-        return insp.entry
+        return entry
 
     def _discard(self, path: Path, command: str = "clean") -> None:
         """Remove an entry dir so readers never see it half deleted: rename away, then delete (the caller

@@ -162,7 +162,7 @@ def clean_tmp(cache: Cache, dry_run: bool = False) -> int:
     """Remove the staging debris of dead writers now (no age rule): an item whose key's lock is free, taken
     while holding that lock. A live writer's staging dir is never touched. Returns how many were (or, dry
     run, would be) removed."""
-    if cache.read_only:
+    if cache.read_only and not dry_run:
         return 0
     n = 0
     for item in staging(cache):

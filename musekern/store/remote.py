@@ -161,20 +161,24 @@ class RemoteCache:
         self.warnings.append(msg)
         log.warning("%s", msg)
 
-    def _deadline(self) -> float:
-        """When the next request must be done: its timeout, or the remote's budget if that ends sooner."""
+    def _deadline(self) -> tuple[float, str]:
+        """When the next request must be done (its timeout, or the remote's budget if that ends sooner), and
+        what to say when it is cut there."""
         now = time.monotonic()
         if self._started is None:
             self._started = now
         left = self._started + self.budget - now
+        spent = f"spent its {self.budget:g} s budget for this run ({env.REMOTE_DEADLINE.name})"
         if left <= 0:
-            raise _Expired(f"spent its {self.budget:g} s budget ({env.REMOTE_DEADLINE.name})")
-        return now + min(self.timeout, left)
+            raise _Expired(spent)
+        if left < self.timeout:
+            return now + left, spent
+        return now + self.timeout, f"took longer than {self.timeout:g} s ({env.REMOTE_TIMEOUT.name})"
 
     def _request(self, method: str, path: str, data: bytes | None = None, limit: int = 0) -> tuple[int, bytes]:
         """(status, body of at most `limit` bytes). Raises _Miss on 404, _Rejected for a body over `limit`,
         _Expired past the deadline, OSError/HTTPError on trouble."""
-        deadline = self._deadline()
+        deadline, cut_reason = self._deadline()
         req = urllib.request.Request(f"{self.url}/{path}", data=data, method=method)
         if self._auth:
             req.add_header("Authorization", self._auth)
@@ -215,7 +219,7 @@ class RemoteCache:
                         raise _Rejected(f"{path} sends more than the {limit} bytes expected")
                     body = b"".join(chunks)
                 if expired.is_set():
-                    raise _Expired(f"{method} {path} took longer than {self.timeout:g} s")
+                    raise _Expired(f"{method} {path} {cut_reason}")
                 return resp.status, body
         except urllib.error.HTTPError as e:
             if e.code == 404:
@@ -223,8 +227,7 @@ class RemoteCache:
             raise
         except (OSError, http.client.HTTPException) as e:
             if expired.is_set():
-                raise _Expired(f"{method} {path} took longer than {self.timeout:g} s "
-                               f"({env.REMOTE_TIMEOUT.name})") from None
+                raise _Expired(f"{method} {path} {cut_reason}") from None
             if isinstance(e, http.client.HTTPException):
                 raise OSError(f"bad HTTP answer ({type(e).__name__}: {e})") from None
             raise

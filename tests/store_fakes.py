@@ -5,6 +5,7 @@ shaped like the builder's (a real launch-ABI record, so every check the loader r
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -104,3 +105,48 @@ def real_builds() -> tuple:
         b = build_variant(v, "sm_90a")
         out.append((key_parts(v, "sm_90a", dsl_version()), b.cubin, b.manifest))
     return tuple(out)
+
+
+def fail_writes_under(monkeypatch, root: Path, after_bytes: int = 0) -> None:
+    """Every os.write into a file under `root` fails with ENOSPC once `after_bytes` were written there: a disk
+    that fills up, wherever the store writes (undone with monkeypatch.undo())."""
+    import errno
+
+    real = os.write
+    budget = [after_bytes]
+
+    def write(fd, data):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            target = ""
+        if target.startswith(str(root)):
+            if budget[0] < len(data):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            budget[0] -= len(data)
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+
+
+@contextlib.contextmanager
+def lock_held_elsewhere(cache: Cache, key: str):
+    """`key`'s lock held by another thread (flock excludes it there as it would another process: a writer at
+    work) for the duration of the block."""
+    import threading
+
+    holding, release = threading.Event(), threading.Event()
+
+    def writer():
+        with cache.lock(key):
+            holding.set()
+            release.wait(30)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        assert holding.wait(30)
+        yield
+    finally:
+        release.set()
+        t.join()

@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-from store_fakes import FAKE_ABI, as_other_user
+from store_fakes import FAKE_ABI, as_other_user, fail_writes_under, lock_held_elsewhere
 
 from musekern.cli import cache_cmds
 from musekern.cli.cache_cmds import parse_duration, parse_size
@@ -386,43 +386,19 @@ def test_stats_shows_counters_and_staging(cli, filled):
 
 
 def test_clean_all_keeps_what_a_running_prepare_holds(cli, filled):
-    import threading
-
-    held, release = threading.Event(), threading.Event()
     key = fake_parts(0).key()
-
-    def writer():
-        with filled.lock(key):
-            held.set()
-            release.wait(10)
-
-    t = threading.Thread(target=writer)
-    t.start()
-    try:
-        assert held.wait(10)
+    with lock_held_elsewhere(filled, key):
         r = cli("clean", "--all", "--cache-dir", filled.root, "--json")
         doc = json.loads(r.stdout)
         assert r.exit_code == 0 and doc["busy"] == [key] and len(doc["removed"]) == 3
-    finally:
-        release.set()
-        t.join()
     assert [e.key for e in filled.entries()] == [key]
 
 
 def test_import_onto_a_full_disk_names_what_was_not_stored(cli, filled, tmp_path, monkeypatch):
-    import errno
-
     out = tmp_path / "b.tar"
     assert cli("export", "--all", "-o", out, "--cache-dir", filled.root).exit_code == 0
     dst = tmp_path / "dst"
-    real = os.write
-
-    def full(fd, data):
-        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(dst)):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd, data)
-
-    monkeypatch.setattr(os, "write", full)
+    fail_writes_under(monkeypatch, dst)
     r = cli("import", out, "--cache-dir", dst, "--json")
     monkeypatch.undo()
     doc = json.loads(r.stdout)

@@ -161,30 +161,16 @@ def test_prepare_onto_a_full_disk_fails_per_variant_and_tears_nothing(tmp_path, 
     """The whole plan with `room` bytes left: per-variant errors naming the path and the fix, never an
     exception out of prepare (before: the plan record's write raised out of prepare; a staging write's error was
     `OSError: [Errno 28] No space left on device`, naming no path), and no torn entry."""
-    import errno
+    from store_fakes import fail_writes_under
 
     prepare_mod = _fake_builds(monkeypatch)
     cache = Cache(tmp_path / "c")
-    real = os.write
-    left = [room]
-
-    def write(fd, data):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            target = ""
-        if target.startswith(str(cache.root)):
-            if left[0] < len(data):
-                raise OSError(errno.ENOSPC, "No space left on device")
-            left[0] -= len(data)
-        return real(fd, data)
-
-    monkeypatch.setattr(os, "write", write)
+    fail_writes_under(monkeypatch, cache.root, room)
     report = prepare_mod.prepare(_plan(), cache, plan_name="cfg|h200")
     failed = [r for r in report.results if r.status == prepare_mod.FAILED]
     assert failed and all("no space left" in r.error.lower() and str(cache.root) in r.error and "\n" not in r.error
                           for r in failed), [r.error for r in failed]
-    monkeypatch.setattr(os, "write", real)
+    monkeypatch.undo()
     assert cache.audit() == {} and not list(cache.tmp_dir.iterdir())
 
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from store_fakes import FAKE_ABI
+from store_fakes import FAKE_ABI, fail_writes_under
 
 from musekern.store import hygiene
 from musekern.store.bundle import INDEX_NAME, BundleError, export_bundle, import_bundle
@@ -417,34 +417,13 @@ def test_nested_json_and_huge_numbers_in_a_bundle_are_rejected_not_a_traceback(t
         assert k[0] in dict(report.rejected) and report.added == [k[1]]
 
 
-def _fail_writes_under(monkeypatch, root: Path, after_bytes: int = 0):
-    """Every os.write into a file under `root` fails with ENOSPC once `after_bytes` were written there."""
-    import errno
-
-    real = os.write
-    budget = [after_bytes]
-
-    def write(fd, data):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            target = ""
-        if target.startswith(str(root)):
-            if budget[0] < len(data):
-                raise OSError(errno.ENOSPC, "No space left on device")
-            budget[0] -= len(data)
-        return real(fd, data)
-
-    monkeypatch.setattr(os, "write", write)
-
-
 def test_import_onto_a_full_disk_fails_per_entry_and_tears_nothing(tmp_path, monkeypatch):
     src = filled(tmp_path / "src", range(3))
     out = tmp_path / "b.tar"
     export_bundle(src, [fake_parts(i).key() for i in range(3)], out)
     dst = Cache(tmp_path / "dst")
     one = src.get(fake_parts(0).key())
-    _fail_writes_under(monkeypatch, dst.root, after_bytes=one.size_bytes * 3 // 2)  # room for one entry
+    fail_writes_under(monkeypatch, dst.root, after_bytes=one.size_bytes * 3 // 2)  # room for one entry
     report = import_bundle(dst, out)
     assert not report.ok and report.added[:1] and len(report.added) < 3
     monkeypatch.undo()

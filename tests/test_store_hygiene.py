@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from store_fakes import fake_cubin, fake_manifest, fake_parts
+from store_fakes import fake_cubin, fake_manifest, fake_parts, lock_held_elsewhere
 
 from musekern.store import hygiene
 from musekern.store.cache import Cache, CacheError
@@ -317,28 +317,13 @@ def test_repair_re_checks_under_the_lock_and_keeps_what_was_fixed(cache, monkeyp
 
 
 def test_maintenance_skips_entries_a_writer_holds(cache):
-    import threading
-
     p, q = fake_parts(0), fake_parts(1)
     for x in (p, q):
         cache.put(x, fake_cubin(x), fake_manifest(x))
-    holding, release = threading.Event(), threading.Event()
-
-    def writer():  # another thread: flock excludes it like another process
-        with cache.lock(p.key()):
-            holding.set()
-            release.wait(10)
-
-    t = threading.Thread(target=writer)
-    t.start()
-    try:
-        assert holding.wait(10)
+    with lock_held_elsewhere(cache, p.key()):
         assert [e.key for e in hygiene.gc(cache, max_size=0)] == [q.key()]
         assert hygiene.clear(cache) == {"removed": [], "busy": [p.key()]}
         assert cache.sound(p.key())
-    finally:
-        release.set()
-        t.join()
     assert hygiene.clear(cache)["removed"] == [p.key()]
 
 

@@ -290,15 +290,20 @@ def test_credentials_never_follow_a_redirect_to_another_host(server, tmp_path):
     assert not leaked and r.warnings and "redirect" in r.warnings[0]
 
 
-def test_an_oversized_blob_is_refused_from_the_manifests_size(nginx_server, tmp_path):
-    """cas/ holding far more bytes than the manifest declares: refused without reading them, and the warning
-    names the blob (before: up to 256 MiB read, then a misleading 'bad manifest' warning)."""
-    url, root = nginx_server
+def _pushed_one(url: str, tmp_path):
+    """(local cache, parts, uploading remote, blob sha) of one entry pushed to the remote at `url`."""
     a = Cache(tmp_path / "a")
     (p,) = _fill(a, 1, [])
     r = RemoteCache(url, upload=True)
     assert r.push(a.get(p.key()))
-    sha = a.get(p.key()).manifest["cubin_sha256"]
+    return a, p, r, a.get(p.key()).manifest["cubin_sha256"]
+
+
+def test_an_oversized_blob_is_refused_from_the_manifests_size(nginx_server, tmp_path):
+    """cas/ holding far more bytes than the manifest declares: refused without reading them, and the warning
+    names the blob (before: up to 256 MiB read, then a misleading 'bad manifest' warning)."""
+    url, root = nginx_server
+    a, p, r, sha = _pushed_one(url, tmp_path)
     with open(root / "cas" / sha, "wb") as f:
         f.truncate(300 << 20)  # sparse: 300 MiB of zeros on the server
     import tracemalloc
@@ -316,11 +321,7 @@ def test_an_oversized_blob_is_refused_from_the_manifests_size(nginx_server, tmp_
 
 def test_a_poisoned_blob_is_overwritten_by_a_good_upload(nginx_server, tmp_path):
     url, root = nginx_server
-    a = Cache(tmp_path / "a")
-    (p,) = _fill(a, 1, [])
-    r = RemoteCache(url, upload=True)
-    assert r.push(a.get(p.key()))
-    sha = a.get(p.key()).manifest["cubin_sha256"]
+    a, p, r, sha = _pushed_one(url, tmp_path)
     (root / "cas" / sha).write_bytes(b"poison")
     assert r.push(a.get(p.key()))
     assert (root / "cas" / sha).read_bytes() == a.load(p.key())[1]

@@ -81,8 +81,6 @@ def _prepare_one(cache_root: str, variant, arch: str, parts: KeyParts) -> tuple[
         return FAILED, time.perf_counter() - t0, str(e)
     except Exception as e:  # reported per variant; prepare goes on with the others
         return FAILED, time.perf_counter() - t0, f"{type(e).__name__}: {e}"
-    if source == "built":
-        hygiene.count(cache, "built")
     return BUILT if source == "built" else HIT, time.perf_counter() - t0, None
 
 
@@ -120,7 +118,6 @@ def prepare(entries, cache: Cache, jobs: int = 1, remote=None, upload: bool = Fa
         parts = all_parts[e]
         res = PrepareResult(e.target.name, e.arch, e.variant.label, parts.key(), HIT)
         present = lookup.find(cache, parts, policy)
-        hygiene.count(cache, "miss" if present is None else "hit")
         if present is None:
             missing.append((e, parts, res))
         else:
@@ -133,7 +130,6 @@ def prepare(entries, cache: Cache, jobs: int = 1, remote=None, upload: bool = Fa
     for e, parts, res in missing:
         if remote is not None and remote.pull(parts, cache) is not None:
             res.status = PULLED
-            hygiene.count(cache, "pulled")
             finish(res)
         else:
             todo.append((e, parts, res))
@@ -167,6 +163,10 @@ def prepare(entries, cache: Cache, jobs: int = 1, remote=None, upload: bool = Fa
                 entry = cache.get(r.key) if r.status != FAILED else None
                 if entry is not None:
                     r.uploaded = bool(remote.push(entry, cache))
+    # counted at the end, once the cache exists (a first prepare creates it): one hit or miss per lookup
+    for event, n in (("hit", len(entries) - len(missing)), ("miss", len(missing)), ("built", report.count(BUILT)),
+                     ("pulled", report.count(PULLED))):
+        hygiene.count(cache, event, n)
     try:  # the lasting size policy, ccache-style: trim after the run, keeping everything this plan needs
         _, trimmed = hygiene.apply_policy(cache, keep={p.key() for p in all_parts.values()})
         report.trimmed = [e.key for e in trimmed]

@@ -8,10 +8,12 @@ is free, which means its writer is dead. Nothing here removes a whole directory 
 in (tmp/, plans/, used/, index/): a writer between its mkdir and its write never loses the directory.
 
 Counters (`count`, `counters`): how many lookups by `prepare` and the runtime loader hit an entry, missed,
-and how many entries were built or pulled from a remote. Kept as stats/<name> in the cache, one byte
-appended per event (O_APPEND: no lock, no read-modify-write on the hot path; the count is the file's size);
-never written on a read-only cache, never creating a cache that does not exist, never raising. Doctor,
-explain and export look things up without counting.
+and how many entries were built or pulled from a remote. Kept as stats/<name> in the cache, one byte per
+event appended in one write (O_APPEND: no lock, no read-modify-write on the hot path; the count is the file's
+size; on NFS an append may be lost, never doubled); never written on a read-only cache, never creating a cache
+that does not exist, never raising. The loader counts each load (once per process and variant), prepare its
+lookups at the end of the run (so a first prepare's misses count too). Doctor, explain and export look
+things up without counting.
 """
 from __future__ import annotations
 
@@ -90,11 +92,11 @@ def stale_entries(cache: Cache) -> list[Entry]:
 
 
 # ---------------------------------------------------------------- counters
-def count(cache: Cache, event: str) -> None:
-    """Add one to counter `event` (hit, miss, built, pulled). See the module docstring."""
+def count(cache: Cache, event: str, n: int = 1) -> None:
+    """Add `n` to counter `event` (hit, miss, built, pulled). See the module docstring."""
     if event not in COUNTERS:
         raise ValueError(f"unknown counter {event!r}")
-    if not cache.base.is_dir() or cache.read_only:
+    if n <= 0 or not cache.base.is_dir() or cache.read_only:
         return
     path = cache.stats_dir / event
     for _ in range(2):
@@ -107,7 +109,7 @@ def count(cache: Cache, event: str) -> None:
         except OSError:
             return
         with contextlib.suppress(OSError):
-            os.write(fd, b".")
+            os.write(fd, b"." * n)
         os.close(fd)
         return
 

@@ -150,7 +150,7 @@ def test_a_killed_writers_staging_dir_is_removed_by_clean_at_once(cache):
 
 
 # ---------------------------------------------------------------- stress: maintenance beside writers
-# CI runs these at scale 1 (about 10 s each on 2 cores); STORE_STRESS_SCALE=10 runs the bigger version (numbers
+# CI runs these at scale 1 (about 6 s each on 2 cores); STORE_STRESS_SCALE=10 runs the bigger version (numbers
 # in the closing note of issue 12). Both print their figures (pytest -s).
 SCALE = float(os.environ.get("STORE_STRESS_SCALE", "1"))
 KEYS = 24  # few keys: writers, gc, clean and repair meet on the same entries all the time
@@ -224,7 +224,7 @@ def test_stress_writers_beside_gc_clean_all_repair_and_verify(tmp_path):
 
     root = tmp_path / "cache"
     Cache(root).entries_dir.mkdir(parents=True)
-    seconds = 8 * SCALE
+    seconds = 6 * SCALE
     roles = ["writer"] * 3 + ["clean", "gc", "repair", "verify", "corrupt"]
     ctx = _mp()
     stop_at = time.monotonic() + seconds
@@ -282,7 +282,7 @@ def test_kill_9_of_writers_leaves_debris_that_clean_removes_at_once(tmp_path):
     c = Cache(root)
     rng = random.Random(0)
     ctx = _mp()
-    kills = int(20 * SCALE)
+    kills = int(15 * SCALE)
     for k in range(kills):
         p = ctx.Process(target=_killable_writer, args=(str(root), k))
         p.start()

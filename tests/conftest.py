@@ -1,9 +1,11 @@
 """Shared test set-up: `gpu` tests run only where torch sees a CUDA device (the H200 round);
-`nginx_server`, a real HTTP cache (nginx with WebDAV PUT on 127.0.0.1) for the remote-cache tests."""
+`nginx_server`, a real HTTP cache (nginx with WebDAV PUT on 127.0.0.1) for the remote-cache tests;
+`world_dir`, a temp dir other users can reach (tests that drop to `nobody` to meet an unreadable file)."""
 import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -106,3 +108,12 @@ def nginx_server(tmp_path, no_proxy):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture
+def world_dir():
+    """A temp dir every user can traverse (pytest's tmp_path is 0700: `nobody` could not reach it)."""
+    d = tempfile.mkdtemp(prefix="musekern-fs-")
+    os.chmod(d, 0o755)
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)

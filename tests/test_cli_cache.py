@@ -8,11 +8,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import click
 import pytest
 from click.testing import CliRunner
+from store_fakes import FAKE_ABI, as_other_user, fail_writes_under, lock_held_elsewhere
 
 from musekern.cli import cache_cmds
 from musekern.cli.cache_cmds import parse_duration, parse_size
@@ -42,7 +46,7 @@ def fake_parts(i: int, kernel="qk_norm", arch="sm_90a", dsl="4.8.1") -> KeyParts
 def put(cache: Cache, p: KeyParts):
     cubin = b"\x7fELF" + hashlib.sha256(p.key().encode()).digest() * 4
     return cache.put(p, cubin, {"kernel": p.kernel, "label": p.label, "variant": p.variant_params, "symbol": "k",
-                                "arch": p.arch, "abi": {}, "built_with": {}})
+                                "arch": p.arch, "abi": FAKE_ABI.to_json(), "built_with": {}})
 
 
 @pytest.fixture
@@ -245,10 +249,159 @@ def test_import_bad_bundle_exits_1(cli, tmp_path):
 
 
 def test_writes_on_read_only_cache_fail_with_one_line(cli, tmp_path):
+    ro = tmp_path / "ro"
+    put(Cache(ro), fake_parts(0))
+    for dirpath, _, _ in os.walk(ro):
+        os.chmod(dirpath, 0o555)  # no write bit: read-only for root too (the store holds itself to mode bits)
+    try:
+        for args in (("clean", "--all"), ("gc", "--max-size", "1"), ("clean",)):
+            r = cli(*args, "--cache-dir", ro)
+            assert r.exit_code == 1 and "read-only" in r.stderr and len(r.stderr.strip().splitlines()) == 1, args
+        assert cli("ls", "--cache-dir", ro).exit_code == 0  # reading still works
+        assert cli("verify", "--cache-dir", ro).exit_code == 0
+    finally:
+        for dirpath, _, _ in os.walk(ro):
+            os.chmod(dirpath, 0o755)
+
+
+# ---------------------------------------------------------------- issues 12 and 15: errors are one line with their fix
+
+
+def test_gc_max_size_with_400_digits_is_a_usage_error(cli, filled):
+    r = cli("gc", "--cache-dir", filled.root, "--max-size", "9" * 400)
+    assert r.exit_code == 2 and "--max-size" in r.output
+
+
+def test_a_cache_dir_that_is_a_file_is_not_a_directory(cli, tmp_path, monkeypatch):
     f = tmp_path / "file"
     f.write_text("")
-    ro = f / "cache"
-    for args in (("clean", "--all"), ("gc", "--max-size", "1"), ("clean",)):
-        r = cli(*args, "--cache-dir", ro)
-        assert r.exit_code == 1 and "read-only" in r.stderr and len(r.stderr.strip().splitlines()) == 1, args
-    assert cli("ls", "--cache-dir", ro).exit_code == 0  # reading still works
+    monkeypatch.setenv("MUSEKERN_CACHE_DIR", str(f))
+    for args in (("clean", "--all"), ("gc", "--max-size", "1"), ("verify",)):
+        r = cli(*args)
+        assert r.exit_code == 1 and "not a directory" in r.stderr and "read-only" not in r.stderr, (args, r.output)
+
+
+@pytest.mark.parametrize("args,command", [(("clean", "--all"), "clean"), (("gc", "--max-size", "1"), "gc"),
+                                          (("verify", "--repair"), "verify --repair")])
+def test_read_only_errors_name_the_command_that_was_run(cli, filled, monkeypatch, args, command):
+    put(filled, fake_parts(9))
+    bad = filled.get(fake_parts(9).key())
+    os.chmod(bad.cubin_path, 0o644)
+    bad.cubin_path.write_bytes(b"\x7fELF")  # so verify --repair has something to remove
+    monkeypatch.setattr(Cache, "read_only", property(lambda self: True))
+    r = cli(*args, "--cache-dir", filled.root)
+    assert r.exit_code == 1 and "read-only" in r.stderr and f"musekern {command}" in r.stderr
+    assert "musekern prepare" not in r.stderr, r.stderr
+
+
+def test_import_into_a_read_only_cache_names_import(cli, filled, tmp_path, monkeypatch):
+    out = tmp_path / "b.tar"
+    assert cli("export", "--all", "-o", out, "--cache-dir", filled.root).exit_code == 0
+    monkeypatch.setattr(Cache, "read_only", property(lambda self: True))
+    r = cli("import", out, "--cache-dir", tmp_path / "other")
+    assert r.exit_code == 1 and "musekern import" in r.stderr and "musekern prepare" not in r.stderr
+
+
+def test_verify_of_a_missing_cache_dir_fails(cli, tmp_path):
+    r = cli("verify", "--cache-dir", tmp_path / "typo")
+    assert r.exit_code == 1 and str(tmp_path / "typo") in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_ls_marks_entries_that_do_not_verify(cli, filled):
+    bad = filled.get(fake_parts(1).key())
+    os.chmod(bad.cubin_path, 0o644)
+    bad.cubin_path.write_bytes(b"\x7fELF")
+    cubinless = filled.get(fake_parts(2).key())
+    os.unlink(cubinless.cubin_path)
+    doc = json.loads(cli("ls", "--cache-dir", filled.root, "--json").stdout)
+    state = {e["key"]: e["ok"] for e in doc["entries"]}
+    assert state[bad.key] is False and state[cubinless.key] is False and state[fake_parts(0).key()] is True
+    r = cli("ls", "--cache-dir", filled.root)
+    rows = {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln[:16] in (bad.key[:16], cubinless.key[:16])}
+    assert all("BAD" in row for row in rows.values()) and len(rows) == 2
+
+
+def test_clean_dry_run_never_says_removed(cli, filled):
+    (filled.tmp_dir / f"{fake_parts(5).key()}.1.dead").mkdir(parents=True)
+    hygiene.record_plan(filled, "p", [fake_parts(0).key()])
+    for args in (("clean", "--dry-run"), ("clean", "--stale", "--dry-run"), ("clean", "--all", "--dry-run")):
+        r = cli(*args, "--cache-dir", filled.root)
+        assert r.exit_code == 0 and " removed" not in r.stdout.replace("would be removed", ""), (args, r.stdout)
+
+
+@pytest.mark.parametrize("args", [("ls",), ("verify",), ("stats",), ("gc", "--max-size", "1"), ("clean",),
+                                  ("explain", "qk_norm[dtype=bfloat16]"), ("import", "BUNDLE")])
+def test_an_unreadable_cache_dir_is_one_line_naming_it(world_dir, args):
+    """A cache directory this user may not read (PermissionError): one error line naming the path and the fix,
+    exit 1, never a traceback. As root the command runs as `nobody` (root reads through mode bits)."""
+    c = Cache(world_dir / "cache")
+    put(c, fake_parts(0))
+    bundle = world_dir / "b.tar"
+    from musekern.store.bundle import export_bundle
+
+    export_bundle(c, [fake_parts(0).key()], bundle)
+    os.chmod(bundle, 0o644)
+    os.chmod(c.root, 0o700)  # the other user can neither list nor enter it
+    args = [str(bundle) if a == "BUNDLE" else a for a in args]
+    code = ("import sys; from musekern.cli.cache_cmds import register; import click; g = click.Group('musekern'); "
+            "register(g); g(sys.argv[1:], prog_name='musekern')")
+    # through MUSEKERN_CACHE_DIR: click itself refuses an unreadable --cache-dir (a usage error, exit 2)
+    r = subprocess.run([*as_other_user(), sys.executable, "-c", code, *args], capture_output=True, text=True,
+                       timeout=60, cwd=Path(__file__).resolve().parents[1],
+                       env={**os.environ, "MUSEKERN_CACHE_DIR": str(c.root)})
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr[-3000:]
+    assert str(c.root) in lines[0] and "ermission" in lines[0], lines
+
+
+def test_gc_keeps_a_lasting_size_policy(cli, filled, monkeypatch):
+    """`gc --set-max-size` writes the policy and trims to it; a plain `gc` then works without flags."""
+    monkeypatch.delenv("MUSEKERN_MAX_SIZE", raising=False)
+    assert cli("gc", "--cache-dir", filled.root).exit_code == 2  # no policy yet: say what to pass
+    limit = hygiene.stats(filled)["bytes"] - 1  # one byte less than the four entries: one must go
+    r = cli("gc", "--set-max-size", str(limit), "--cache-dir", filled.root, "--json")
+    assert r.exit_code == 0 and len(json.loads(r.stdout)["removed"]) == 1 and len(filled.entries()) == 3
+    put(filled, fake_parts(7))
+    r = cli("gc", "--cache-dir", filled.root, "--json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and doc["max_size"] == limit and doc["bytes_left"] <= limit
+    s = json.loads(cli("stats", "--cache-dir", filled.root, "--json").stdout)
+    assert (s["max_size"], s["max_size_source"]) == (limit, "policy.json")
+    assert cli("gc", "--set-max-size", "none", "--cache-dir", filled.root).exit_code == 0
+    assert cli("gc", "--cache-dir", filled.root).exit_code == 2
+    assert cli("gc", "--set-max-size", "2G", "--dry-run", "--cache-dir", filled.root).exit_code == 2
+
+
+def test_stats_shows_counters_and_staging(cli, filled):
+    hygiene.count(filled, "hit")
+    hygiene.count(filled, "miss")
+    (filled.tmp_dir / f"{fake_parts(9).key()}.1.dead").mkdir(parents=True)
+    r = cli("stats", "--cache-dir", filled.root)
+    assert r.exit_code == 0 and "1 hit, 1 missed (50% hits)" in r.stdout and "1 of dead writers" in r.stdout
+    assert "musekern clean" in r.stderr
+    s = json.loads(cli("stats", "--zero", "--cache-dir", filled.root, "--json").stdout)
+    assert s["counters"] == {"hit": 0, "miss": 0, "built": 0, "pulled": 0} and s["staging"]["debris"] == 1
+    assert cli("clean", "--cache-dir", filled.root).exit_code == 0
+    assert json.loads(cli("stats", "--cache-dir", filled.root, "--json").stdout)["staging"]["debris"] == 0
+
+
+def test_clean_all_keeps_what_a_running_prepare_holds(cli, filled):
+    key = fake_parts(0).key()
+    with lock_held_elsewhere(filled, key):
+        r = cli("clean", "--all", "--cache-dir", filled.root, "--json")
+        doc = json.loads(r.stdout)
+        assert r.exit_code == 0 and doc["busy"] == [key] and len(doc["removed"]) == 3
+    assert [e.key for e in filled.entries()] == [key]
+
+
+def test_import_onto_a_full_disk_names_what_was_not_stored(cli, filled, tmp_path, monkeypatch):
+    out = tmp_path / "b.tar"
+    assert cli("export", "--all", "-o", out, "--cache-dir", filled.root).exit_code == 0
+    dst = tmp_path / "dst"
+    fail_writes_under(monkeypatch, dst)
+    r = cli("import", out, "--cache-dir", dst, "--json")
+    monkeypatch.undo()
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 1 and len(doc["failed"]) == 4 and not doc["added"]
+    assert all("no space left" in f["reason"] and str(dst) in f["reason"] for f in doc["failed"])
+    assert "musekern import" in r.stderr and Cache(dst).audit() == {}

@@ -3,6 +3,7 @@ caches refused in one line, shards, and a real remote HTTP cache (nginx) for pul
 import importlib.util
 import json
 import os
+import shutil
 import stat
 
 import pytest
@@ -124,3 +125,126 @@ def test_without_the_dsl_a_corrupt_entry_is_missing_not_a_hit(tmp_path, monkeypa
     e.cubin_path.write_bytes(e.cubin_path.read_bytes()[:-3])
     r = prepare(tmp_path / "c", *LABELS, code=1)
     assert "musekern[build]" in r.output
+
+
+# ---------------------------------------------------------------- issue 12: the whole plan onto a full disk
+
+
+def _fake_builds(monkeypatch):
+    """prepare() without the compiler: each variant 'compiles' to a fake cubin with a real-shaped manifest."""
+    import hashlib
+
+    from store_fakes import FAKE_ABI
+
+    from musekern.build import prepare as prepare_mod
+    from musekern.build.compile import Built
+
+    def build_variant(variant, arch):
+        cubin = b"\x7fELF" + hashlib.sha256(f"{variant.label}{arch}".encode()).digest() * 64
+        return Built(cubin, {"kernel": variant.kernel, "label": variant.label, "variant": variant.params(),
+                             "symbol": "kernel_fake", "arch": arch, "abi": FAKE_ABI.to_json(), "built_with": {}})
+
+    monkeypatch.setattr(prepare_mod, "build_variant", build_variant)
+    return prepare_mod
+
+
+def _plan():
+    from musekern.config import load_config
+    from musekern.targets import get_target
+    from musekern.variants import plan_model
+
+    return plan_model(load_config(None), [get_target("h200")])
+
+
+@pytest.mark.parametrize("room", [0, 2000, 20_000, 60_000])
+def test_prepare_onto_a_full_disk_fails_per_variant_and_tears_nothing(tmp_path, monkeypatch, room):
+    """The whole plan with `room` bytes left: per-variant errors naming the path and the fix, never an
+    exception out of prepare (before: the plan record's write raised out of prepare; a staging write's error was
+    `OSError: [Errno 28] No space left on device`, naming no path), and no torn entry."""
+    from store_fakes import fail_writes_under
+
+    prepare_mod = _fake_builds(monkeypatch)
+    cache = Cache(tmp_path / "c")
+    fail_writes_under(monkeypatch, cache.root, room)
+    report = prepare_mod.prepare(_plan(), cache, plan_name="cfg|h200")
+    failed = [r for r in report.results if r.status == prepare_mod.FAILED]
+    assert failed and all("no space left" in r.error.lower() and str(cache.root) in r.error and "\n" not in r.error
+                          for r in failed), [r.error for r in failed]
+    monkeypatch.undo()
+    assert cache.audit() == {} and not list(cache.tmp_dir.iterdir())
+
+
+def test_prepare_counts_lookups_and_trims_to_the_size_policy_keeping_its_plan(tmp_path, monkeypatch):
+    """ccache-style: after a run the cache is trimmed to its lasting size policy, least recently used first,
+    never removing what this plan needs; each planned variant counts one hit or miss, each build one built."""
+    from store_fakes import fake_cubin, fake_manifest, fake_parts
+
+    prepare_mod = _fake_builds(monkeypatch)
+    monkeypatch.delenv("MUSEKERN_MAX_SIZE", raising=False)
+    cache = Cache(tmp_path / "c")
+    old = [fake_parts(i) for i in range(3)]
+    for p in old:
+        cache.put(p, fake_cubin(p), fake_manifest(p))
+    plan = _plan()
+    hygiene.set_max_size(cache, 1)  # smaller than the plan itself: only the old entries can go
+    report = prepare_mod.prepare(plan, cache, plan_name="cfg|h200")
+    assert report.ok and sorted(report.trimmed) == sorted(p.key() for p in old)
+    assert len(cache.entries()) == len(plan) and not any(cache.get(p.key()) for p in old)
+    assert hygiene.counters(cache) == {"hit": 0, "miss": len(plan), "built": len(plan), "pulled": 0}
+    again = prepare_mod.prepare(plan, cache, plan_name="cfg|h200")
+    assert again.count(prepare_mod.HIT) == len(plan) and again.trimmed == []
+    assert hygiene.counters(cache)["hit"] == len(plan)
+
+
+def test_prepare_into_a_cache_under_proc_is_one_cache_error(tmp_path, monkeypatch):
+    """`prepare --cache-dir /proc/nope`: one CacheError naming the path (the CLI prints it; before, a chained
+    FileNotFoundError traceback)."""
+    from musekern.store.cache import CacheError
+
+    prepare_mod = _fake_builds(monkeypatch)
+    with pytest.raises(CacheError) as ei:
+        prepare_mod.prepare(_plan()[:1], Cache("/proc/nope"))
+    assert "/proc/nope" in str(ei.value) and "\n" not in str(ei.value) and "--cache-dir" in str(ei.value)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="needs root and mount(8) for a tmpfs")
+# free space from one page (not even the plan record fits) to room for all of it (the plan's fake entries take
+# two pages each on a tmpfs, the lock files, stamps and index markers a page more per variant)
+@pytest.mark.parametrize("room_kib", [4, 8, 16, 32, 64, 128, 1024])
+def test_prepare_and_import_onto_a_real_full_tmpfs(tmp_path, monkeypatch, room_kib):
+    """The review's free-space levels on a real filesystem (a tmpfs of `room_kib`): whole-plan prepare and
+    import end without a traceback, every failure is one line, nothing is torn, no staging dir is left."""
+    import subprocess
+
+    prepare_mod = _fake_builds(monkeypatch)
+    src = Cache(tmp_path / "src")
+    plan = _plan()
+    assert prepare_mod.prepare(plan, src).ok
+    bundle = tmp_path / "b.tar"
+    from musekern.store.bundle import export_bundle, import_bundle
+
+    export_bundle(src, [e.key for e in src.entries()], bundle)
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room_kib}k", "tmpfs", str(mnt)], capture_output=True,
+                       text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        for run in ("prepare", "import"):
+            cache = Cache(mnt / run)
+            if run == "prepare":
+                report = prepare_mod.prepare(plan, cache, plan_name="cfg|h200")
+                errors = [x.error for x in report.results if x.status == prepare_mod.FAILED]
+            else:
+                rep = import_bundle(cache, bundle)
+                errors = [reason for _, reason in rep.failed]
+                assert not rep.rejected
+            assert all("\n" not in err and str(cache.root) in err for err in errors), errors
+            assert cache.audit() == {}
+            assert not cache.tmp_dir.exists() or list(cache.tmp_dir.iterdir()) == []
+            if room_kib in (4, 1024):  # the ends of the grid: full at once, and room for everything
+                assert bool(errors) == (room_kib == 4), (run, room_kib, errors)
+            subprocess.run(["rm", "-rf", str(cache.root)], check=True)
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)

@@ -183,3 +183,16 @@ def test_launch_config_c_layout():
     assert (tuple(c.grid), tuple(c.block), c.smem, c.num_attrs) == ((68, 1, 1), (192, 1, 1), 91136, 2)
     first = (ctypes.c_uint * 4).from_address(c.attrs)  # CUlaunchAttribute: id, pad, value union
     assert tuple(first) == (4, 0, 2, 1)  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4, cluster (2, 1, ...)
+
+
+@pytest.mark.parametrize("dsl", ["4.8.1", None])
+def test_a_truncated_manifest_is_reported_corrupt_not_missing(tmp_path, monkeypatch, dsl):
+    """Exact key (DSL installed) or any DSL version's build (a serving image): a half-written manifest is
+    named as a corrupt entry with its fix, not 'no cached kernel'."""
+    cache = Cache(tmp_path / "c")
+    e = fake_entry(cache)
+    monkeypatch.setattr("musekern.runtime.loader.dsl_version", lambda: dsl)
+    os.chmod(e.manifest_path, 0o644)
+    e.manifest_path.write_bytes(e.manifest_path.read_bytes()[:100])
+    with pytest.raises(CorruptEntryError, match="verify --repair"):
+        load_artifact(V, "sm_90a", cache)

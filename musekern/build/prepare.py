@@ -3,6 +3,11 @@
 Each variant goes through `Cache.obtain`, whose per-key lock makes concurrent prepares of one cache
 (CI ranks, NFS) compile each variant once. `jobs > 1` compiles in worker processes: the CuTe DSL
 compiler is not thread-safe, and processes also use both cores. Every key is computed once, here.
+
+Errors: a variant that cannot be built or stored (disk full, an I/O error) is one FAILED result whose error is
+one line naming the path and the fix; only a cache that cannot be used at all raises, as a CacheError (one
+line). Afterwards the cache is trimmed to its size policy (store/hygiene.py: MUSEKERN_MAX_SIZE or
+`musekern gc --set-max-size`), never removing what this plan needs. Each lookup counts a hit or a miss.
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..store import hygiene, lookup
-from ..store.cache import Cache
+from ..store.cache import Cache, CacheError
 from ..store.keys import KeyParts, dsl_version, key_parts
 from ..store.lookup import Policy
 from .compile import BuildExtraMissing, build_variant
@@ -41,6 +46,7 @@ class PrepareResult:
 class PrepareReport:
     results: list = field(default_factory=list)
     warnings: list = field(default_factory=list)
+    trimmed: list = field(default_factory=list)  # keys the size policy removed afterwards
 
     def count(self, status: str) -> int:
         return sum(r.status == status for r in self.results)
@@ -51,7 +57,7 @@ class PrepareReport:
 
     def to_json(self) -> dict:
         return {"ok": self.ok, "counts": {s: self.count(s) for s in (HIT, PULLED, BUILT, FAILED)},
-                "results": [r.to_json() for r in self.results], "warnings": self.warnings}
+                "results": [r.to_json() for r in self.results], "warnings": self.warnings, "trimmed": self.trimmed}
 
 
 def plan_keys(entries, version: str | None = None) -> list[KeyParts]:
@@ -71,6 +77,8 @@ def _prepare_one(cache_root: str, variant, arch: str, parts: KeyParts) -> tuple[
 
     try:
         _, source = cache.obtain(parts, build)
+    except CacheError as e:  # the store's errors are one line with their fix already
+        return FAILED, time.perf_counter() - t0, str(e)
     except Exception as e:  # reported per variant; prepare goes on with the others
         return FAILED, time.perf_counter() - t0, f"{type(e).__name__}: {e}"
     return BUILT if source == "built" else HIT, time.perf_counter() - t0, None
@@ -92,7 +100,10 @@ def prepare(entries, cache: Cache, jobs: int = 1, remote=None, upload: bool = Fa
     version = dsl_version()
     all_parts = dict(zip(entries, plan_keys(entries, version or ""), strict=True))
     if plan_name and not cache.read_only:
-        hygiene.record_plan(cache, plan_name, [p.key() for p in all_parts.values()])
+        try:
+            hygiene.record_plan(cache, plan_name, [p.key() for p in all_parts.values()])
+        except CacheError as e:  # the record only serves `clean --stale`; the builds say what is wrong
+            report.warnings.append(f"plan not recorded: {e}")
     if shard:
         entries = shard_plan(entries, *shard)
     policy = Policy.build(dsl=version)
@@ -138,7 +149,11 @@ def prepare(entries, cache: Cache, jobs: int = 1, remote=None, upload: bool = Fa
             futs = {pool.submit(_prepare_one, str(cache.root), e.variant, e.arch, parts): res
                     for e, parts, res in todo}
             for f in cf.as_completed(futs):
-                built(futs[f], f.result())
+                try:
+                    out = f.result()
+                except Exception as e:  # a worker that died (OOM, a signal): its variant failed, not prepare
+                    out = (FAILED, 0.0, f"the build worker died ({type(e).__name__}: {e}); run prepare again")
+                built(futs[f], out)
     if remote is not None:
         report.warnings.extend(remote.warnings)
         if remote.dead and not report.warnings:
@@ -148,6 +163,15 @@ def prepare(entries, cache: Cache, jobs: int = 1, remote=None, upload: bool = Fa
                 entry = cache.get(r.key) if r.status != FAILED else None
                 if entry is not None:
                     r.uploaded = bool(remote.push(entry, cache))
+    # counted at the end, once the cache exists (a first prepare creates it): one hit or miss per lookup
+    for event, n in (("hit", len(entries) - len(missing)), ("miss", len(missing)), ("built", report.count(BUILT)),
+                     ("pulled", report.count(PULLED))):
+        hygiene.count(cache, event, n)
+    try:  # the lasting size policy, ccache-style: trim after the run, keeping everything this plan needs
+        _, trimmed = hygiene.apply_policy(cache, keep={p.key() for p in all_parts.values()})
+        report.trimmed = [e.key for e in trimmed]
+    except CacheError as e:
+        report.warnings.append(f"size policy not applied: {e}")
     order = {(e.target.name, e.variant.label): i for i, e in enumerate(entries)}
     report.results.sort(key=lambda r: order.get((r.target, r.label), 0))
     return report

@@ -17,7 +17,7 @@ from __future__ import annotations
 import click
 
 from .. import __version__
-from .common import is_broken_pipe, os_failure
+from .common import Failure, is_broken_pipe, os_failure
 
 
 def _epilog() -> str:
@@ -32,8 +32,13 @@ def _epilog() -> str:
 
 class _Main(click.Group):
     def invoke(self, ctx):
+        from ..env import EnvError
+        from ..store.cache import CacheError
+
         try:
             return super().invoke(ctx)
+        except (CacheError, EnvError) as e:  # the store's and the environment's errors are one line with their fix
+            raise Failure(str(e)) from None
         except OSError as e:
             if is_broken_pipe(e):
                 raise

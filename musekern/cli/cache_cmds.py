@@ -3,15 +3,19 @@
 Every command takes --cache-dir and --json; results (and their summary line) go to stdout, progress,
 warnings, errors and fix commands to stderr (the rule is written in cli/__init__.py); exit 0 ok,
 1 failure (the message names what is wrong and the command that fixes it), 2 usage.
+A cache that cannot be used (not a directory, unreadable, read-only for a write, disk full) is one
+error line naming the path and the fix, never a traceback (`register` maps the store's errors).
 Nothing here imports cutlass: these commands work on a deploy machine with the runtime only.
 """
 from __future__ import annotations
 
+import functools
 import re
 import time
 
 import click
 
+from ..env import parse_size
 from ..store import hygiene, lookup
 from .common import (
     EXIT_FAIL,
@@ -27,18 +31,8 @@ from .common import (
     tp_option,
 )
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-               "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+__all__ = ["parse_size", "parse_duration", "register"]
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-def parse_size(text: str) -> int:
-    """'500M', '2GiB', '1.5g', '1048576' -> bytes (k/M/G are powers of 10, KiB/MiB/GiB of 2)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text or "")
-    unit = m and m.group(2).lower()
-    if not m or unit not in _SIZE_UNITS:
-        raise ValueError(f"not a size: {text!r} (e.g. 500M, 2G, 1GiB, 1048576)")
-    return int(float(m.group(1)) * _SIZE_UNITS[unit])
 
 
 def parse_duration(text: str) -> float:
@@ -47,7 +41,10 @@ def parse_duration(text: str) -> float:
     if not re.fullmatch(r"(\s*\d+(?:\.\d+)?\s*[smhdw])+", text):
         raise ValueError(f"not a duration: {text!r} (e.g. 30d, 12h, 90m, 2w)")
     parts = re.findall(r"(\d+(?:\.\d+)?)\s*([smhdw])", text)
-    return sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+    total = sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+    if total > 100 * 365 * 86400:
+        raise ValueError(f"duration {text!r} is longer than a century")
+    return total
 
 
 def _human(n: int) -> str:
@@ -58,10 +55,14 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def _open(cache_dir):
+def _open(cache_dir, must_exist: bool = False):
+    """The cache, its directory checked: not a directory or unreadable (or, must_exist, missing) is a CacheError
+    that `register`'s mapping turns into one error line."""
     from ..store.cache import Cache, default_cache_dir
 
-    return Cache(default_cache_dir(cache_dir))
+    cache = Cache(default_cache_dir(cache_dir))
+    cache.check_root(must_exist=must_exist)
+    return cache
 
 
 def _cd(cache) -> str:
@@ -74,13 +75,25 @@ def _tp(tp) -> str:
     return f" --tp {','.join(map(str, tp))}" if tp else ""
 
 
-def _writable(cache, what: str) -> None:
-    from ..store.cache import ReadOnlyCacheError
+def _writable(cache, what: str, command: str) -> None:
+    cache.require_writable(what, command)  # CacheError: one line naming `musekern <command>`
 
-    try:
-        cache.require_writable(what)
-    except ReadOnlyCacheError as e:
-        raise Failure(str(e)) from None
+
+def _one_line_errors(callback):
+    """The store's errors (and an OSError nobody expected) as `musekern: error: <one line>`, exit 1."""
+    @functools.wraps(callback)
+    def run(*args, **kwargs):
+        from ..env import EnvError
+        from ..store import fs
+        from ..store.cache import CacheError
+
+        try:
+            return callback(*args, **kwargs)
+        except (CacheError, EnvError) as e:
+            raise Failure(str(e)) from None
+        except OSError as e:
+            raise Failure(fs.describe(e, e.filename or "?")) from None
+    return run
 
 
 # ---------------------------------------------------------------- ls
@@ -90,17 +103,30 @@ def _writable(cache, what: str) -> None:
 @cache_dir_option
 @json_option
 def ls_cmd(kernel, arch, cache_dir, as_json):
-    """List cache entries: key, kernel, arch, size, label."""
+    """List cache entries: key, kernel, arch, size, label, and whether each verifies (BAD: does not)."""
     cache = _open(cache_dir)
-    entries = [e for e in cache.entries()
-               if (kernel is None or e.kernel == kernel) and (arch is None or e.arch == arch)]
+    rows = []
+    for key in cache.entry_keys():
+        insp = cache.inspect(key)
+        if insp.status in ("missing", "gone"):  # removed while we listed
+            continue
+        e = insp.entry
+        if (kernel is not None and e.kernel != kernel) or (arch is not None and e.arch != arch):
+            continue
+        rows.append((e, insp))
+    bad = [insp for _, insp in rows if insp.status != "sound"]
     if as_json:
-        emit_json({"cache_dir": str(cache.root), "entries": [dict(e.summary(), last_used=cache.last_used(e))
-                                                             for e in entries]})
-        return
-    rows = [[e.key[:16], e.kernel, e.arch, e.dsl_version, _human(e.size_bytes), e.label] for e in entries]
-    click.echo(table(rows, ["key", "kernel", "arch", "dsl", "size", "label"]))
-    click.echo(f"{len(entries)} entries in {cache.root}")
+        emit_json({"cache_dir": str(cache.root), "entries": [
+            dict(e.summary(), last_used=cache.last_used(e), ok=insp.status == "sound", problems=list(insp.problems))
+            for e, insp in rows]})
+    else:
+        click.echo(table([[e.key[:16], "ok" if insp.status == "sound" else "BAD", e.kernel, e.arch, e.dsl_version,
+                           _human(e.size_bytes), e.label] for e, insp in rows],
+                         ["key", "state", "kernel", "arch", "dsl", "size", "label"]))
+        click.echo(f"{len(rows)} entries in {cache.root}")
+    if bad:
+        log(f"musekern: warning: {len(bad)} entr{'y does' if len(bad) == 1 else 'ies do'} not verify (BAD): "
+            f"`musekern verify{_cd(cache)}` says why, `musekern verify --repair{_cd(cache)}` removes them")
 
 
 # ---------------------------------------------------------------- verify
@@ -109,29 +135,42 @@ def ls_cmd(kernel, arch, cache_dir, as_json):
 @cache_dir_option
 @json_option
 def verify_cmd(repair, cache_dir, as_json):
-    """Re-hash every entry; exit 1 naming each bad one (--repair removes them)."""
-    cache = _open(cache_dir)
+    """Re-check every entry (manifest digest, key, ABI, cubin hash); exit 1 naming each bad one (--repair
+    removes them, each re-checked under its lock first). A missing cache directory is an error."""
+    cache = _open(cache_dir, must_exist=True)
     keys = cache.entry_keys()
-    bad = cache.audit()
-    removed = []
+    bad, gone = {}, []
+    for k in keys:
+        insp = cache.inspect(k)
+        if insp.status == "bad":
+            bad[k] = list(insp.problems)
+        elif insp.status in ("gone", "missing"):  # removed by gc/clean while we checked: not damage
+            gone.append(k)
+    fixed = {"removed": {}, "kept": [], "busy": [], "gone": []}
     if bad and repair:
-        _writable(cache, "repair")
-        for key in bad:
-            cache.remove(key)
-            removed.append(key)
-    ok = not bad or repair
+        _writable(cache, "repair", "verify --repair")
+        fixed = hygiene.repair(cache)
+        bad = {k: v for k, v in bad.items() if k in fixed["bad"]}  # the re-check decides
+    removed = fixed["removed"]
+    left = [k for k in bad if k not in removed and k not in fixed["kept"] and k not in fixed["gone"]]
+    ok = not bad or (repair and not left)
     if as_json:
         emit_json({"cache_dir": str(cache.root), "ok": ok, "checked": len(keys),
                    "bad": [{"key": k, "path": str(cache.entry_path(k)), "problems": p} for k, p in bad.items()],
-                   "removed": removed})
+                   "gone": gone, "removed": sorted(removed), "busy": fixed["busy"], "recovered": fixed["kept"]})
     else:
         for k, problems in bad.items():
             click.echo(f"BAD {k}  {cache.entry_path(k)}: {'; '.join(problems)}")
-        click.echo(f"{len(keys)} entries checked, {len(bad)} bad" + (f", {len(removed)} removed" if repair else ""))
-    if bad and repair:
+        click.echo(f"{len(keys)} entries checked, {len(bad)} bad"
+                   + (f", {len(gone)} removed meanwhile by another command" if gone else "")
+                   + (f", {len(removed)} removed" if repair else ""))
+    if fixed["busy"]:
+        log(f"musekern: warning: {len(fixed['busy'])} bad entr{'y is' if len(fixed['busy']) == 1 else 'ies are'} "
+            f"being rebuilt by a running prepare; run `musekern verify{_cd(cache)}` when it is done")
+    if bad and repair and removed:
         log(f"removed {len(removed)} bad entr{'y' if len(removed) == 1 else 'ies'}; rebuild with "
             f"`musekern prepare{_cd(cache)}` (with your --model/--target)")
-    elif bad:
+    elif bad and not repair:
         log(f"musekern: error: {len(bad)} bad entr{'y' if len(bad) == 1 else 'ies'} in {cache.root}; "
             f"fix with `musekern verify --repair{_cd(cache)}` then `musekern prepare{_cd(cache)}`")
     if not ok:
@@ -146,94 +185,134 @@ def verify_cmd(repair, cache_dir, as_json):
 @cache_dir_option
 @json_option
 def clean_cmd(stale, all_, dry_run, cache_dir, as_json):
-    """Remove crash debris (old temp dirs); --stale: unneeded entries; --all: everything."""
-    from ..store.cache import CacheError
-
+    """Remove staging debris of dead writers (at once; a running writer's is never touched); --stale: entries
+    no recorded plan needs; --all: every entry. Entries a running prepare holds are kept."""
     cache = _open(cache_dir)
     if not dry_run:
-        _writable(cache, "clean")
-    removed, tmp = [], 0
+        _writable(cache, "clean", "clean")
+    doomed, busy = [], []
     if all_:
-        removed = [e.summary() for e in cache.entries()]
-        if not dry_run:
-            hygiene.clear(cache)
+        doomed = cache.entries()
+    elif stale:
+        doomed = hygiene.stale_entries(cache)  # CacheError (no plan recorded): one line with its fix
+    summaries = {e.key: e.summary() for e in doomed}
+    if dry_run:
+        removed = list(summaries)
+        tmp = hygiene.clean_tmp(cache, dry_run=True)
+    elif all_:
+        result = hygiene.clear(cache)
+        removed, busy, tmp = result["removed"], result["busy"], 0
     else:
-        if stale:
-            try:
-                doomed = hygiene.stale_entries(cache)
-            except CacheError as e:
-                raise Failure(str(e)) from None
-            removed = [e.summary() for e in doomed]
-            if not dry_run:
-                for e in doomed:
-                    cache.remove(e.key)
-        if not dry_run:
-            tmp = hygiene.clean_tmp(cache)
+        removed = [e.key for e in doomed if cache.remove_if(e.key, command="clean") == "removed"]
+        busy = [e.key for e in doomed if e.key not in removed and cache.exists(e.key)]
+        tmp = hygiene.clean_tmp(cache)
+    rows = [summaries.get(k) or {"key": k, "label": "?"} for k in removed]
     if as_json:
-        emit_json({"cache_dir": str(cache.root), "dry_run": dry_run, "removed": removed, "temp_dirs_removed": tmp})
+        emit_json({"cache_dir": str(cache.root), "dry_run": dry_run, "removed": rows, "busy": busy,
+                   "temp_dirs_removed": tmp})
+        return
+    for r in rows:
+        click.echo(f"{'would remove' if dry_run else 'removed'} {r['key'][:16]} {r['label']}")
+    if dry_run:
+        click.echo(f"{len(rows)} entries and {tmp} staging dirs would be removed; nothing was touched ({cache.root})")
     else:
-        for s in removed:
-            click.echo(f"{'would remove' if dry_run else 'removed'} {s['key'][:16]} {s['label']}")
-        if dry_run:
-            click.echo(f"{len(removed)} entries would be removed; nothing was touched ({cache.root})")
-        else:
-            click.echo(f"{len(removed)} entries removed, {tmp} temp dirs removed ({cache.root})")
+        click.echo(f"{len(rows)} entries removed, {tmp} staging dirs of dead writers removed ({cache.root})")
+    if busy:
+        log(f"musekern: warning: {len(busy)} entr{'y' if len(busy) == 1 else 'ies'} kept: a running prepare holds "
+            f"{'it' if len(busy) == 1 else 'them'}; run `musekern clean{_cd(cache)}` again when it is done")
 
 
 # ---------------------------------------------------------------- stats
 @click.command("stats")
+@click.option("--zero", is_flag=True, help="Zero the hit/miss/built/pulled counters.")
 @cache_dir_option
 @json_option
-def stats_cmd(cache_dir, as_json):
-    """Entries and bytes, per kernel and per arch."""
+def stats_cmd(zero, cache_dir, as_json):
+    """Entries and bytes per kernel and arch; hit/miss/built/pulled counters of prepare and the runtime loader
+    (kept in the cache, never on a read-only one); staging dirs of running and of dead writers; the size policy."""
     cache = _open(cache_dir)
+    if zero:
+        hygiene.zero_counters(cache)
     s = hygiene.stats(cache)
     if as_json:
         emit_json(s)
         return
     click.echo(f"cache {s['cache_dir']}{' (read-only)' if s['read_only'] else ''}: {s['entries']} entries, "
                f"{_human(s['bytes'])}")
+    c = s["counters"]
+    looked = c["hit"] + c["miss"]
+    click.echo(f"lookups: {c['hit']} hit, {c['miss']} missed" + (f" ({100 * c['hit'] / looked:.0f}% hits)"
+                                                                   if looked else "")
+               + f"; {c['built']} built, {c['pulled']} pulled")
+    if s["max_size"] is not None:
+        click.echo(f"size policy: at most {_human(s['max_size'])} (from {s['max_size_source']})")
     rows = [["kernel", k, v["entries"], _human(v["bytes"])] for k, v in sorted(s["by_kernel"].items())]
     rows += [["arch", k, v["entries"], _human(v["bytes"])] for k, v in sorted(s["by_arch"].items())]
     if rows:
         click.echo(table(rows, ["by", "name", "entries", "size"]))
+    st = s["staging"]
+    if st["live"] or st["debris"]:
+        click.echo(f"staging: {st['live']} dirs of running writers, {st['debris']} of dead writers "
+                   f"({_human(st['debris_bytes'])})")
+    if st["debris"]:
+        log(f"musekern: warning: staging debris of dead writers: `musekern clean{_cd(cache)}` removes it")
     if s["uncommitted"]:
         log(f"musekern: warning: {s['uncommitted']} uncommitted/damaged entry dirs: run "
             f"`musekern verify --repair{_cd(cache)}`")
 
 
 # ---------------------------------------------------------------- gc
+def _size_option(value, hint: str):
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint=hint) from None
+
+
 @click.command("gc")
 @click.option("--max-size", default=None, metavar="SIZE", help="Evict least recently used entries down to SIZE "
               "(e.g. 500M, 2G, 1GiB).")
 @click.option("--older-than", default=None, metavar="DURATION", help="Evict entries unused for DURATION "
               "(e.g. 30d, 12h).")
+@click.option("--set-max-size", "set_max", default=None, metavar="SIZE|none", help="Keep SIZE as this cache's "
+              "lasting size policy (policy.json in the cache dir; `none` drops it) and trim to it now; prepare "
+              "trims to it after each run, and a plain `musekern gc` uses it. MUSEKERN_MAX_SIZE wins over it.")
 @click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
 @cache_dir_option
 @json_option
-def gc_cmd(max_size, older_than, dry_run, cache_dir, as_json):
-    """Evict entries by last use (stamps the loader writes on writable caches)."""
-    if max_size is None and older_than is None:
-        raise click.UsageError("give --max-size SIZE and/or --older-than DURATION, e.g. `musekern gc --max-size 2G`")
-    try:
-        size = parse_size(max_size) if max_size is not None else None
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--max-size") from None
+def gc_cmd(max_size, older_than, set_max, dry_run, cache_dir, as_json):
+    """Evict entries by last use (stamps the loader writes on writable caches), down to --max-size or the
+    cache's size policy. Entries a running prepare holds, or used since gc looked, are kept."""
+    size = _size_option(max_size, "--max-size") if max_size is not None else None
+    new_policy = None
+    if set_max is not None:
+        if dry_run:
+            raise click.UsageError("--set-max-size writes the policy: leave out --dry-run")
+        new_policy = None if set_max.strip().lower() == "none" else _size_option(set_max, "--set-max-size")
     try:
         age = parse_duration(older_than) if older_than is not None else None
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--older-than") from None
     cache = _open(cache_dir)
     if not dry_run:
-        _writable(cache, "collect garbage")
-    now = time.time()
-    doomed = hygiene.gc(cache, max_size=size, older_than=age, now=now, dry_run=dry_run)
+        _writable(cache, "collect garbage", "gc")
+    if set_max is not None:
+        hygiene.set_max_size(cache, new_policy)
+        log(f"size policy of {cache.root}: " + (f"at most {_human(new_policy)}" if new_policy is not None
+                                                else "none"))
+    if size is None and age is None:
+        size, _ = hygiene.policy_max_size(cache)
+        if size is None and set_max is None:
+            raise click.UsageError("give --max-size SIZE and/or --older-than DURATION, or keep a policy with "
+                                   "`musekern gc --set-max-size 2G`, e.g. `musekern gc --max-size 2G`")
+    doomed = [] if size is None and age is None else hygiene.gc(cache, max_size=size, older_than=age,
+                                                                now=time.time(), dry_run=dry_run)
     after = hygiene.stats(cache)
     if dry_run:  # nothing was removed: report what would be left
         after = {**after, "entries": after["entries"] - len(doomed),
                  "bytes": after["bytes"] - sum(e.size_bytes for e in doomed)}
     if as_json:
-        emit_json({"cache_dir": str(cache.root), "dry_run": dry_run,
+        emit_json({"cache_dir": str(cache.root), "dry_run": dry_run, "max_size": size,
                    "removed": [e.summary() for e in doomed], "entries_left": after["entries"],
                    "bytes_left": after["bytes"]})
         return
@@ -433,24 +512,26 @@ def export_cmd(model_path, target_names, tp, shard, all_, keys, output, cache_di
 @json_option
 def import_cmd(bundle, cache_dir, as_json):
     """Verify a bundle and add its entries to the cache (bad entries are rejected, exit 1)."""
-    from ..store.bundle import BundleError, import_bundle
-    from ..store.cache import ReadOnlyCacheError
+    from ..store.bundle import import_bundle
 
     cache = _open(cache_dir)
-    try:
-        report = import_bundle(cache, bundle)
-    except (BundleError, ReadOnlyCacheError) as e:
-        raise Failure(str(e)) from None
+    report = import_bundle(cache, bundle)  # BundleError, ReadOnlyCacheError: one line each (register)
     if as_json:
         emit_json({"cache_dir": str(cache.root), "bundle": str(bundle), **report.to_json()})
     else:
         for key, reason in report.rejected:
             click.echo(f"REJECTED {key[:16]}: {reason}")
+        for key, reason in report.failed:
+            click.echo(f"FAILED {key[:16]}: {reason}")
         click.echo(f"{len(report.added)} added, {len(report.present)} already present, "
-                   f"{len(report.rejected)} rejected ({cache.root})")
+                   f"{len(report.rejected)} rejected, {len(report.failed)} not stored ({cache.root})")
     if report.rejected:
         log(f"musekern: error: {len(report.rejected)} bundle entries failed verification and were not imported; "
             "re-export the bundle from a verified cache (`musekern verify` there, then `musekern export`)")
+    if report.failed:
+        log(f"musekern: error: {len(report.failed)} entries could not be stored in {cache.root} (see FAILED); "
+            f"fix that, then run `musekern import {bundle}{_cd(cache)}` again")
+    if not report.ok:
         raise SystemExit(EXIT_FAIL)
 
 
@@ -458,6 +539,10 @@ COMMANDS = (ls_cmd, verify_cmd, clean_cmd, stats_cmd, gc_cmd, explain_cmd, expor
 
 
 def register(group: click.Group) -> None:
-    """Add the cache commands to `group` (the `musekern` console script)."""
+    """Add the cache commands to `group` (the `musekern` console script), each with the store's errors mapped
+    to one error line."""
     for cmd in COMMANDS:
+        if not getattr(cmd.callback, "_one_line_errors", False):
+            cmd.callback = _one_line_errors(cmd.callback)
+            cmd.callback._one_line_errors = True
         group.add_command(cmd)

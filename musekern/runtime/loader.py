@@ -14,9 +14,9 @@ import threading
 from cuda.bindings import driver as drv
 
 from .. import env, targets
-from ..store import lookup
+from ..store import hygiene, lookup
 from ..store.abi import KernelAbi, cubin_arch
-from ..store.cache import Cache, default_cache_dir
+from ..store.cache import Cache, CacheError, MissingEntryError, default_cache_dir
 from ..store.keys import dsl_version, key_parts
 from ..store.lookup import Policy
 from .driver import c_launch_kernel_ex, check, device_info, ensure_context, launch_config
@@ -249,14 +249,29 @@ def find_entry(variant, arch: str, cache: Cache):
 def load_artifact(variant, arch: str, cache: Cache):
     """(entry, verified cubin bytes) of `variant` for `arch`: refuses another arch and corrupt bytes.
 
+    Every manifest field the launch uses is checked with the cubin's bytes by `Cache.load` (store/manifest.py);
+    a corrupt entry raises CorruptEntryError naming it and the fix. Counts a hit or a miss (store/hygiene.py).
     No GPU involved: the part of loading that tests can run anywhere.
     """
+    try:
+        got = _load_artifact(variant, arch, cache)
+    except (MissingKernelError, CacheError, ArchMismatchError):
+        hygiene.count(cache, "miss")
+        raise
+    hygiene.count(cache, "hit")
+    return got
+
+
+def _load_artifact(variant, arch: str, cache: Cache):
     entry = find_entry(variant, arch, cache)
+    try:
+        entry, cubin = cache.load(entry.key)
+    except MissingEntryError:  # removed (gc, clean) between the lookup and the load
+        raise _missing(variant, arch, cache, key_parts(variant, arch, dsl_version()), Policy.runtime()) from None
     if entry.manifest.get("arch") != arch:
         raise ArchMismatchError(f"{variant.label}: cache entry {entry.key[:12]} was built for "
                                 f"{entry.manifest.get('arch')}, this GPU is {arch}; "
                                 f"{prepare_command(variant, arch, cache)}")
-    entry, cubin = cache.load(entry.key)  # sha256 checked: CorruptEntryError names the entry and the fix
     try:
         elf_arch = cubin_arch(cubin)
     except ValueError as e:

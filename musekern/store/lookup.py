@@ -40,8 +40,16 @@ def find(cache: Cache, parts: KeyParts, policy: Policy) -> Entry | None:
 
     Exact key first. With `policy.other_dsl`, an entry whose parts equal `parts` except `dsl_version`
     serves; when several do, the highest DSL version wins (ties: smallest key). The family index answers
-    that with one directory listing; caches written before the index existed are scanned."""
-    exact = cache.sound(parts.key()) if policy.verify else cache.get(parts.key())
+    that with one directory listing; caches written before the index existed are scanned.
+
+    Without `policy.verify`, an entry whose manifest does not even parse is still returned when nothing
+    better serves (as an Entry with an empty manifest), so that `Cache.load` names it as corrupt with its
+    fix instead of the caller reporting a miss."""
+    key = parts.key()
+    if policy.verify:
+        exact = cache.sound(key)
+    else:
+        exact = cache.get(key) or _damaged(cache, key)
     if exact is not None or not policy.other_dsl:
         return exact
     try:
@@ -52,6 +60,15 @@ def find(cache: Cache, parts: KeyParts, policy: Policy) -> Entry | None:
         for entry in _newest_first(_parsed(candidates()), parts):
             if not policy.verify or not cache.verify_entry(entry):
                 return entry
+    if not policy.verify:
+        return next((d for d in map(lambda k: _damaged(cache, k), sorted(indexed)) if d is not None), None)
+    return None
+
+
+def _damaged(cache: Cache, key: str) -> Entry | None:
+    """An entry directory whose manifest does not parse, as an Entry with an empty manifest (else None)."""
+    if cache.exists(key) and cache.get(key) is None:
+        return Entry(key, cache.entry_path(key), {})
     return None
 
 

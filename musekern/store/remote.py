@@ -7,11 +7,22 @@ Any server that stores PUT bodies and serves them back works: nginx with WebDAV 
 bazel-remote, a bucket behind a proxy. urllib only (no requests: the runtime install stays small).
 
 Rules this module keeps:
-- Downloads are verified (blob sha256 and size against the manifest, manifest against the key)
-  before they enter the local cache, through `Cache.put`, so a remote can never plant a bad
-  entry; a bad blob is rejected with a warning.
+- Downloads are verified before they enter the local cache: the manifest gets every check `Cache.load`
+  applies (store/manifest.py: canonical bytes, digest, key, ABI), its key parts must be the ones asked for,
+  and the blob must be the manifest's size and sha256 and carry the manifest's symbol and ABI
+  (store/elf.py). A remote can never plant a bad entry; a bad one is rejected with a warning.
+- Bounded: the manifest read is capped at 1 MiB and the blob at the size the manifest declares (a
+  Content-Length above it is refused before any body is read); each request has one deadline for all of it
+  (connect, headers, body: MUSEKERN_REMOTE_TIMEOUT, default 10 s), enforced by cutting the connection when
+  it passes, so a server trickling a byte a second cannot hold a request; and all requests of one
+  RemoteCache (one prepare) share a budget (MUSEKERN_REMOTE_DEADLINE, default 120 s), after which prepare
+  goes on without the remote.
+- Credentials stay with the host they were given for: no redirect is ever followed (a 3xx is an error
+  that says where it pointed), so the Authorization header goes nowhere but the origin (or its proxy).
 - A remote is read-only unless upload is asked for: `push` is only called under prepare's
-  `--upload`, and `Cache.obtain` pushes only through a RemoteCache made with `upload=True`.
+  `--upload`, and `Cache.obtain` pushes only through a RemoteCache made with `upload=True`. A push
+  verifies what the remote holds (it downloads and checks the blob and the manifest, never trusting a HEAD)
+  and overwrites what is wrong, so a poisoned blob is repaired by the next good upload.
 - A dead or misbehaving remote never raises into prepare: pull returns None, push returns
   False, a warning is logged once, and after a connection failure the remote is marked dead
   so the remaining variants do not each wait for a timeout.
@@ -20,53 +31,110 @@ Rules this module keeps:
 from __future__ import annotations
 
 import base64
-import json
+import http.client
 import logging
 import os
+import socket
+import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 
-from .cache import CACHE_FORMAT, Cache, CacheError, Entry, manifest_bytes
-from .keys import KeyParts, is_key, sha256_hex
+from .. import env
+from .cache import Cache, CacheError, Entry, manifest_bytes
+from .keys import KeyParts, is_key
+from .manifest import MAX_MANIFEST_BYTES, check, cubin_problems, parse_json
 
-ENV_REMOTE = "MUSEKERN_REMOTE"
-ENV_REMOTE_TIMEOUT = "MUSEKERN_REMOTE_TIMEOUT"
-DEFAULT_TIMEOUT_S = 10.0
-MAX_MANIFEST_BYTES = 1 << 20
-MAX_BLOB_BYTES = 256 << 20
+ENV_REMOTE = env.REMOTE.name
+ENV_REMOTE_TIMEOUT = env.REMOTE_TIMEOUT.name
+DEFAULT_TIMEOUT_S = float(env.REMOTE_TIMEOUT.default)
+DEFAULT_DEADLINE_S = float(env.REMOTE_DEADLINE.default)
+_CHUNK = 1 << 16
 
 log = logging.getLogger("musekern.remote")
 log.addHandler(logging.NullHandler())  # a library: no "last resort" stderr copy of what prepare reports
 
 
 class RemoteError(Exception):
-    """Raised only for a bad URL (a usage error); transfer failures are warnings."""
+    """Raised only for a bad URL or setting (a usage error); transfer failures are warnings."""
 
 
 class _Miss(Exception):
     """404: the remote does not have it (not a failure)."""
 
 
+class _Rejected(Exception):
+    """What the remote sent is not what was asked for (a warning; the remote stays in use)."""
+
+
+class _Expired(Exception):
+    """A request ran past its deadline, or the remote past its budget."""
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None  # urllib then raises HTTPError(3xx): reported, never followed
+
+
+def _recorded(cls, socks: list):
+    """A connection class whose sockets are appended to `socks` once connected (so a request's watchdog can
+    cut them: urllib drops the connection's own reference once the response starts, the response reads on)."""
+    class Recorded(cls):
+        def connect(self):
+            super().connect()
+            socks.append(self.sock)
+    return Recorded
+
+
+class _Http(urllib.request.HTTPHandler):
+    def __init__(self, socks: list):
+        super().__init__()
+        self._socks = socks
+
+    def http_open(self, req):
+        return self.do_open(_recorded(http.client.HTTPConnection, self._socks), req)
+
+
+class _Https(urllib.request.HTTPSHandler):
+    def __init__(self, socks: list):
+        super().__init__()
+        self._socks = socks
+
+    def https_open(self, req):
+        return self.do_open(_recorded(http.client.HTTPSConnection, self._socks), req, context=self._context)
+
+
 class RemoteCache:
     """A Bazel-HTTP-cache-style remote. `pull` and `push` never raise on network trouble."""
 
-    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT_S, upload: bool = False):
-        parsed = urllib.parse.urlsplit(url)
-        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT_S, upload: bool = False,
+                 deadline: float = DEFAULT_DEADLINE_S):
+        try:
+            parsed = urllib.parse.urlsplit(url)
+            host, port = parsed.hostname, parsed.port
+        except (ValueError, TypeError) as e:
+            raise RemoteError(f"remote cache URL {url!r} is not a URL ({e}): give http(s)://host[:port][/path]") \
+                from None
+        if parsed.scheme not in ("http", "https") or not host:
             raise RemoteError(f"remote cache URL must be http(s)://host[:port][/path], got {url!r}")
         self._auth = None
         if parsed.username is not None:  # http://user:pass@host/ -> Authorization header
             cred = f"{urllib.parse.unquote(parsed.username)}:{urllib.parse.unquote(parsed.password or '')}"
             self._auth = "Basic " + base64.b64encode(cred.encode()).decode()
-            netloc = parsed.hostname + (f":{parsed.port}" if parsed.port else "")
+            netloc = (f"[{host}]" if ":" in host else host) + (f":{port}" if port else "")
             parsed = parsed._replace(netloc=netloc)
         self.url = urllib.parse.urlunsplit(parsed._replace(query="", fragment="")).rstrip("/")
-        self.timeout = float(timeout)
+        try:
+            self.timeout = env.parse_seconds(str(timeout))
+            self.budget = env.parse_seconds(str(deadline))
+        except ValueError as e:
+            raise RemoteError(f"remote cache {self.url}: {e}") from None
         self.upload = bool(upload)
-        self.dead = False  # set after a connection failure: later calls return at once
+        self.dead = False  # set after a connection failure or a spent budget: later calls return at once
         self.warnings: list[str] = []
         self.stats = {"pulled": 0, "missed": 0, "rejected": 0, "pushed": 0, "push_skipped": 0, "errors": 0}
+        self._started: float | None = None
 
     def __repr__(self) -> str:
         return f"RemoteCache({self.url!r}, upload={self.upload})"
@@ -74,16 +142,18 @@ class RemoteCache:
     @classmethod
     def from_env(cls, cli_value: str | None = None, upload: bool = False,
                  timeout: float | None = None) -> "RemoteCache | None":
-        """--remote URL > $MUSEKERN_REMOTE > None (no remote)."""
+        """--remote URL > $MUSEKERN_REMOTE > None (no remote). The per-request timeout and the per-prepare
+        budget come from $MUSEKERN_REMOTE_TIMEOUT and $MUSEKERN_REMOTE_DEADLINE (musekern/env.py); a bad
+        value raises RemoteError naming the variable."""
         url = cli_value or os.environ.get(ENV_REMOTE)
         if not url:
             return None
-        if timeout is None:
-            try:
-                timeout = float(os.environ.get(ENV_REMOTE_TIMEOUT, DEFAULT_TIMEOUT_S))
-            except ValueError:
-                timeout = DEFAULT_TIMEOUT_S
-        return cls(url, timeout=timeout, upload=upload)
+        try:
+            timeout = env.seconds(env.REMOTE_TIMEOUT) if timeout is None else timeout
+            deadline = env.seconds(env.REMOTE_DEADLINE)
+        except env.EnvError as e:
+            raise RemoteError(str(e)) from None
+        return cls(url, timeout=timeout, upload=upload, deadline=deadline)
 
     # ------------------------------------------------------------ http
     def _warn(self, msg: str) -> None:
@@ -91,28 +161,91 @@ class RemoteCache:
         self.warnings.append(msg)
         log.warning("%s", msg)
 
-    def _request(self, method: str, path: str, data: bytes | None = None, limit: int = MAX_BLOB_BYTES):
-        """(status, body). Raises _Miss on 404, OSError/HTTPError on trouble."""
+    def _deadline(self) -> tuple[float, str]:
+        """When the next request must be done (its timeout, or the remote's budget if that ends sooner), and
+        what to say when it is cut there."""
+        now = time.monotonic()
+        if self._started is None:
+            self._started = now
+        left = self._started + self.budget - now
+        spent = f"spent its {self.budget:g} s budget for this run ({env.REMOTE_DEADLINE.name})"
+        if left <= 0:
+            raise _Expired(spent)
+        if left < self.timeout:
+            return now + left, spent
+        return now + self.timeout, f"took longer than {self.timeout:g} s ({env.REMOTE_TIMEOUT.name})"
+
+    def _request(self, method: str, path: str, data: bytes | None = None, limit: int = 0) -> tuple[int, bytes]:
+        """(status, body of at most `limit` bytes). Raises _Miss on 404, _Rejected for a body over `limit`,
+        _Expired past the deadline, OSError/HTTPError on trouble."""
+        deadline, cut_reason = self._deadline()
         req = urllib.request.Request(f"{self.url}/{path}", data=data, method=method)
         if self._auth:
             req.add_header("Authorization", self._auth)
         if data is not None:
             req.add_header("Content-Type", "application/octet-stream")
+        # The watchdog cuts the connection at the deadline: a socket timeout only bounds each read. Proxies
+        # from the environment are used as urllib does; redirects never are.
+        socks: list = []
+        opener = urllib.request.build_opener(_NoRedirect(), _Http(socks), _Https(socks))
+        expired = threading.Event()
+
+        def cut():
+            expired.set()
+            for sock in list(socks):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        timer = threading.Timer(max(0.0, deadline - time.monotonic()), cut)
+        timer.daemon = True
+        timer.start()
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                body = resp.read(limit + 1) if method == "GET" else b""
-                if len(body) > limit:
-                    raise ValueError(f"{path}: response larger than {limit} bytes")
+            with opener.open(req, timeout=max(0.05, deadline - time.monotonic())) as resp:
+                body = b""
+                if method == "GET":
+                    declared = resp.headers.get("Content-Length")
+                    if declared is not None and declared.isdigit() and int(declared) > limit:
+                        raise _Rejected(f"{path} is {declared} bytes, more than the {limit} expected")
+                    chunks, got = [], 0
+                    while got <= limit:
+                        chunk = resp.read(min(_CHUNK, limit + 1 - got))
+                        if not chunk:
+                            break
+                        chunks.append(chunk)
+                        got += len(chunk)
+                    if got > limit:
+                        raise _Rejected(f"{path} sends more than the {limit} bytes expected")
+                    body = b"".join(chunks)
+                if expired.is_set():
+                    raise _Expired(f"{method} {path} {cut_reason}")
                 return resp.status, body
         except urllib.error.HTTPError as e:
             if e.code == 404:
                 raise _Miss() from None
             raise
+        except (OSError, http.client.HTTPException) as e:
+            if expired.is_set():
+                raise _Expired(f"{method} {path} {cut_reason}") from None
+            if isinstance(e, http.client.HTTPException):
+                raise OSError(f"bad HTTP answer ({type(e).__name__}: {e})") from None
+            raise
+        finally:
+            timer.cancel()
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self.stats["errors"] += 1
-        if isinstance(exc, urllib.error.HTTPError):
+        if isinstance(exc, urllib.error.HTTPError) and 300 <= exc.code < 400:
+            self.dead = True
+            where = exc.headers.get("Location", "?") if exc.headers else "?"
+            self._warn(f"{what}: answered {exc.code} redirect to {where}; musekern follows no redirects (credentials "
+                       f"stay with the host you named): point --remote at the final URL. Continuing without it")
+        elif isinstance(exc, urllib.error.HTTPError):
             self._warn(f"{what}: HTTP {exc.code} {exc.reason}")
+        elif isinstance(exc, _Expired):
+            self.dead = True
+            self._warn(f"{what}: {exc}; continuing without the remote cache")
         elif isinstance(exc, (urllib.error.URLError, OSError)):
             # connection refused, DNS, timeout: the remote is unreachable; stop trying
             reason = getattr(exc, "reason", exc)
@@ -122,57 +255,55 @@ class RemoteCache:
             self._warn(f"{what}: {exc}")
 
     # ------------------------------------------------------------ pull
-    def fetch(self, key: str) -> tuple[KeyParts, bytes, dict] | None:
-        """Download and verify the entry `key`: (parts, cubin, manifest) or None (miss or bad)."""
+    def fetch(self, key: str, want: KeyParts | None = None) -> tuple[KeyParts, bytes, dict] | None:
+        """Download and verify the entry `key` (and, given `want`, that it is that variant):
+        (parts, cubin, manifest), or None on a miss, a rejected entry or remote trouble."""
         if self.dead:
             return None
         what = f"pull {key[:16]}"
         try:
             _, raw = self._request("GET", f"ac/{key}", limit=MAX_MANIFEST_BYTES)
-            manifest = json.loads(raw)
-            if not isinstance(manifest, dict):
-                raise ValueError("manifest is not a JSON object")
-            parts = KeyParts.from_json(manifest.get("key_parts"))
-            if manifest.get("key") != key or parts.key() != key:
-                raise ValueError("manifest belongs to another key")
-            if manifest.get("format") != CACHE_FORMAT:
-                raise ValueError(f"manifest format {manifest.get('format')!r} != {CACHE_FORMAT}")
-            sha, size = manifest.get("cubin_sha256"), manifest.get("cubin_size")
-            if not is_key(str(sha)) or not isinstance(size, int):
-                raise ValueError("manifest lacks cubin_sha256/cubin_size")
-            _, cubin = self._request("GET", f"cas/{sha}", limit=MAX_BLOB_BYTES)
+            try:
+                manifest = parse_json(raw, f"ac/{key[:16]}")
+            except ValueError as e:
+                raise _Rejected(str(e)) from None
+            problems = check(manifest, key, raw)
+            if problems:
+                raise _Rejected(f"its manifest ac/{key[:16]} is not sound: {'; '.join(problems)}")
+            parts = KeyParts.from_json(manifest["key_parts"])
+            if want is not None and parts != want:
+                raise _Rejected(f"its manifest describes {parts.label}, not the {want.label} asked for "
+                                f"({', '.join(parts.differences(want))} differ)")
+            sha, size = manifest["cubin_sha256"], manifest["cubin_size"]
+            _, cubin = self._request("GET", f"cas/{sha}", limit=size)
+            problems = cubin_problems(manifest, cubin)
+            if problems:
+                raise _Rejected(f"blob cas/{sha[:16]}: {'; '.join(problems)} (corrupt remote blob)")
         except _Miss:
             self.stats["missed"] += 1
             return None
-        except (ValueError, TypeError, KeyError) as e:
+        except _Rejected as e:
             self.stats["rejected"] += 1
-            self._warn(f"{what}: rejected a bad manifest ({e})")
+            self._warn(f"{what}: rejected: {e}")
             return None
         except Exception as e:  # noqa: BLE001 - a remote must never crash prepare
             self._failed(what, e)
             return None
-        if len(cubin) != size or sha256_hex(cubin) != sha:
-            self.stats["rejected"] += 1
-            self._warn(f"{what}: rejected blob cas/{sha[:16]}: {len(cubin)} bytes hashing to "
-                       f"{sha256_hex(cubin)[:16]}, manifest wants {size} bytes {sha[:16]} (corrupt remote blob)")
-            return None
         return parts, cubin, manifest
 
     def pull(self, parts_or_key: KeyParts | str, cache: Cache) -> Entry | None:
-        """Fetch `parts_or_key` into `cache`, verified; None on a miss, a bad blob or a dead remote."""
-        key = parts_or_key.key() if isinstance(parts_or_key, KeyParts) else str(parts_or_key)
+        """Fetch `parts_or_key` into `cache`, verified; None on a miss, a bad entry or a dead remote. Given
+        KeyParts, the entry must be exactly that variant."""
+        want = parts_or_key if isinstance(parts_or_key, KeyParts) else None
+        key = want.key() if want is not None else str(parts_or_key)
         if not is_key(key):
             raise ValueError(f"not a cache key: {key!r}")
-        got = self.fetch(key)
+        got = self.fetch(key, want)
         if got is None:
             return None
         parts, cubin, manifest = got
-        if isinstance(parts_or_key, KeyParts) and parts != parts_or_key:
-            self.stats["rejected"] += 1
-            self._warn(f"pull {key[:16]}: rejected: key parts differ from the ones asked for")
-            return None
         try:
-            entry = cache.put(parts, cubin, manifest)  # re-verifies every added field
+            entry = cache.put(parts, cubin, manifest)  # re-verifies every field
         except (CacheError, ValueError, TypeError) as e:
             self.stats["rejected"] += 1
             self._warn(f"pull {key[:16]}: not stored locally: {e}")
@@ -181,12 +312,22 @@ class RemoteCache:
         return entry
 
     # ------------------------------------------------------------ push
+    def _holds(self, path: str, data: bytes) -> bool:
+        """Whether the remote serves exactly `data` at `path` (downloaded and compared: a HEAD would trust a
+        poisoned or truncated object)."""
+        try:
+            return self._request("GET", path, limit=len(data))[1] == data
+        except (_Miss, _Rejected):
+            return False
+
     def push(self, entry: Entry, cache: Cache | None = None) -> bool:
         """Upload a sound local entry (blob first, then manifest). True when the remote has it.
 
-        The caller decides to push (prepare does only under --upload); `upload=True` only makes
-        `Cache.obtain(..., remote=...)` push what it builds. The entry is re-verified first so a
-        damaged local entry is never spread. `cache` defaults to the cache the entry lives in.
+        What the remote already holds is downloaded and compared first; whatever differs (missing, poisoned,
+        truncated, another entry's manifest) is overwritten. The caller decides to push (prepare does only
+        under --upload); `upload=True` only makes `Cache.obtain(..., remote=...)` push what it builds. The
+        entry is re-verified first so a damaged local entry is never spread. `cache` defaults to the cache
+        the entry lives in.
         """
         if self.dead:
             return False
@@ -197,14 +338,18 @@ class RemoteCache:
             self._warn(f"push {entry.key[:16]}: local entry not sound, not uploaded: {e}")
             return False
         sha = entry.manifest["cubin_sha256"]
+        mbytes = manifest_bytes(entry.manifest)
         what = f"push {entry.key[:16]}"
         try:
-            try:
-                self._request("HEAD", f"cas/{sha}")
-                self.stats["push_skipped"] += 1
-            except _Miss:
+            wrote = False
+            if not self._holds(f"cas/{sha}", cubin):
                 self._request("PUT", f"cas/{sha}", data=cubin)
-            self._request("PUT", f"ac/{entry.key}", data=manifest_bytes(entry.manifest))
+                wrote = True
+            if not self._holds(f"ac/{entry.key}", mbytes):
+                self._request("PUT", f"ac/{entry.key}", data=mbytes)
+                wrote = True
+            if not wrote:
+                self.stats["push_skipped"] += 1
         except Exception as e:  # noqa: BLE001 - a remote must never crash prepare
             self._failed(what, e)
             return False

@@ -11,10 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+from store_fakes import FAKE_ABI, fail_writes_under
 
 from musekern.store import hygiene
 from musekern.store.bundle import INDEX_NAME, BundleError, export_bundle, import_bundle
-from musekern.store.cache import Cache, CorruptEntryError, MissingEntryError, ReadOnlyCacheError
+from musekern.store.cache import Cache, CacheError, CorruptEntryError, MissingEntryError, ReadOnlyCacheError
 from musekern.store.keys import KeyParts
 
 SRC = "ab" * 32
@@ -28,7 +29,8 @@ def fake_parts(i: int, arch: str = "sm_90a") -> KeyParts:
 def fake_entry(parts: KeyParts) -> tuple[bytes, dict]:
     cubin = b"\x7fELF" + hashlib.sha256(parts.key().encode()).digest() * 4
     return cubin, {"kernel": parts.kernel, "label": parts.label, "variant": parts.variant_params, "symbol": "k",
-                   "arch": parts.arch, "abi": {}, "built_with": {"nvidia-cutlass-dsl": parts.dsl_version}}
+                   "arch": parts.arch, "abi": FAKE_ABI.to_json(),
+                   "built_with": {"nvidia-cutlass-dsl": parts.dsl_version}}
 
 
 def put(cache: Cache, parts: KeyParts):
@@ -252,9 +254,13 @@ def test_import_into_read_only_cache_fails_clearly(tmp_path):
     src = filled(tmp_path / "src", range(1))
     out = tmp_path / "b.tar"
     export_bundle(src, [fake_parts(0).key()], out)
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)  # no write bit: read-only for root too (the store holds itself to mode bits)
+    with pytest.raises(ReadOnlyCacheError, match="musekern import"):
+        import_bundle(Cache(ro / "cache"), out)
     f = tmp_path / "file"
     f.write_text("")
-    with pytest.raises(ReadOnlyCacheError):
+    with pytest.raises(CacheError, match="not a directory"):
         import_bundle(Cache(f / "cache"), out)
 
 
@@ -310,3 +316,115 @@ def test_shards_merge_by_import(tmp_path):
         assert import_bundle(merged, b).ok
     assert {e.key for e in merged.entries()} == {_parts(pe).key() for pe in plan}
     assert merged.audit() == {}
+
+
+# ---------------------------------------------------------------- issue 12: hostile bundles, disk full
+
+
+def _zeros_bundle(path: Path, members: int, size: int) -> None:
+    """A .tar.xz whose index is fine and whose entries are `members` cubins of `size` zero bytes each
+    (compresses to almost nothing: the decompression bomb of the review, scaled by `size`)."""
+    keys = [f"{i:064x}" for i in range(members)]
+    index = {"bundle_format": 1, "cache_format": 2, "entries": [
+        {"key": k, "manifest_sha256": "0" * 64, "cubin_sha256": "0" * 64, "cubin_size": size} for k in keys]}
+    ibytes = json.dumps(index).encode()
+
+    class Zeros(io.RawIOBase):
+        def __init__(self, n):
+            self.left = n
+
+        def readable(self):
+            return True
+
+        def readinto(self, b):
+            n = min(len(b), self.left)
+            b[:n] = bytes(n)
+            self.left -= n
+            return n
+
+    with tarfile.open(path, "w:xz", preset=0) as tar:
+        ti = tarfile.TarInfo(INDEX_NAME)
+        ti.size = len(ibytes)
+        tar.addfile(ti, io.BytesIO(ibytes))
+        for k in keys:
+            ti = tarfile.TarInfo(f"entries/{k}/kernel.cubin")
+            ti.size = size
+            tar.addfile(ti, io.BufferedReader(Zeros(size)))
+
+
+def test_a_decompression_bomb_is_rejected_early_in_bounded_memory(tmp_path, monkeypatch):
+    """Members each under the per-member cap whose total is far above the bundle cap: rejected from the tar
+    headers, before their data is held (the review's 0.3 MB .tar.xz of 8 x 256 MiB reached 2.1 GB RSS; here
+    the same shape at 8 x 4 MiB against a cap lowered to 8 MiB)."""
+    import tracemalloc
+
+    from musekern.store import bundle as bundle_mod
+
+    monkeypatch.setattr(bundle_mod, "MAX_BUNDLE_BYTES", 8 << 20, raising=False)
+    bomb = tmp_path / "bomb.tar.xz"
+    _zeros_bundle(bomb, 8, 4 << 20)
+    assert bomb.stat().st_size < 64 << 10
+    tracemalloc.start()
+    try:
+        with pytest.raises(BundleError, match="total"):
+            import_bundle(Cache(tmp_path / "dst"), bomb)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"held {peak >> 20} MiB"
+
+
+@pytest.mark.parametrize("where,payload", [("index", "nested"), ("manifest", "nested"),
+                                           ("index", "1e999"),  # (bundle_format 1e999 was refused before too)
+                                           ("manifest", "1e999")])
+def test_nested_json_and_huge_numbers_in_a_bundle_are_rejected_not_a_traceback(tmp_path, where, payload):
+    src = filled(tmp_path / "src", range(2))
+    k = [fake_parts(i).key() for i in range(2)]
+    good = tmp_path / "good.tar"
+    export_bundle(src, k, good)
+    target = INDEX_NAME if where == "index" else f"entries/{k[0]}/manifest.json"
+    fixed = {}
+
+    def poison(name, data):
+        if name != target:
+            return name, data
+        if payload == "nested":
+            data = b"[" * 100_000 + b"]" * 100_000
+        else:
+            data = data.replace(b'"abi_version": 1', b'"abi_version": 1e999').replace(
+                b'"bundle_format": 1', b'"bundle_format": 1e999')
+        fixed["sha"] = hashlib.sha256(data).hexdigest()
+        return name, data
+
+    stage = tmp_path / "stage.tar"
+    _rewrite(good, stage, poison)
+    bad = tmp_path / "bad.tar"
+
+    def fix_index(name, data):  # a consistent forgery: the index vouches for the poisoned manifest
+        if name == INDEX_NAME and where == "manifest":
+            idx = json.loads(data)
+            idx["entries"][0]["manifest_sha256"] = fixed["sha"]
+            data = json.dumps(idx).encode()
+        return name, data
+
+    _rewrite(stage, bad, fix_index)
+    dst = Cache(tmp_path / "dst")
+    if where == "index":
+        with pytest.raises(BundleError):
+            import_bundle(dst, bad)
+    else:
+        report = import_bundle(dst, bad)
+        assert k[0] in dict(report.rejected) and report.added == [k[1]]
+
+
+def test_import_onto_a_full_disk_fails_per_entry_and_tears_nothing(tmp_path, monkeypatch):
+    src = filled(tmp_path / "src", range(3))
+    out = tmp_path / "b.tar"
+    export_bundle(src, [fake_parts(i).key() for i in range(3)], out)
+    dst = Cache(tmp_path / "dst")
+    one = src.get(fake_parts(0).key())
+    fail_writes_under(monkeypatch, dst.root, after_bytes=one.size_bytes * 3 // 2)  # room for one entry
+    report = import_bundle(dst, out)
+    assert not report.ok and report.added[:1] and len(report.added) < 3
+    monkeypatch.undo()
+    assert dst.audit() == {} and not list(dst.tmp_dir.iterdir())

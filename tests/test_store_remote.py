@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import free_port
+from store_fakes import FAKE_ABI, real_builds
 
 from musekern.store.cache import Cache
 from musekern.store.keys import KeyParts
@@ -37,7 +38,7 @@ def fake_build(parts: KeyParts, calls: list):
         calls.append(parts.key())
         cubin = b"\x7fELF" + parts.key().encode() * 4
         return cubin, {"kernel": parts.kernel, "label": parts.label, "variant": parts.variant_params,
-                       "symbol": "k", "arch": parts.arch, "abi": {}, "built_with": {}}
+                       "symbol": "k", "arch": parts.arch, "abi": FAKE_ABI.to_json(), "built_with": {}}
     return build
 
 
@@ -201,3 +202,195 @@ def test_from_env_and_url_validation(monkeypatch):
         RemoteCache("ftp://x/")
     auth = RemoteCache("http://user:p%40ss@host:9/")
     assert auth.url == "http://host:9" and auth._auth.startswith("Basic ")
+
+
+# ---------------------------------------------------------------- issue 12: the remote under a hostile server
+
+
+class _Server:
+    """A scripted HTTP server on 127.0.0.1 (`handler(request_handler)` answers each request); records every
+    request's method, path and headers."""
+
+    def __init__(self, handler):
+        seen = self.seen = []
+
+        class H(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _any(self):
+                seen.append((self.command, self.path, dict(self.headers)))
+                n = int(self.headers.get("Content-Length") or 0)
+                if n:
+                    self.rfile.read(n)
+                handler(self)
+            do_GET = do_HEAD = do_PUT = _any
+
+            def log_message(self, *a):
+                pass
+
+        self.srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.srv.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.srv.shutdown()
+        self.srv.server_close()
+
+
+@pytest.fixture
+def server():
+    made = []
+
+    def make(handler):
+        made.append(_Server(handler))
+        return made[-1]
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_a_trickling_server_is_cut_at_the_request_deadline(server, tmp_path):
+    """1 byte every 0.2 s never trips a per-read timeout; the request's own deadline must end it
+    (before: MUSEKERN_REMOTE_TIMEOUT=2 kept prepare waiting > 90 s)."""
+    def trickle(h):
+        h.send_response(200)
+        h.send_header("Content-Length", "100000")
+        h.end_headers()
+        for _ in range(40):  # at most 8 s, then give up
+            try:
+                h.wfile.write(b"{")
+                h.wfile.flush()
+            except OSError:
+                return
+            time.sleep(0.2)
+
+    s = server(trickle)
+    r = RemoteCache(s.url, timeout=1)
+    t0 = time.monotonic()
+    assert r.pull(fake_parts(0), Cache(tmp_path / "c")) is None
+    assert time.monotonic() - t0 < 3 and r.warnings
+
+
+def test_credentials_never_follow_a_redirect_to_another_host(server, tmp_path):
+    """A 302 from the remote to another host must not carry the URL's credentials there."""
+    other = server(lambda h: (h.send_response(404), h.send_header("Content-Length", "0"), h.end_headers()))
+    target = other.url.replace("127.0.0.1", "localhost")  # another host name for the same machine
+
+    def redirect(h):
+        h.send_response(302)
+        h.send_header("Location", target + h.path)
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+
+    origin = server(redirect)
+    r = RemoteCache(origin.url.replace("http://", "http://user:secret@"))
+    assert r.pull(fake_parts(0), Cache(tmp_path / "c")) is None
+    leaked = [headers for _, _, headers in other.seen if "Authorization" in headers]
+    assert not leaked and r.warnings and "redirect" in r.warnings[0]
+
+
+def _pushed_one(url: str, tmp_path):
+    """(local cache, parts, uploading remote, blob sha) of one entry pushed to the remote at `url`."""
+    a = Cache(tmp_path / "a")
+    (p,) = _fill(a, 1, [])
+    r = RemoteCache(url, upload=True)
+    assert r.push(a.get(p.key()))
+    return a, p, r, a.get(p.key()).manifest["cubin_sha256"]
+
+
+def test_an_oversized_blob_is_refused_from_the_manifests_size(nginx_server, tmp_path):
+    """cas/ holding far more bytes than the manifest declares: refused without reading them, and the warning
+    names the blob (before: up to 256 MiB read, then a misleading 'bad manifest' warning)."""
+    url, root = nginx_server
+    a, p, r, sha = _pushed_one(url, tmp_path)
+    with open(root / "cas" / sha, "wb") as f:
+        f.truncate(300 << 20)  # sparse: 300 MiB of zeros on the server
+    import tracemalloc
+
+    rb = RemoteCache(url)
+    tracemalloc.start()
+    try:
+        assert rb.pull(p, Cache(tmp_path / "b")) is None
+        peak_mib = tracemalloc.get_traced_memory()[1] / 2**20
+    finally:
+        tracemalloc.stop()
+    assert peak_mib < 16, f"held {peak_mib:.0f} MiB to reject a blob"
+    assert any(f"cas/{sha[:16]}" in w for w in rb.warnings) and not any("bad manifest" in w for w in rb.warnings)
+
+
+def test_a_poisoned_blob_is_overwritten_by_a_good_upload(nginx_server, tmp_path):
+    url, root = nginx_server
+    a, p, r, sha = _pushed_one(url, tmp_path)
+    (root / "cas" / sha).write_bytes(b"poison")
+    assert r.push(a.get(p.key()))
+    assert (root / "cas" / sha).read_bytes() == a.load(p.key())[1]
+    assert RemoteCache(url).pull(p, Cache(tmp_path / "b")) is not None
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "http://host:99999/", "http://host:port/"])
+def test_bad_urls_are_one_line_errors(url):
+    with pytest.raises(RemoteError) as ei:
+        RemoteCache(url)
+    assert "\n" not in str(ei.value) and url in str(ei.value)
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "abc", "0"])
+def test_bad_timeouts_are_one_line_errors_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv(ENV_REMOTE, "http://cache.example:8080/")
+    monkeypatch.setenv("MUSEKERN_REMOTE_TIMEOUT", value)
+    with pytest.raises(RemoteError, match="MUSEKERN_REMOTE_TIMEOUT"):
+        RemoteCache.from_env(None)
+
+
+def test_one_prepare_spends_at_most_the_remote_budget(server, tmp_path):
+    """Each request under its timeout, but slow: once the budget of the whole run (MUSEKERN_REMOTE_DEADLINE) is
+    spent the remote is dropped with one warning naming the variable, and the rest builds locally at once."""
+    def slow_miss(h):  # 8 of these take 4.8 s without a budget
+        time.sleep(0.6)
+        h.send_response(404)
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+
+    s = server(slow_miss)
+    r = RemoteCache(s.url, timeout=2, deadline=1)
+    c = Cache(tmp_path / "c")
+    t0 = time.monotonic()
+    for i in range(8):
+        p = fake_parts(i)
+        c.obtain(p, fake_build(p, []), remote=r)
+    assert time.monotonic() - t0 < 3 and r.dead
+    assert len(r.warnings) == 1 and "MUSEKERN_REMOTE_DEADLINE" in r.warnings[0]
+
+
+def test_from_env_reads_the_budget(monkeypatch):
+    monkeypatch.setenv(ENV_REMOTE, "http://cache.example/")
+    monkeypatch.setenv("MUSEKERN_REMOTE_DEADLINE", "30")
+    monkeypatch.setenv("MUSEKERN_REMOTE_TIMEOUT", "3")
+    r = RemoteCache.from_env(None)
+    assert (r.timeout, r.budget) == (3.0, 30.0)
+    monkeypatch.setenv("MUSEKERN_REMOTE_DEADLINE", "-5")
+    with pytest.raises(RemoteError, match="MUSEKERN_REMOTE_DEADLINE"):
+        RemoteCache.from_env(None)
+
+
+def test_an_ac_record_naming_another_variants_blob_is_rejected(nginx_server, tmp_path):
+    """ac/<key> rewritten to name another variant's real blob, with its digest recomputed (a consistent
+    forgery): the blob's ELF names another kernel, so the pull is rejected and nothing is stored."""
+    from musekern.store import manifest as manifest_mod
+
+    url, root = nginx_server
+    (pa, ca, ma), (pb, cb, mb) = real_builds()
+    a = Cache(tmp_path / "a")
+    ea, eb = a.put(pa, ca, ma), a.put(pb, cb, mb)
+    r = RemoteCache(url, upload=True)
+    assert r.push(ea) and r.push(eb)
+    forged = manifest_mod.seal({**ea.manifest, "cubin_sha256": eb.manifest["cubin_sha256"],
+                                "cubin_size": eb.manifest["cubin_size"]})
+    (root / "ac" / pa.key()).write_bytes(manifest_mod.manifest_bytes(forged))
+    rb = RemoteCache(url)
+    b = Cache(tmp_path / "b")
+    assert rb.pull(pa, b) is None and b.get(pa.key()) is None
+    assert rb.stats["rejected"] == 1 and "has no kernel" in rb.warnings[0]
+    # and a good upload repairs the record
+    assert r.push(ea) and RemoteCache(url).pull(pa, b) is not None

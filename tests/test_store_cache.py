@@ -1,7 +1,7 @@
-"""musekern.cache: keys, commit protocol, integrity, read-only use, hygiene, concurrency.
+"""store/cache.py: location, the commit protocol, integrity, read-only use, concurrency.
 
-No GPU and no compiler: entries are made by a fake build function that writes a
-deterministic fake cubin, so these tests run in seconds on a 2-core CI machine.
+No GPU and no compiler: entries are made by a fake build (tests/store_fakes.py), so these tests run in
+seconds on a 2-core CI machine.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+from store_fakes import chmod_w, fake_build, fake_cubin, fake_manifest, fake_parts, tree
 
 from musekern.store import cache as cache_mod
 from musekern.store import hygiene, lookup
@@ -27,63 +28,17 @@ from musekern.store.cache import (
     CACHE_FORMAT,
     ENV_CACHE_DIR,
     Cache,
-    CacheError,
+    CacheAccessError,
     CorruptEntryError,
     MissingEntryError,
     ReadOnlyCacheError,
     default_cache_dir,
 )
-from musekern.store.keys import PART_NAMES, KeyParts
+from musekern.store.keys import KeyParts
 from musekern.store.lookup import Policy
 
 EXACT = Policy(other_dsl=False, verify=False)
 ANY_DSL = Policy(other_dsl=True, verify=False)
-
-SRC = "ab" * 32
-
-
-def fake_parts(i: int = 0, kernel: str = "qk_norm", arch: str = "sm_90a", dsl: str = "4.8.1",
-               src: str = SRC, abi: int = 1) -> KeyParts:
-    return KeyParts.make(kernel, {"dtype": "bfloat16", "head_dim": 64, "has_scale": bool(i % 2), "i": i},
-                         arch, src, dsl, abi)
-
-
-def fake_cubin(parts: KeyParts) -> bytes:
-    """Deterministic bytes per key (compiles are deterministic: same inputs, same cubin)."""
-    return b"\x7fELF" + hashlib.sha256(parts.key().encode()).digest() * 8
-
-
-def fake_manifest(parts: KeyParts) -> dict:
-    """What the builder hands to Cache.put (build.py adds the real ABI and launch config)."""
-    return {"kernel": parts.kernel, "label": parts.label, "variant": parts.variant_params,
-            "symbol": f"kernel_{parts.kernel}", "arch": parts.arch,
-            "abi": {"abi_version": parts.abi_version, "params": [], "launch": {}, "tensormaps": []},
-            "built_with": {"nvidia-cutlass-dsl": parts.dsl_version}}
-
-
-def fake_build(parts: KeyParts, counter: Path | None = None):
-    def build():
-        if counter is not None:
-            with open(counter, "a") as f:  # O_APPEND: one line per build, from any process
-                f.write(parts.key() + "\n")
-        return fake_cubin(parts), fake_manifest(parts)
-    return build
-
-
-def tree(root: Path) -> dict:
-    """Snapshot of every path under root with its mtime and size (to prove nothing was written)."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for n in dirnames + filenames:
-            p = Path(dirpath, n)
-            st = p.lstat()
-            out[str(p)] = (st.st_mtime_ns, st.st_size)
-    return out
-
-
-def chmod_w(path: Path) -> None:
-    """Entry files are 0444: make one writable so a test can damage it (also as non-root)."""
-    os.chmod(path, 0o644)
 
 
 @pytest.fixture
@@ -107,35 +62,6 @@ def test_cache_modules_import_no_compiler_or_gpu_stack():
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('cutlass', 'torch', 'cuda'))\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
-
-
-# ---------------------------------------------------------------- keys
-def test_key_is_stable_and_independent_of_param_order():
-    a = KeyParts.make("qk_norm", {"dtype": "bfloat16", "head_dim": 64}, "sm_90a", SRC, "4.8.1", 1)
-    b = KeyParts.make("qk_norm", {"head_dim": 64, "dtype": "bfloat16"}, "sm_90a", SRC, "4.8.1", 1)
-    assert a == b and a.key() == b.key() and len(a.key()) == 64
-    assert KeyParts.from_json(json.loads(json.dumps(a.to_json()))) == a
-    assert set(a.to_json()) == set(PART_NAMES)
-    assert a.label == "qk_norm[dtype=bfloat16,head_dim=64]"
-
-
-@pytest.mark.parametrize("change", [
-    dict(kernel="qkv_front"), dict(i=1), dict(arch="sm_100a"), dict(src="cd" * 32), dict(dsl="4.9.0"), dict(abi=2)])
-def test_every_named_part_changes_the_key(change):
-    """Invalidation you can explain: source, variant, arch, DSL and ABI version all feed the key."""
-    base = fake_parts(0)
-    other = fake_parts(**{"i": 0, **change})
-    assert other.key() != base.key()
-    assert len(other.differences(base)) == 1
-
-
-def test_key_parts_from_json_rejects_unknown_or_missing_parts():
-    d = fake_parts().to_json()
-    with pytest.raises(ValueError):
-        KeyParts.from_json({**d, "extra": 1})
-    d.pop("arch")
-    with pytest.raises(ValueError):
-        KeyParts.from_json(d)
 
 
 # ---------------------------------------------------------------- put / get / load
@@ -253,79 +179,6 @@ def test_remove_and_touch(cache):
     cache.remove(p.key())  # idempotent
 
 
-# ---------------------------------------------------------------- find / nearest
-def test_find_any_dsl_version_picks_highest_version(cache):
-    wanted = fake_parts(dsl="")  # the runtime has no cutlass: it does not know the DSL version
-    for v in ("4.9.1", "4.10.0", "4.8.1"):
-        q = fake_parts(dsl=v)
-        cache.put(q, fake_cubin(q), fake_manifest(q))
-    other_arch = fake_parts(arch="sm_100a", dsl="5.0.0")
-    cache.put(other_arch, fake_cubin(other_arch), fake_manifest(other_arch))
-    assert lookup.find(cache, wanted, EXACT) is None
-    hit = lookup.find(cache, wanted, ANY_DSL)
-    assert hit is not None and hit.parts.dsl_version == "4.10.0"
-    exact = fake_parts(dsl="4.8.1")
-    assert lookup.find(cache, exact, ANY_DSL).key == exact.key()
-
-
-def test_find_any_dsl_version_reads_the_family_index_not_every_manifest(cache, monkeypatch):
-    """The runtime's lookup lists one index directory; the scan of every entry is only the fallback."""
-    wanted = fake_parts(dsl="")
-    for v in ("4.9.1", "4.10.0"):
-        q = fake_parts(dsl=v)
-        cache.put(q, fake_cubin(q), fake_manifest(q))
-    for i in range(5):  # unrelated entries the scan would have to read
-        q = fake_parts(i + 1, dsl="4.10.0")
-        cache.put(q, fake_cubin(q), fake_manifest(q))
-    marks = sorted(os.listdir(cache.index_dir / wanted.family()))
-    assert marks == sorted(fake_parts(dsl=v).key() for v in ("4.9.1", "4.10.0"))
-
-    def no_scan(self):
-        raise AssertionError("scanned every entry")
-
-    monkeypatch.setattr(Cache, "entries", no_scan)
-    assert lookup.find(cache, wanted, ANY_DSL).parts.dsl_version == "4.10.0"
-    cache.remove(fake_parts(dsl="4.10.0").key())  # removing an entry drops its marker
-    assert os.listdir(cache.index_dir / wanted.family()) == [fake_parts(dsl="4.9.1").key()]
-    assert lookup.find(cache, wanted, ANY_DSL).parts.dsl_version == "4.9.1"
-
-
-def test_find_without_index_or_with_a_dangling_marker_falls_back_to_the_scan(cache):
-    """Caches written before the index existed, and markers whose entry vanished, still resolve."""
-    wanted = fake_parts(dsl="")
-    q = fake_parts(dsl="4.8.1")
-    cache.put(q, fake_cubin(q), fake_manifest(q))
-    shutil.rmtree(cache.index_dir)
-    assert lookup.find(cache, wanted, ANY_DSL).key == q.key()
-    (cache.index_dir / wanted.family()).mkdir(parents=True)
-    (cache.index_dir / wanted.family() / fake_parts(dsl="9.9.9").key()).touch()  # no such entry
-    assert lookup.find(cache, wanted, ANY_DSL).key == q.key()
-
-
-def test_family_ignores_only_the_dsl_version():
-    a = fake_parts(dsl="4.8.1")
-    assert a.family() == fake_parts(dsl="5.0").family() != fake_parts(dsl="4.8.1", arch="sm_100a").family()
-    assert a.family() != a.key()
-
-
-def test_nearest_names_the_differing_part(cache):
-    assert lookup.nearest(cache, fake_parts()) == (None, list(PART_NAMES))
-    have = fake_parts(dsl="4.8.1")
-    cache.put(have, fake_cubin(have), fake_manifest(have))
-    q = fake_parts(3)
-    cache.put(q, fake_cubin(q), fake_manifest(q))
-    entry, diff = lookup.nearest(cache, fake_parts(dsl="4.9.0"))
-    assert entry.key == have.key() and diff == ["dsl_version"]
-    msg = lookup.explain_miss(cache, fake_parts(dsl="4.9.0"))
-    assert "dsl_version" in msg and "4.9.0" in msg and "4.8.1" in msg
-    entry, diff = lookup.nearest(cache, fake_parts(src="cd" * 32))
-    assert diff == ["source_sha256"]
-    assert lookup.nearest(cache, have) == (cache.get(have.key()), [])
-    # a variant param difference is itemised
-    lines = fake_parts(2).describe_differences(have)
-    assert any(line.startswith("variant.i:") for line in lines)
-
-
 # ---------------------------------------------------------------- read-only deploys
 def _populated(tmp_path, n=3) -> tuple[Cache, list[KeyParts]]:
     c = Cache(tmp_path / "ro")
@@ -372,24 +225,9 @@ def test_read_only_by_access_check_writes_nothing(tmp_path):
         _assert_reads_write_nothing(c, parts)
 
 
-def _modes_are_enforced(tmp_path) -> bool:
-    """False for root with CAP_DAC_OVERRIDE (writes through chmod a-w); true for users."""
-    probe = tmp_path / "probe"
-    probe.mkdir()
-    os.chmod(probe, 0o555)
-    try:
-        (probe / "x").write_text("")
-        return False
-    except PermissionError:
-        return True
-    finally:
-        os.chmod(probe, 0o755)
-
-
 def test_read_only_by_chmod_writes_nothing(tmp_path):
-    if not _modes_are_enforced(tmp_path):
-        pytest.skip("running as root with CAP_DAC_OVERRIDE: chmod a-w does not stop writes "
-                    "(the os.access and read-only mount tests cover this case)")
+    """Also as root, whom mode bits do not stop: the store holds itself to them (DESIGN.md's one miss was a root
+    user writing a last-used stamp into a cache made read-only by chmod)."""
     c, parts = _populated(tmp_path)
     for dirpath, dirnames, filenames in os.walk(c.root):
         for n in filenames + dirnames:
@@ -429,69 +267,20 @@ def test_read_only_mount_writes_nothing(tmp_path):
         assert Cache(mnt / "missing" / "sub").read_only  # missing root that cannot be created
 
 
-def test_missing_root_that_cannot_be_created_is_read_only(tmp_path):
+def test_a_root_below_a_file_is_not_a_directory(tmp_path):
+    """MUSEKERN_CACHE_DIR pointing at (or below) a file: reads see an empty cache, a write says "not a directory"
+    naming the file (before: "read-only", which sends the user to the wrong fix)."""
     f = tmp_path / "file"
     f.write_text("x")
-    c = Cache(f / "cache")
-    assert c.read_only and c.entries() == [] and c.get(fake_parts().key()) is None
-    with pytest.raises(ReadOnlyCacheError):
-        c.put(fake_parts(), b"x", fake_manifest(fake_parts()))
+    for c in (Cache(f / "cache"), Cache(f)):
+        assert c.read_only and c.entries() == [] and c.get(fake_parts().key()) is None
+        with pytest.raises(CacheAccessError, match="is not a directory") as ei:
+            c.put(fake_parts(), b"x", fake_manifest(fake_parts()))
+        assert not isinstance(ei.value, ReadOnlyCacheError) and str(f) in str(ei.value)
+        with pytest.raises(CacheAccessError, match="is not a directory"):
+            c.check_root()
     assert not Cache(tmp_path / "new" / "cache").read_only  # creatable: writable, nothing created yet
     assert not (tmp_path / "new").exists()
-
-
-# ---------------------------------------------------------------- hygiene
-def test_gc_older_than_and_max_size(cache):
-    parts = [fake_parts(i) for i in range(4)]
-    for p in parts:
-        cache.put(p, fake_cubin(p), fake_manifest(p))
-    now = time.time()
-    for age_days, p in zip((40, 20, 5, 1), parts, strict=True):
-        cache.touch(p.key())
-        t = now - age_days * 86400
-        os.utime(cache.used_dir / p.key(), (t, t))
-    removed = hygiene.gc(cache, older_than=30 * 86400, now=now)
-    assert [e.key for e in removed] == [parts[0].key()]
-    two_newest = sum(cache.get(p.key()).size_bytes for p in parts[2:])
-    dry = hygiene.gc(cache, max_size=two_newest, now=now, dry_run=True)
-    assert [e.key for e in dry] == [parts[1].key()] and len(cache.entries()) == 3  # dry run removes nothing
-    removed = hygiene.gc(cache, max_size=two_newest, now=now)
-    assert [e.key for e in removed] == [parts[1].key()]  # least recently used first
-    assert {e.key for e in cache.entries()} == {parts[2].key(), parts[3].key()}
-    with pytest.raises(ValueError):
-        hygiene.gc(cache)
-
-
-def test_record_plan_and_stale_entries(cache):
-    parts = [fake_parts(i) for i in range(3)]
-    for p in parts:
-        cache.put(p, fake_cubin(p), fake_manifest(p))
-    with pytest.raises(CacheError, match="no plan is recorded"):
-        hygiene.stale_entries(cache)
-    hygiene.record_plan(cache, "/path/to/cfg.json|h200", [parts[0].key()])  # any name (a path) is fine
-    hygiene.record_plan(cache, "other", [parts[1].key()])
-    assert hygiene.plans(cache) == {"/path/to/cfg.json|h200": [parts[0].key()], "other": [parts[1].key()]}
-    assert [e.key for e in hygiene.stale_entries(cache)] == [parts[2].key()]
-    hygiene.forget_plan(cache, "other")
-    assert {e.key for e in hygiene.stale_entries(cache)} == {parts[1].key(), parts[2].key()}
-    with pytest.raises(ValueError):
-        hygiene.record_plan(cache, "x", ["not-a-key"])
-
-
-def test_stats_and_clean(cache):
-    a, b = fake_parts(0), fake_parts(1, kernel="qkv_front", arch="sm_100a")
-    for p in (a, b):
-        cache.put(p, fake_cubin(p), fake_manifest(p))
-    s = hygiene.stats(cache)
-    assert s["entries"] == 2 and s["bytes"] == sum(e.size_bytes for e in cache.entries())
-    assert s["by_kernel"]["qk_norm"]["entries"] == 1 and s["by_arch"]["sm_100a"]["entries"] == 1
-    old = cache.tmp_dir / "crashed.123"
-    old.mkdir(parents=True)
-    fresh = cache.tmp_dir / "live.456"
-    fresh.mkdir()
-    os.utime(old, (time.time() - 7200,) * 2)
-    assert hygiene.clean_tmp(cache) == 1 and fresh.exists() and not old.exists()
-    assert hygiene.clear(cache) == 2 and cache.entries() == []
 
 
 # ---------------------------------------------------------------- concurrency

@@ -1,0 +1,152 @@
+"""Fake entries for the store tests: no GPU and no compiler, so these tests run in seconds on 2 cores.
+
+A fake build writes a deterministic fake cubin per key (compiles are deterministic too) and a manifest
+shaped like the builder's (a real launch-ABI record, so every check the loader relies on applies).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from musekern.store.abi import KernelAbi, LaunchSpec, pointer, scalar
+from musekern.store.cache import Cache
+from musekern.store.keys import KeyParts
+
+SRC = "ab" * 32
+
+
+def fake_parts(i: int = 0, kernel: str = "qk_norm", arch: str = "sm_90a", dsl: str = "4.8.1",
+               src: str = SRC, abi: int = 1) -> KeyParts:
+    return KeyParts.make(kernel, {"dtype": "bfloat16", "head_dim": 64, "has_scale": bool(i % 2), "i": i},
+                         arch, src, dsl, abi)
+
+
+def fake_cubin(parts: KeyParts) -> bytes:
+    """Deterministic bytes per key (compiles are deterministic: same inputs, same cubin)."""
+    return b"\x7fELF" + hashlib.sha256(parts.key().encode()).digest() * 8
+
+
+FAKE_ABI = KernelAbi((pointer("x"), pointer("out"), scalar("m", "i32")), LaunchSpec((256, 1, 1)))
+
+
+def fake_manifest(parts: KeyParts) -> dict:
+    """What the builder hands to Cache.put (build/compile.py: label, variant, symbol, arch, ABI, built_with)."""
+    return {"kernel": parts.kernel, "label": parts.label, "variant": parts.variant_params,
+            "symbol": f"kernel_{parts.kernel}", "arch": parts.arch, "abi": FAKE_ABI.to_json(),
+            "built_with": {"nvidia-cutlass-dsl": parts.dsl_version}}
+
+
+def fake_build(parts: KeyParts, counter: Path | None = None):
+    def build():
+        if counter is not None:
+            with open(counter, "a") as f:  # O_APPEND: one line per build, from any process
+                f.write(parts.key() + "\n")
+        return fake_cubin(parts), fake_manifest(parts)
+    return build
+
+
+def put(cache: Cache, parts: KeyParts):
+    return cache.put(parts, fake_cubin(parts), fake_manifest(parts))
+
+
+def filled(path: Path, idx, order=None) -> Cache:
+    c = Cache(path)
+    for i in (order or idx):
+        put(c, fake_parts(i))
+    return c
+
+
+def tree(root: Path) -> dict:
+    """Snapshot of every path under root with its mtime and size (to prove nothing was written)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            p = Path(dirpath, n)
+            st = p.lstat()
+            out[str(p)] = (st.st_mtime_ns, st.st_size)
+    return out
+
+
+def chmod_w(path: Path) -> None:
+    """Entry files are 0444: make one writable so a test can damage it (also as non-root)."""
+    os.chmod(path, 0o644)
+
+
+def as_other_user() -> list[str]:
+    """The command prefix that makes a child unable to read a file chmod 000: `setpriv` to nobody as root."""
+    if os.geteuid() != 0:
+        return []
+    if not shutil.which("setpriv"):
+        pytest.skip("running as root without setpriv: cannot make a file unreadable")
+    return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+@functools.lru_cache(maxsize=None)
+def real_builds() -> tuple:
+    """Two real compiled entries, (parts, cubin, builder manifest) each, compiled once per test process (CuTe DSL
+    on the CPU, ~3 s each): qk_norm variants that differ in dtype, head_dim and scale, so their cubins have
+    different symbols and parameter lists. Skips where the build extra is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("cutlass") is None:
+        pytest.skip("needs the build extra (nvidia-cutlass-dsl) to compile a real cubin")
+    from musekern.build.compile import build_variant
+    from musekern.store.keys import dsl_version, key_parts
+    from musekern.variants import QkNormVariant
+
+    out = []
+    for v in (QkNormVariant("bfloat16", 64, False), QkNormVariant("float16", 128, True)):
+        b = build_variant(v, "sm_90a")
+        out.append((key_parts(v, "sm_90a", dsl_version()), b.cubin, b.manifest))
+    return tuple(out)
+
+
+def fail_writes_under(monkeypatch, root: Path, after_bytes: int = 0) -> None:
+    """Every os.write into a file under `root` fails with ENOSPC once `after_bytes` were written there: a disk
+    that fills up, wherever the store writes (undone with monkeypatch.undo())."""
+    import errno
+
+    real = os.write
+    budget = [after_bytes]
+
+    def write(fd, data):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            target = ""
+        if target.startswith(str(root)):
+            if budget[0] < len(data):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            budget[0] -= len(data)
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+
+
+@contextlib.contextmanager
+def lock_held_elsewhere(cache: Cache, key: str):
+    """`key`'s lock held by another thread (flock excludes it there as it would another process: a writer at
+    work) for the duration of the block."""
+    import threading
+
+    holding, release = threading.Event(), threading.Event()
+
+    def writer():
+        with cache.lock(key):
+            holding.set()
+            release.wait(30)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        assert holding.wait(30)
+        yield
+    finally:
+        release.set()
+        t.join()

@@ -253,18 +253,19 @@ def test_an_unsupported_local_gpu_is_refused_not_planned(run, monkeypatch):
 def test_prepare_into_an_impossible_cache_dir_is_one_line(run):
     r = run("prepare", "--target", "h200", *QK, "--cache-dir", "/proc/nope", code=1)
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.output
-    assert r.stderr.startswith("musekern: error: cannot write the cache at /proc/nope") and "--cache-dir" in r.stderr
+    assert r.stderr.startswith("musekern: error: cache /proc/nope") and "--cache-dir" in r.stderr
 
 
 @pytest.mark.parametrize("args", [["doctor", "--target", "h200"], ["ls"], ["stats"], ["verify"]])
-def test_an_unreadable_cache_is_one_line_naming_the_path(run, monkeypatch, args):
+def test_an_unreadable_cache_is_one_line_naming_the_path(run, monkeypatch, tmp_path, args):
     def denied(self, *a, **k):
         raise PermissionError(13, "Permission denied", "/srv/cache/v2")
 
+    (tmp_path / "cache").mkdir()  # it exists (a missing one is its own error), but reading it is denied
     monkeypatch.setattr("musekern.store.cache.Cache.entries", denied)
     monkeypatch.setattr("musekern.store.cache.Cache.entry_keys", denied)
     r = run(*args, code=1)
-    assert r.stderr.count("\n") == 1 and r.stderr.startswith("musekern: error: Permission denied: /srv/cache/v2")
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("musekern: error: /srv/cache/v2: permission denied")
     assert "--cache-dir" in r.stderr
 
 
@@ -297,6 +298,7 @@ def test_bindings_driver_problem(bindings, driver, problem):
 
 # ---------------------------------------------------------------- stdout vs stderr (cli/__init__.py)
 def test_json_stdout_is_one_document_and_logs_go_to_stderr(run, tmp_path):
+    (tmp_path / "cache").mkdir()  # verify fails on a cache directory that does not exist
     for args in (["plan", "--target", "h200"], ["ls"], ["stats"], ["verify"]):
         json.loads(run(*args, "--json").stdout)
     r = run("plan", "--target", "h200")
@@ -306,14 +308,13 @@ def test_json_stdout_is_one_document_and_logs_go_to_stderr(run, tmp_path):
 
 
 def test_clean_dry_run_never_says_removed(run, tmp_path, monkeypatch):
+    from store_fakes import fake_parts, put
+
     from musekern.store.cache import Cache
-    from musekern.store.keys import KeyParts
 
     c = Cache(tmp_path / "cache")
     for i in range(2):
-        p = KeyParts.make("qk_norm", {"i": i}, "sm_90a", "ab" * 32, "4.8.1", 1)
-        c.put(p, b"\x7fELF" + bytes(64), {"kernel": "qk_norm", "label": p.label, "variant": p.variant_params,
-                                            "symbol": "k", "arch": "sm_90a", "abi": {}, "built_with": {}})
+        put(c, fake_parts(i))
     hygiene.record_plan(c, "other", [])
     for args in (["clean", "--dry-run"], ["clean", "--stale", "--dry-run"], ["clean", "--all", "--dry-run"]):
         out = run(*args).stdout

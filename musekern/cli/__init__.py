@@ -17,7 +17,7 @@ from __future__ import annotations
 import click
 
 from .. import __version__
-from .common import Failure, is_broken_pipe, os_failure
+from .common import one_line_errors
 
 
 def _epilog() -> str:
@@ -32,17 +32,7 @@ def _epilog() -> str:
 
 class _Main(click.Group):
     def invoke(self, ctx):
-        from ..env import EnvError
-        from ..store.cache import CacheError
-
-        try:
-            return super().invoke(ctx)
-        except (CacheError, EnvError) as e:  # the store's and the environment's errors are one line with their fix
-            raise Failure(str(e)) from None
-        except OSError as e:
-            if is_broken_pipe(e):
-                raise
-            raise os_failure(e) from None
+        return one_line_errors(super().invoke)(ctx)  # the store's, the environment's and OS errors: one line
 
 
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]}, epilog=_epilog())

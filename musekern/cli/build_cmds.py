@@ -70,9 +70,9 @@ def _entries_for(model, targets, variant_labels) -> list[PlanEntry]:
 
 def _cache_failure(cache, e: OSError) -> Failure:
     """The cache directory cannot be created or written (a path under /proc, a file in the way)."""
-    return Failure(f"cannot write the cache at {cache.root}: {e.strerror or type(e).__name__}"
-                   f"{f' ({e.filename})' if e.filename and str(e.filename) != str(cache.root) else ''}; "
-                   f"pass a writable --cache-dir DIR or set MUSEKERN_CACHE_DIR")
+    from ..store import fs
+
+    return Failure(fs.describe(e, e.filename or cache.root, "cannot write the cache at"))
 
 
 def model_json(model) -> dict:
@@ -136,7 +136,8 @@ def prepare_cmd(model_path, target_names, tp, variant_labels, cache_dir, jobs, s
             rem = RemoteCache.from_env(remote, upload=upload)
         except RemoteError as e:
             raise UsageFailure(f"--remote: {e}") from None
-    if not cache.read_only:  # a root that cannot exist (under /proc, below a file) fails here, in one line
+    if not cache.root.exists():  # a root that cannot exist (under /proc, below a file) fails here, in one line
+        cache.require_writable("prepare", "prepare")
         try:
             cache.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:

@@ -9,7 +9,6 @@ Nothing here imports cutlass: these commands work on a deploy machine with the r
 """
 from __future__ import annotations
 
-import functools
 import re
 import time
 
@@ -25,6 +24,7 @@ from .common import (
     json_option,
     log,
     model_option,
+    one_line_errors,
     shard_option,
     table,
     target_option,
@@ -77,23 +77,6 @@ def _tp(tp) -> str:
 
 def _writable(cache, what: str, command: str) -> None:
     cache.require_writable(what, command)  # CacheError: one line naming `musekern <command>`
-
-
-def _one_line_errors(callback):
-    """The store's errors (and an OSError nobody expected) as `musekern: error: <one line>`, exit 1."""
-    @functools.wraps(callback)
-    def run(*args, **kwargs):
-        from ..env import EnvError
-        from ..store import fs
-        from ..store.cache import CacheError
-
-        try:
-            return callback(*args, **kwargs)
-        except (CacheError, EnvError) as e:
-            raise Failure(str(e)) from None
-        except OSError as e:
-            raise Failure(fs.describe(e, e.filename or "?")) from None
-    return run
 
 
 # ---------------------------------------------------------------- ls
@@ -543,6 +526,6 @@ def register(group: click.Group) -> None:
     to one error line."""
     for cmd in COMMANDS:
         if not getattr(cmd.callback, "_one_line_errors", False):
-            cmd.callback = _one_line_errors(cmd.callback)
+            cmd.callback = one_line_errors(cmd.callback)
             cmd.callback._one_line_errors = True
         group.add_command(cmd)

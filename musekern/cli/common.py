@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import json
 
 import click
@@ -77,14 +78,25 @@ class UsageFailure(click.UsageError):
         click.echo(f"musekern: error: {self.format_message()}", err=True)
 
 
-def os_failure(e: OSError, what: str = "") -> Failure:
-    """One line for an OSError a command did not expect (a cache dir under /proc, a directory it may not
-    read): what failed, on which path, and where that path comes from."""
-    path = e.filename or ""
-    reason = e.strerror or type(e).__name__
-    doing = f"{what}: " if what else ""
-    return Failure(f"{doing}{reason}: {path} (check the path and its permissions: --cache-dir / "
-                   f"MUSEKERN_CACHE_DIR for the cache, --model for the config, -o for an output file)")
+def one_line_errors(callback):
+    """`callback` with the errors no command expects as `musekern: error: <one line>`, exit 1: the store's
+    (CacheError), the environment's (EnvError) and any OSError (the path, the reason, the fix: store.fs.describe).
+    The `musekern` group wraps every command with it; a broken stdout pipe stays what it is."""
+    @functools.wraps(callback)
+    def run(*args, **kwargs):
+        from ..env import EnvError
+        from ..store import fs
+        from ..store.cache import CacheError
+
+        try:
+            return callback(*args, **kwargs)
+        except (CacheError, EnvError) as e:
+            raise Failure(str(e)) from None
+        except OSError as e:
+            if is_broken_pipe(e):
+                raise
+            raise Failure(fs.describe(e, e.filename or "?")) from None
+    return run
 
 
 def is_broken_pipe(e: OSError) -> bool:

@@ -11,7 +11,10 @@ NAME=${GPU_ROUND_NAME:-gpu-tests}
 KEXPR=${1:-}
 if [ "${SANITIZE:-0}" = 1 ]; then
   for script in qkv_front qkv_epilogue; do for tool in memcheck racecheck synccheck; do
-    timeout ${SAN_TIMEOUT:-240} compute-sanitizer --tool $tool --print-limit 20 --report-api-errors no \
+    # racecheck skips cuBLAS's own sm90 GEMM kernels (nvjet_*, launched by torch.mm on the GEMM + epilogue path): it
+    # reports hazards inside them (5 at 4f19417, h200-gpu-round.json's first run), none are musekern's to fix
+    skip=(); [ $tool = racecheck ] && skip=(--kernel-name-exclude kns=nvjet)
+    timeout ${SAN_TIMEOUT:-240} compute-sanitizer --tool $tool "${skip[@]}" --print-limit 20 --report-api-errors no \
       python3 bench/sanitize_$script.py > "$DEST/sanitizer-$tool-$script.log" 2>&1 &
   done; done
 fi

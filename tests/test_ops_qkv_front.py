@@ -375,3 +375,19 @@ def test_prepare_without_cuda_is_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match=r"no CUDA device is visible to torch .* `musekern prepare`"):
         op.prepare(2176)
+
+
+# byte ranges before, inside, across and after each cache (both layouts: the block stride decides where a cache
+# ends), and exactly adjacent: the fast path's overlap test must agree with the general span test
+@pytest.mark.parametrize("layout", ["vllm", "flashinfer"])
+def test_the_fast_overlap_test_is_the_general_one(layout):
+    from musekern.ops.checks import meets_cache, span
+
+    c = make_case(layout=layout)
+    for cache in (c["key_cache"], c["value_cache"]):
+        c0, c1 = span(cache)
+        base, total = cache.untyped_storage().data_ptr(), cache.untyped_storage().nbytes()
+        for start in range(-256, total + 256, 64):
+            for length in (2, 128, 4096):
+                a0, a1 = base + start, base + start + length
+                assert meets_cache(a0, a1, cache) == (a0 < c1 and c0 < a1), (start, length)

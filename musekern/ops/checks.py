@@ -32,6 +32,14 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and a0 < b1 and b0 < a1
 
 
+def meets_cache(a0: int, a1: int, c: torch.Tensor) -> bool:
+    """Does the byte range [a0, a1) meet cache `c` (a layout `kv_reason` accepts: bf16, the inner three dims
+    contiguous)? The fast paths' overlap test: a few reads, where `overlaps` walks every dim."""
+    c0, s = c.data_ptr(), c.shape
+    c1 = c0 + ((s[0] - 1) * c.stride(0) + s[1] * s[2] * s[3]) * 2
+    return a0 < c1 and c0 < a1
+
+
 def num_kv_heads_reason(num_kv_heads) -> str | None:
     if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int):
         return f"num_kv_heads must be an int, got {num_kv_heads!r}"
@@ -138,6 +146,7 @@ def fast_tokens_and_caches(m: int, dev: int, positions, slot_mapping, cos_sin_ca
     attribute reads (the caller has already checked dtypes and that nkv is an int)."""
     kshape = key_cache.shape
     inner = (nkv * HEAD_COLS, HEAD_COLS, 1)
+    ks, vs = key_cache.stride(), value_cache.stride()
     return (positions.shape == (m,) and slot_mapping.shape == (m,)
             and positions.stride() == (1,) and slot_mapping.stride() == (1,)
             and cos_sin_cache.stride() == (HEAD_COLS, 1) and cos_sin_cache.shape[1] == HEAD_COLS
@@ -145,9 +154,8 @@ def fast_tokens_and_caches(m: int, dev: int, positions, slot_mapping, cos_sin_ca
             and len(kshape) == 4 and kshape == value_cache.shape and kshape[2] == nkv
             and kshape[3] == HEAD_COLS and kshape[0] >= 1 and kshape[1] >= 1
             and kshape[0] * kshape[1] <= INT32_MAX and kshape[1] * inner[0] <= INT32_MAX
-            and key_cache.stride()[1:] == inner and value_cache.stride()[1:] == inner
-            and key_cache.stride(0) >= kshape[1] * inner[0] and value_cache.stride(0) >= kshape[1] * inner[0]
-            and (key_cache.stride(0) | value_cache.stride(0)) % VEC == 0
+            and ks[1:] == inner and vs[1:] == inner and ks[0] >= kshape[1] * inner[0] and vs[0] >= kshape[1] * inner[0]
+            and (ks[0] | vs[0]) % VEC == 0
             and (cos_sin_cache.data_ptr() | key_cache.data_ptr() | value_cache.data_ptr()) % ALIGN == 0
             and positions.get_device() == dev and slot_mapping.get_device() == dev
             and cos_sin_cache.get_device() == dev and key_cache.get_device() == dev

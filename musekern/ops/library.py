@@ -7,11 +7,11 @@ Importing this module registers (once per process):
     torch.ops.musekern.qk_norm(Tensor x, int head_dim, float eps=1e-05, float scale=1.0) -> Tensor
 
 `qkv_front` writes k and v into the two caches in place (the schema says so: torch.compile functionalizes
-the call and re-inplaces it) and returns a new y [M, N]. Its CUDA and CPU kernels are one function,
-`ops.qkv_front.qkv_front_auto`: the engine's single entry for every M (the cached kernels on a GPU; the
-plain-torch reference on CPU tensors). `qk_norm` runs the cached kernel on CUDA tensors, the reference on
-CPU tensors. Each op has a fake (meta) implementation, so it traces under torch.compile with
-`fullgraph=True` and dynamic M.
+the call and re-inplaces it) and returns a new y [M, N]. Its CUDA kernel is `ops.qkv_front.qkv_front` (the
+checked call, every M: the fused front or cuBLAS + the fused epilogue), its CPU kernel the plain-torch
+reference: together what `qkv_front_auto` does, without its device test. `qk_norm` runs the cached kernel
+on CUDA tensors, the reference on CPU tensors. Each op has a fake (meta) implementation, so it traces under
+torch.compile with `fullgraph=True` and dynamic M.
 
 Registration route: `torch.library.Library` + `.impl` + `register_fake`, not `torch.library.custom_op`:
 the latter wraps every call in Python bookkeeping that costs several times the kernel launch
@@ -37,9 +37,11 @@ _TAGS = (torch.Tag.needs_fixed_stride_order, torch.Tag.pt2_compliant_tag)
 
 
 # ---------------------------------------------------------------- kernels (CPU and CUDA), fakes
-def _qkv_front_impl(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps):
-    return _qkv_front.qkv_front_auto(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
-                                     num_kv_heads, eps)
+def _qkv_front_cpu(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps):
+    from ..reference import qkv_front_reference
+
+    return qkv_front_reference(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
+                               num_kv_heads, eps)
 
 
 def _qkv_front_fake(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps):
@@ -68,8 +70,8 @@ def _register() -> torch.library.Library:
     lib = torch.library.Library(NAMESPACE, "FRAGMENT")
     lib.define(QKV_FRONT_SCHEMA, tags=_TAGS)
     lib.define(QK_NORM_SCHEMA, tags=_TAGS)
-    for key in ("CUDA", "CPU"):
-        lib.impl("qkv_front", _qkv_front_impl, key)
+    lib.impl("qkv_front", _qkv_front.qkv_front, "CUDA")  # the checked call: every M, checks once
+    lib.impl("qkv_front", _qkv_front_cpu, "CPU")
     lib.impl("qk_norm", _qk_norm_cuda, "CUDA")
     lib.impl("qk_norm", _qk_norm_cpu, "CPU")
     torch.library.register_fake(f"{NAMESPACE}::qkv_front", _qkv_front_fake, lib=lib)

@@ -79,10 +79,12 @@ def _fast_ok(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, 
                 and cos_sin_cache.dtype is torch.float32 and type(nkv) is int and type(eps) is float
                 and 0.0 <= eps < float("inf") and m >= 1 and y.is_cuda and _supports_shape(n, nkv)):
             return False
-        return (y.stride() == (n, 1) and m <= rows_any_build(n, nkv) and y.data_ptr() % ALIGN == 0
+        y0 = y.data_ptr()
+        return (y.stride() == (n, 1) and m <= rows_any_build(n, nkv) and y0 % ALIGN == 0
                 and checks.fast_tokens_and_caches(m, y.get_device(), positions, slot_mapping, cos_sin_cache,
                                                   key_cache, value_cache, nkv)
-                and not overlaps(y, key_cache) and not overlaps(y, value_cache))
+                and not checks.meets_cache(y0, y0 + m * n * 2, key_cache)
+                and not checks.meets_cache(y0, y0 + m * n * 2, value_cache))
     except (AttributeError, TypeError, ValueError, IndexError):  # not tensors, wrong ranks: the slow path says why
         return False
 

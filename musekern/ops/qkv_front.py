@@ -24,7 +24,12 @@ from . import checks, qkv_epilogue
 from ._bind import binder
 from .checks import ALIGN, is_tensor, overlaps
 
-_supports_shape = functools.lru_cache(maxsize=256)(supports_shape)
+
+@functools.lru_cache(maxsize=256)
+def _rows_limit(n: int, num_kv_heads: int) -> int:
+    """The most rows one call of N columns takes (the epilogue's Int32 index), 0 where N is no q|k|v|gate layout:
+    one cached lookup for the fast path's two questions."""
+    return qkv_epilogue.rows_any_build(n, num_kv_heads) if supports_shape(n, num_kv_heads) else 0
 
 
 def hidden_rows_ok(x) -> bool:
@@ -102,16 +107,17 @@ def _fast_ok(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value
             return False
         dev = x.get_device()
         if not (x.stride() == (HIDDEN, 1) and x.shape[1] == HIDDEN and weight.stride() == (HIDDEN, 1)
-                and weight.shape[1] == HIDDEN and _supports_shape(n, nkv)
+                and weight.shape[1] == HIDDEN and m <= _rows_limit(n, nkv)
                 and (x.data_ptr() | weight.data_ptr()) % ALIGN == 0 and weight.get_device() == dev
-                and m <= qkv_epilogue.rows_any_build(n, nkv)
                 and checks.fast_tokens_and_caches(m, dev, positions, slot_mapping, cos_sin_cache, key_cache,
                                                   value_cache, nkv)):
             return False
         if out is not None:
-            return (out.dtype is bf and out.shape == (m, n) and out.stride() == (n, 1)
-                    and out.data_ptr() % ALIGN == 0 and out.get_device() == dev and not overlaps(out, x)
-                    and not overlaps(out, key_cache) and not overlaps(out, value_cache))
+            o0, x0 = out.data_ptr(), x.data_ptr()
+            o1 = o0 + m * n * 2
+            return (out.dtype is bf and out.shape == (m, n) and out.stride() == (n, 1) and o0 % ALIGN == 0
+                    and out.get_device() == dev and not (o0 < x0 + m * HIDDEN * 2 and x0 < o1)
+                    and not checks.meets_cache(o0, o1, key_cache) and not checks.meets_cache(o0, o1, value_cache))
         return True
     except (AttributeError, TypeError, IndexError):  # not tensors, wrong ranks: the slow path says why
         return False
@@ -152,6 +158,21 @@ def _variant(n: int, m: int, num_kv_heads: int, device_index: int) -> QkvFrontVa
 def _fused(n: int, m: int, device_index: int) -> bool:
     """Does the fused front serve (N, M) on this device (the planner's rule)?"""
     return front_serves(n, m, _target(device_index))
+
+
+@functools.lru_cache(maxsize=4096)
+def _path(n: int, m: int, num_kv_heads: int, device_index: int):
+    """The launch function of a call shape, resolved once: the fused front bound to its kernel, or the GEMM and the
+    fused epilogue (the host cost of `launch`: one cached lookup, then the launch)."""
+    if not _fused(n, m, device_index):
+        return launch_gemm_epilogue
+    kernel, grid, bind = _front_plan(n, m, num_kv_heads, device_index)
+    launch_ordered = kernel.launch_ordered
+
+    def front(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out):
+        launch_ordered(grid, bind(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out))
+        return out
+    return front
 
 
 # How each value the front's launch ABI (kernels/qkv_front.py::abi_for) names is computed from a call; the
@@ -210,8 +231,8 @@ def launch(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_c
     if out is None:
         out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     dev = x.get_device()
-    path = launch_front if _fused(n, m, dev if dev >= 0 else torch.cuda.current_device()) else launch_gemm_epilogue
-    return path(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out)
+    return _path(n, m, num_kv_heads, dev if dev >= 0 else torch.cuda.current_device())(
+        x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out)
 
 
 def qkv_front(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,

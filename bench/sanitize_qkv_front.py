@@ -2,7 +2,9 @@
 """One launch of every default-model qkv_front variant (and qk_norm) with hostile inputs, for compute-sanitizer:
 padding slots (-1), a slot past the end of the cache, positions past the end of the table and negative,
 M = 1, 8, 16, 24 (every front build per N) and 40 (torch.mm + the fused epilogue), FlashInfer's strided cache
-layout. Exit 0 if every launch ran.
+layout. Exit 0 if every launch ran. `--fused-only`: only the M the fused front serves (racecheck: on the GEMM path it
+reports hazards inside cuBLAS's own nvjet kernels, which are not musekern's; bench/sanitize_qkv_epilogue.py checks the
+epilogue).
 
   compute-sanitizer --tool memcheck python3 bench/sanitize_qkv_front.py
 """
@@ -17,6 +19,9 @@ HIDDEN, HD = 8192, 64
 
 
 def main() -> int:
+    from musekern.ops.qkv_front import _fused
+
+    fused_only = "--fused-only" in sys.argv[1:]
     model = load_config()
     torch.manual_seed(0)
     max_pos, nb, bs = 256, 8, 16
@@ -25,6 +30,8 @@ def main() -> int:
     for shard in model.shards():
         w = (torch.randn(shard.n, HIDDEN, device="cuda") / 90).to(torch.bfloat16)
         for m in (1, 8, 16, 24, 40):
+            if fused_only and not _fused(shard.n, m, torch.cuda.current_device()):
+                continue
             x = torch.randn(m, HIDDEN, device="cuda").to(torch.bfloat16)
             pos = torch.randint(0, max_pos, (m,), device="cuda")
             pos[0] = max_pos + 1000

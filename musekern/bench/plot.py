@@ -19,6 +19,15 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, out_dir: str, name: str) -> str:
+    fig.tight_layout()
+    os.makedirs(out_dir, exist_ok=True)
+    p = os.path.join(out_dir, name)
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
 def write_plot(doc: dict, out_dir: str, name: str = "qkv_front_roofline.png") -> str | None:
     """One panel per N (x: M, y: TB/s of weight bytes); None, with a warning, when matplotlib is missing."""
     plt = _pyplot()
@@ -45,12 +54,7 @@ def write_plot(doc: dict, out_dir: str, name: str = "qkv_front_roofline.png") ->
     axes[0][0].set_ylabel("weight bytes / time (TB/s)")
     axes[0][-1].legend(fontsize=7, loc="lower right")
     fig.suptitle(f"qkv_front on {doc.get('device')} (after-norm: front's added time)", fontsize=10)
-    fig.tight_layout()
-    os.makedirs(out_dir, exist_ok=True)
-    p = os.path.join(out_dir, name)
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return _save(plt, fig, out_dir, name)
 
 
 ALL_M_SERIES = (("musekern", "o-", "musekern (planner's path)"), ("cublas", "x--", "cuBLAS GEMM alone"),
@@ -80,9 +84,4 @@ def write_all_m_plot(doc: dict, out_dir: str, name: str = "qkv_front_all_m.png")
     axes[0][0].set_ylabel("us per layer")
     axes[0][0].legend(fontsize=7, loc="upper left")
     fig.suptitle(f"the attention front at every M on {doc.get('device')}", fontsize=10)
-    fig.tight_layout()
-    os.makedirs(out_dir, exist_ok=True)
-    p = os.path.join(out_dir, name)
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return _save(plt, fig, out_dir, name)

@@ -163,13 +163,10 @@ def prepare(N: int, rows, num_kv_heads: int | None = None, device=None) -> list:
     model's shard of this N. Returns the loaded kernels (raises MissingKernelError, naming the `musekern
     prepare` command, if one is not in the cache).
     """
-    from .qkv_front import _default_kv_heads, device_index
+    from .qkv_front import prepare_args
 
-    dev = device_index(device)
-    if num_kv_heads is None:
-        num_kv_heads = _default_kv_heads(N)
-    ms = range(1, rows + 1) if isinstance(rows, int) else rows
-    builds = dict.fromkeys(epilogue_variant(N, int(m), num_kv_heads) for m in ms if int(m) > 0)
+    dev, num_kv_heads, ms = prepare_args(N, rows, num_kv_heads, device)
+    builds = dict.fromkeys(epilogue_variant(N, m, num_kv_heads) for m in ms)
     return [_loaded(v, dev)[0] for v in builds]
 
 

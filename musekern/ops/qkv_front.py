@@ -280,6 +280,16 @@ def device_index(device=None) -> int:
     return idx if idx is not None else torch.cuda.current_device()
 
 
+def prepare_args(N: int, rows, num_kv_heads: int | None, device) -> tuple[int, int, list[int]]:
+    """(device index, num_kv_heads, the sorted M values >= 1) of a prepare call: `rows` is an int (every M in
+    1..rows) or M values; num_kv_heads defaults to the bundled model's shard of this N."""
+    dev = device_index(device)
+    if num_kv_heads is None:
+        num_kv_heads = _default_kv_heads(N)
+    ms = sorted({int(m) for m in (range(1, rows + 1) if isinstance(rows, int) else rows)} - {0})
+    return dev, num_kv_heads, ms
+
+
 def prepare(N: int, rows=16, num_kv_heads: int | None = None, device=None) -> list:
     """Load every build the calls with weight rows N and M in `rows` take, fused front or GEMM + epilogue, and
     create cuBLAS's handle for the GEMM path: after this, those calls capture in a CUDA graph.
@@ -290,10 +300,7 @@ def prepare(N: int, rows=16, num_kv_heads: int | None = None, device=None) -> li
     """
     from ..runtime import get_kernel
 
-    dev = device_index(device)
-    if num_kv_heads is None:
-        num_kv_heads = _default_kv_heads(N)
-    ms = sorted({int(m) for m in (range(1, rows + 1) if isinstance(rows, int) else rows)})
+    dev, num_kv_heads, ms = prepare_args(N, rows, num_kv_heads, device)
     fused = [m for m in ms if _fused(N, m, dev)]
     kernels = list(dict.fromkeys(get_kernel(_variant(N, m, num_kv_heads, dev), device=dev) for m in fused))
     gemm = [m for m in ms if m not in fused]

@@ -70,11 +70,11 @@ import errno
 import os
 import re
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 from . import access, fs, locks
+from .entry import CUBIN_NAME, MANIFEST_NAME, Entry, Inspection
 from .errors import CacheAccessError, CacheError, CorruptEntryError, MissingEntryError, ReadOnlyCacheError
 from .fs import ReadProblem, fsync_dir, read_regular, rmtree, write_new_file
 from .keys import KeyParts, is_key, sha256_hex
@@ -93,8 +93,6 @@ __all__ = ["CACHE_FORMAT", "manifest_bytes", "Cache", "Entry", "Inspection", "Ca
            "MissingEntryError", "CacheAccessError", "ReadOnlyCacheError", "default_cache_dir"]
 
 ENV_CACHE_DIR = access.ENV_CACHE_DIR
-CUBIN_NAME = "kernel.cubin"
-MANIFEST_NAME = "manifest.json"
 _STAGE_RE = re.compile(r"^(?:trash\.)?([0-9a-f]{64})\.")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -115,83 +113,6 @@ def staging_key(name: str) -> str | None:
     """The key a tmp/ item belongs to (its writer holds that key's lock), or None for a stray name."""
     m = _STAGE_RE.match(name)
     return m.group(1) if m else None
-
-
-# ---------------------------------------------------------------- entries
-@dataclass(frozen=True)
-class Entry:
-    """A committed entry: its manifest parsed (not checked: see Cache.inspect); the cubin is not read."""
-    key: str
-    path: Path
-    manifest: dict
-
-    @property
-    def cubin_path(self) -> Path:
-        return self.path / CUBIN_NAME
-
-    @property
-    def manifest_path(self) -> Path:
-        return self.path / MANIFEST_NAME
-
-    @property
-    def parts(self) -> KeyParts:
-        try:
-            return KeyParts.from_json(self.manifest.get("key_parts"))
-        except (ValueError, TypeError, KeyError, OverflowError) as e:
-            raise CorruptEntryError(self.key, self.path, [f"bad key_parts: {e}"]) from None
-
-    def _field(self, name: str) -> str:
-        v = self.manifest.get(name)
-        if v is None:
-            kp = self.manifest.get("key_parts")
-            v = kp.get(name) if isinstance(kp, dict) else None
-        return "?" if v is None else str(v)
-
-    @property
-    def kernel(self) -> str:
-        return self._field("kernel")
-
-    @property
-    def arch(self) -> str:
-        return self._field("arch")
-
-    @property
-    def label(self) -> str:
-        if isinstance(self.manifest.get("label"), str):
-            return self.manifest["label"]
-        try:
-            return self.parts.label
-        except CacheError:
-            return "?"
-
-    @property
-    def dsl_version(self) -> str:
-        return self._field("dsl_version")
-
-    @property
-    def size_bytes(self) -> int:
-        """Bytes on disk (cubin + manifest); 0 for files that vanished meanwhile."""
-        total = 0
-        for p in (self.cubin_path, self.manifest_path):
-            with contextlib.suppress(OSError):
-                total += p.lstat().st_size
-        return total
-
-    def summary(self) -> dict:
-        return {"key": self.key, "kernel": self.kernel, "arch": self.arch, "label": self.label,
-                "dsl_version": self.dsl_version, "size_bytes": self.size_bytes, "path": str(self.path)}
-
-
-@dataclass(frozen=True)
-class Inspection:
-    """One read of an entry directory. status: "sound" (entry and cubin set), "bad" (problems say why),
-    "missing" (no entry dir) or "gone" (removed or replaced while it was read: a miss, not damage)."""
-    key: str
-    path: Path
-    status: str
-    entry: Entry | None = None
-    cubin: bytes | None = None
-    problems: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------- the cache

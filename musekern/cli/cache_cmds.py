@@ -28,6 +28,7 @@ from .common import (
     shard_option,
     table,
     target_option,
+    tp_flag,
     tp_option,
 )
 
@@ -68,11 +69,6 @@ def _open(cache_dir, must_exist: bool = False):
 def _cd(cache) -> str:
     """The --cache-dir spelling to put in a suggested fix command."""
     return f" --cache-dir {cache.root}"
-
-
-def _tp(tp) -> str:
-    """The --tp spelling to put in a suggested fix command."""
-    return f" --tp {','.join(map(str, tp))}" if tp else ""
 
 
 def _writable(cache, what: str, command: str) -> None:
@@ -407,7 +403,7 @@ def explain_cmd(what, model_path, target_names, tp, cache_dir, as_json):
         if not p["present"]:
             click.echo(f"  {p['message']}")
             log(f"fix: musekern prepare --target {p['target']}{f' --model {model_path}' if model_path else ''}"
-                f"{_tp(tp)}{_cd(cache)}")
+                f"{tp_flag(tp)}{_cd(cache)}")
 
 
 def _print_parts(entry) -> None:
@@ -470,7 +466,7 @@ def export_cmd(model_path, target_names, tp, shard, all_, keys, output, cache_di
             for pe in missing:
                 log(f"missing: {pe.target.name} {pe.variant.label}")
             raise Failure(f"{len(missing)} of the {len(pairs)} variants of {what} are not in {cache.root}; "
-                          f"run `musekern prepare{mpart} {tnames}{_tp(tp)}{sh}{_cd(cache)}` first")
+                          f"run `musekern prepare{mpart} {tnames}{tp_flag(tp)}{sh}{_cd(cache)}` first")
         # A shard's bundle records its own plan name: importing every shard into one cache then records every
         # shard's keys (one shared name would keep only the last import's, and `clean --stale` would drop the rest).
         plan_name = f"{model.source}|{','.join(t.name for t in targets)}" + (f"|shard {shard[0]}/{shard[1]}"

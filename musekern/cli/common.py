@@ -37,6 +37,11 @@ def _parse_tp(ctx, param, value):
     return tps
 
 
+def tp_flag(tp) -> str:
+    """The --tp spelling to put in a suggested fix command ("" when the config's sizes were used)."""
+    return f" --tp {','.join(map(str, tp))}" if tp else ""
+
+
 tp_option = click.option(
     "--tp", "tp", default=None, metavar="1,2,4,8", callback=_parse_tp,
     help="Tensor-parallel sizes to plan (overrides the config's musekern.tensor_parallel_sizes; a config that "

@@ -20,6 +20,7 @@ from .common import (
     resolve_targets,
     table,
     target_option,
+    tp_flag,
     tp_option,
 )
 
@@ -72,7 +73,7 @@ def _fix_command(model_path, tp, cache_dir, missing) -> str:
     """The one `musekern prepare` that builds every missing variant (same model, TP sizes, targets, cache)."""
     tnames = dict.fromkeys(m["target"] for m in missing)
     return ("musekern prepare" + (f" --model {model_path}" if model_path else "")
-            + "".join(f" --target {t}" for t in tnames) + (f" --tp {','.join(map(str, tp))}" if tp else "")
+            + "".join(f" --target {t}" for t in tnames) + tp_flag(tp)
             + (f" --cache-dir {cache_dir}" if cache_dir else ""))
 
 

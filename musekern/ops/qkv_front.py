@@ -298,11 +298,10 @@ def prepare(N: int, rows=16, num_kv_heads: int | None = None, device=None) -> li
     model's shard of this N. Returns the loaded kernels (raises MissingKernelError, naming the `musekern
     prepare` command, if one is not in the cache).
     """
-    from ..runtime import get_kernel
-
     dev, num_kv_heads, ms = prepare_args(N, rows, num_kv_heads, device)
     fused = [m for m in ms if _fused(N, m, dev)]
-    kernels = list(dict.fromkeys(get_kernel(_variant(N, m, num_kv_heads, dev), device=dev) for m in fused))
+    # the front's launch plans (kernel, grid, binder) resolved here, so nothing but the launch is left for capture
+    kernels = list(dict.fromkeys(_front_plan(N, m, num_kv_heads, dev)[0] for m in fused))
     gemm = [m for m in ms if m not in fused]
     if gemm:
         kernels += qkv_epilogue.prepare(N, gemm, num_kv_heads, dev)

@@ -226,7 +226,8 @@ class RemoteCache:
                 raise _Miss() from None
             raise
         except (OSError, http.client.HTTPException) as e:
-            if expired.is_set():
+            # the socket's own timeout (the same deadline) may fire before the watchdog thread does: the clock decides
+            if expired.is_set() or time.monotonic() >= deadline:
                 raise _Expired(f"{method} {path} {cut_reason}") from None
             if isinstance(e, http.client.HTTPException):
                 raise OSError(f"bad HTTP answer ({type(e).__name__}: {e})") from None

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """One launch of every default-model qkv_front variant (and qk_norm) with hostile inputs, for compute-sanitizer:
 padding slots (-1), a slot past the end of the cache, positions past the end of the table and negative,
-M = 1, 8, 16, 24 (every front build per N) and 40 (torch.mm + the fused epilogue), FlashInfer's strided cache
+M = 1, 8, 16, 24, 40, 56 (every front build per N: mma.sync up to 16, wgmma with 4, 6 and 8 tiles above, S = 4 and
+the receive buffer in the ring at TP8) and 100 (torch.mm + the fused epilogue everywhere), FlashInfer's strided cache
 layout. Exit 0 if every launch ran. `--fused-only`: only the M the fused front serves (racecheck: on the GEMM path it
 reports hazards inside cuBLAS's own nvjet kernels, which are not musekern's; bench/sanitize_qkv_epilogue.py checks the
 epilogue).
@@ -29,7 +30,7 @@ def main() -> int:
     n_launch = 0
     for shard in model.shards():
         w = (torch.randn(shard.n, HIDDEN, device="cuda") / 90).to(torch.bfloat16)
-        for m in (1, 8, 16, 24, 40):
+        for m in (1, 8, 16, 24, 40, 56, 100):
             if fused_only and not _fused(shard.n, m, torch.cuda.current_device()):
                 continue
             x = torch.randn(m, HIDDEN, device="cuda").to(torch.bfloat16)

@@ -97,7 +97,7 @@ _DEFAULTS = {"attn_output_gate": False, "rms_norm_eps": 1e-6, "rope_theta": 1000
 # The largest M a fused-front build serves (variants.FRONT_MAX_TOKENS; a test keeps them equal): the plan builds the
 # front for M <= max_decode_tokens where the planner's rule picks it; every other M takes cuBLAS + the fused epilogue,
 # whose builds serve every M, so a larger value changes nothing but is accepted.
-FRONT_MAX_TOKENS = 32
+FRONT_MAX_TOKENS = 64
 _MUSEKERN_DEFAULTS = {"max_decode_tokens": FRONT_MAX_TOKENS, "targets": []}
 DEFAULT_TP_SIZES = (1,)
 SERVING_DTYPE = "bfloat16"  # the dtype every planned kernel is built for

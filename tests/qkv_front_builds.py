@@ -1,12 +1,13 @@
 """qkv_front builds beyond the default plan that the GPU tests launch (tests/test_gpu_qkv_front.py), that
 bench/gpu_cache.sh compiles for them, and that bench/front_large_m.py times: no product code uses these.
 
-- same_bits_alternatives: per lever that must never change a bit (ring depth, PDL trigger, trigger_ahead),
+- same_bits_alternatives: per lever that must never change a bit (ring depth, PDL trigger, trigger_ahead, the
+  receive buffer's place),
   a build that differs from the given one in that lever only; the GPU tests compare their outputs bit for bit.
 - other_warp_split: a warp split the planner did not pick (a different, fixed summation order), checked
   against fp64 and for determinism.
-- front_builds / front_candidates: the builds the rules give M = 17..32 on every shard (the default config plans
-  M <= 16 only; front_serves takes them at TP4 and TP2), and the alternatives the bench times beside them.
+- front_builds / front_candidates: the builds the rules give M = 17..64 on every shard (served or not), and the
+  alternatives the bench times beside them.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import replace
 ALT_STAGES = 3
 ALT_TRIGGER_AHEAD = 4
 # the M values the bench times (issue 13: each side of every tile boundary the front above 16 adds)
-TIMED_MS = (16, 17, 24, 32, 33, 48, 64)
+TIMED_MS = (16, 17, 24, 32, 33, 40, 48, 49, 56, 64)
 
 
 def same_bits_alternatives(v) -> dict:
@@ -30,12 +31,21 @@ def same_bits_alternatives(v) -> dict:
             "trigger": replace(v, trigger="late" if v.trigger == "early" else "early", trigger_ahead=0)}
     if v.trigger == "late":
         alts["trigger_ahead"] = replace(v, trigger_ahead=0 if v.trigger_ahead else ALT_TRIGGER_AHEAD)
+    if v.recv_in_ring:
+        alts["recv_in_ring"] = replace(v, recv_in_ring=False)
     return alts
 
 
+OTHER_SPLIT = {"rows": "k", "k": "rows", "wg": "k"}
+
+
 def other_warp_split(v):
-    """`v` with the warp split the plan did not pick ("rows" <-> "k")."""
-    return replace(v, warp_split="k" if v.warp_split == "rows" else "rows")
+    """`v` with a warp split the plan did not pick ("rows" <-> "k", "wg" -> "k"), or None where no other split
+    builds (6 tiles: wgmma only; 8 tiles under "k" needs a deeper ring than the plan's)."""
+    try:
+        return replace(v, warp_split=OTHER_SPLIT[v.warp_split])
+    except ValueError:
+        return None
 
 
 def gpu_test_builds(planned) -> list:
@@ -44,7 +54,8 @@ def gpu_test_builds(planned) -> list:
     out = []
     for v in planned:
         other = other_warp_split(v)
-        for b in (*same_bits_alternatives(v).values(), other, same_bits_alternatives(other)["stages"]):
+        more = (other, same_bits_alternatives(other)["stages"]) if other else ()
+        for b in (*same_bits_alternatives(v).values(), *more):
             if b not in out and b not in planned:
                 out.append(b)
     return out
@@ -73,14 +84,29 @@ def front_builds(target) -> list:
 
 
 def front_candidates(target) -> list:
-    """(name, variant, M) the bench times beside the plan: the other warp split at 4 tiles, and TP8's 4-tile
-    build with the deep ring (one CTA per SM, 8 stages: is TP8 bound by bytes in flight or by the consumer?)."""
+    """(name, variant, M) the bench times beside the plan: per shard the mma.sync 4-tile build (the plan before
+    wgmma), a 2-tile wgmma build and each wgmma build with its receive buffer in the ring (a deeper ring at two
+    CTAs per SM); at TP8 the wgmma builds with S = 4 (136 CTAs: every SM streams, not 68)."""
     from musekern.variants import variant
+    from musekern.variants.qkv_front_rules import ring_stages
 
     out = []
     for tp, n, nkv in shards():
-        v = variant(n, 32, nkv, target)
-        out.append((f"tp{tp}-m32-{other_warp_split(v).warp_split}", other_warp_split(v), 32))
+        v32 = variant(n, 32, nkv, target)
+        out.append((f"tp{tp}-m32-k", replace(v32, warp_split="k"), 32))
+        v16 = variant(n, 16, nkv, target)
+        out.append((f"tp{tp}-m16-wg", replace(v16, warp_split="wg"), 16))
+        for m in (32, 48, 64) if tp > 1 else ():  # (TP1's deep ring does not size by it)
+            v = variant(n, m, nkv, target)
+            st = ring_stages(v.splits, target, v.tiles, n, recv_in_ring=True)
+            out.append((f"tp{tp}-m{m}-rir", replace(v, recv_in_ring=True, stages=st,
+                                                    trigger_ahead=st if v.trigger_ahead else 0), m))
         if tp == 8:
-            out.append(("tp8-m32-deep", replace(v, stages=8, trigger_ahead=8), 32))
+            for m in (16, 32, 48, 64):
+                v = variant(n, m, nkv, target)
+                for rir in (False, True):
+                    st = ring_stages(4, target, v.tiles, n, recv_in_ring=rir)
+                    out.append((f"tp8-m{m}-s4{'-rir' if rir else ''}",
+                                replace(v, splits=4, stages=st, trigger="exit", trigger_ahead=0, warp_split="wg",
+                                        recv_in_ring=rir), m))
     return out

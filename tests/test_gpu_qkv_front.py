@@ -273,11 +273,12 @@ def test_ring_stages_and_trigger_do_not_change_a_bit(weights, tp, m, what):
 
 
 
-# ---------------------------------------------------------------- above M = 16 (4 token tiles)
-# The op takes M <= 16 today; these launch the builds the rules give M = 17..32 directly, on every shard (front_serves
-# takes them at TP4 and TP2; bench/gpu_cache.sh and bench/front_large_m.py build them). Every M (every tail of the
-# new tile count) at TP8 and TP4; each end of the tile and a middle at TP2 and TP1.
-ABOVE_16 = [(tp, m) for tp in (8, 4) for m in range(17, 33)] + [(tp, m) for tp in (2, 1) for m in (17, 24, 31, 32)]
+# ---------------------------------------------------------------- above M = 16 (4, 6, 8 token tiles: wgmma)
+# These launch the builds the rules give M = 17..64 directly, on every shard (front_serves takes them at TP8, TP4 and
+# TP2; bench/gpu_cache.sh and bench/front_large_m.py build them). Every M (every tail of every new tile count) at TP8
+# and TP4; each end of every tile count and a middle at TP2 and TP1.
+ABOVE_16 = ([(tp, m) for tp in (8, 4) for m in range(17, 65)]
+            + [(tp, m) for tp in (2, 1) for m in (17, 24, 31, 32, 33, 41, 48, 49, 57, 64)])
 
 
 def _front(tp, m):
@@ -303,7 +304,8 @@ def test_above_16_every_m(weights, record_property, tp, m):
 # Both engine layouts, padding slots (-1), a slot past the end and the last slot of the cache, positions 0 and
 # max_pos - 1, at every shard.
 @pytest.mark.parametrize("layout", ["vllm", "flashinfer"])
-@pytest.mark.parametrize("tp,m", [(8, 17), (8, 32), (4, 29), (2, 32), (1, 24)])
+@pytest.mark.parametrize("tp,m", [(8, 17), (8, 32), (8, 47), (8, 64), (4, 29), (4, 52), (2, 32), (2, 64), (1, 24),
+                                  (1, 40)])
 def test_above_16_cache_layouts_padding_and_edges(weights, layout, tp, m):
     nkv = SHARDS[tp].num_kv_heads
     max_pos = 4096
@@ -318,7 +320,7 @@ def test_above_16_cache_layouts_padding_and_edges(weights, layout, tp, m):
     check_against_truth(p, weights[tp], nkv, y)
 
 
-@pytest.mark.parametrize("tp,m", [(8, 32), (4, 17), (4, 32), (2, 25), (1, 17)])
+@pytest.mark.parametrize("tp,m", [(8, 32), (8, 64), (4, 17), (4, 32), (4, 45), (2, 25), (2, 60), (1, 17), (1, 64)])
 def test_above_16_bitwise_deterministic(weights, tp, m):
     nkv = SHARDS[tp].num_kv_heads
     v = _front(tp, m)
@@ -331,7 +333,7 @@ def test_above_16_bitwise_deterministic(weights, tp, m):
 
 
 def _levers(cases):
-    """(tp, m, lever) for every lever that applies to the 4-tile build of (tp, m) (tests/qkv_front_builds.py)."""
+    """(tp, m, lever) for every lever that applies to the build of (tp, m) (tests/qkv_front_builds.py)."""
     from musekern.targets import get_target
     from musekern.variants import variant
 
@@ -340,7 +342,8 @@ def _levers(cases):
 
 
 # every lever of every new build that must not change a bit
-@pytest.mark.parametrize("tp,m,what", _levers(((8, 24), (4, 32), (4, 19), (2, 20), (1, 32))))
+@pytest.mark.parametrize("tp,m,what", _levers(((8, 24), (8, 40), (8, 64), (4, 32), (4, 19), (4, 48), (4, 61), (2, 20),
+                                                (2, 44), (1, 32), (1, 56))))
 def test_above_16_levers_do_not_change_a_bit(weights, tp, m, what):
     v = _front(tp, m)
     alts = same_bits_alternatives(v)
@@ -355,7 +358,7 @@ def test_above_16_levers_do_not_change_a_bit(weights, tp, m, what):
 @pytest.mark.parametrize("tp,m", [(8, 20), (4, 32), (4, 23), (2, 31), (1, 27)])
 def test_above_16_other_warp_split(weights, tp, m):
     nkv = SHARDS[tp].num_kv_heads
-    v = other_warp_split(_front(tp, m))
+    v = other_warp_split(_front(tp, m))  # 4 tiles: the mma.sync "k" build beside wgmma
     p = problem(m, nkv, seed=41 + m)
     y = _launch_variant(v, p, weights[tp], _poisoned(m, tp)).clone()
     torch.cuda.synchronize()

@@ -49,11 +49,12 @@ PLANNED = planned_variants()
 # other warp split at the S = 1 and S = 2 shapes (both tile counts).
 EXTRA = [QkvFrontVariant(4352, 2, 1, 4, 2, 0, "exit")] \
     + [dataclasses.replace(v, warp_split="k" if v.warp_split == "rows" else "rows")
-       for v in PLANNED if v.n in (2176, 8704) and not v.fixed_m]
-# above M = 16: the 4-tile builds the rules give M = 17..32 at every shard, and the other code path the bench
-# times beside them ("rows" at 4 tiles, S = 2 and 1)
+       for v in PLANNED if v.n in (2176, 8704) and not v.fixed_m and v.warp_split != "wg"]
+# above M = 16: the wgmma builds the rules give M = 17..64 at every shard, and the other code paths the bench times
+# beside them (mma.sync "k" at 4 tiles; wgmma at 2 tiles; S = 4 without the receive buffer in the ring)
 NEW = front_builds(get_target("h200"))
-NEW_EXTRA = [v for name, v, _ in front_candidates(get_target("h200")) if name in ("tp8-m32-rows", "tp2-m32-rows")]
+NEW_EXTRA = [v for name, v, _ in front_candidates(get_target("h200"))
+             if name in ("tp8-m32-k", "tp2-m16-wg", "tp8-m64-s4")]
 ARGS_FIELDS = {"weight", "x", "weight_ptr", "M", "y", "positions", "cos_sin_cache", "slot_mapping", "key_cache",
                "value_cache", "max_pos", "block_size", "num_blocks", "k_block_stride", "v_block_stride", "eps"}
 
@@ -62,7 +63,7 @@ ARGS_FIELDS = {"weight", "x", "weight_ptr", "M", "y", "positions", "cos_sin_cach
 def test_plan_has_every_shape():
     ns = sorted({v.n for v in PLANNED})
     assert ns == [2176, 4352, 8704, 17408]
-    assert {(v.tiles, v.fixed_m) for v in PLANNED} == {(1, 0), (1, 8), (2, 0), (4, 0)}
+    assert {(v.tiles, v.fixed_m) for v in PLANNED} == {(1, 0), (1, 8), (2, 0), (4, 0), (6, 0), (8, 0)}
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
@@ -180,7 +181,17 @@ def test_compile_ptx(kmod, v):
     n_mma = _count(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)
     n_x4 = _count(r"ldmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16", ptx)
     n_x2 = _count(r"ldmatrix\.sync\.aligned\.m8n8\.x2\.shared\.b16", ptx)
-    if v.warp_split == "rows":
+    n_wg = _count(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tt}k16\.f32\.bf16\.bf16", ptx)
+    if v.warp_split == "wg":
+        # one warpgroup: a k-tile is 8 wgmma m64nTTk16 straight from the ring (descriptors: no ldmatrix, no mma.sync),
+        # one commit group, waited on before the stage is released
+        assert (n_wg, n_mma, n_x4, n_x2) == (8, 0, 0, 0)
+        assert _count(r"wgmma\.commit_group\.sync\.aligned", ptx) == 1
+        assert _count(r"wgmma\.wait_group\.sync\.aligned\s+0", ptx) == 1
+        per_thread_sends = tt * HEAD_COLS // 128  # one st.async per accumulator element
+        # the ring is idle before the partials land in it: a cluster barrier, or (S == 1) the consumer warps' one
+        assert _count(r"bar\.sync\s+3, 128", ptx) == (1 if v.recv_in_ring and v.splits == 1 else 0)
+    elif v.warp_split == "rows":
         # per k-tile a warp: 8 k-steps x (TT / 8) n8 atoms, ldmatrix x4 for W, for x x4 per 16 tokens (x2 at TT=8)
         assert n_mma == 8 * (tt // 8)
         assert (n_x4, n_x2) == ((8 * (1 + tt // 16), 0) if tt >= 16 else (8, 8))
@@ -204,7 +215,8 @@ def test_compile_ptx(kmod, v):
         assert n_st == per_thread_sends
         recv_tx = tt * HEAD_COLS * 4
         assert re.search(rf"mov\.b32\s+%r\d+, {recv_tx};\s*\n\s*mbarrier\.arrive\.expect_tx", ptx)
-        assert _count(r"barrier\.cluster\.wait", ptx) == 2  # after init, before exit
+        # after init, before exit, and (recv_in_ring) once per role (producer, aux, consumers) before the sends
+        assert _count(r"barrier\.cluster\.wait", ptx) == 2 + 3 * v.recv_in_ring
     else:
         assert n_st == 0 and "barrier.cluster" not in ptx  # S == 1: partials stay in the CTA
     # PDL: producer (before x), aux (before positions/slots/cos|sin), consumers (before stores)
@@ -251,9 +263,11 @@ def test_sass(kmod, v, tmp_path):
     if "Could not find executable" in sass.stderr:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
     s = sass.stdout
-    assert "HMMA.16816.F32.BF16" in s
+    if v.warp_split == "wg":
+        assert f"HGMMA.64x{padded_tokens(v)}x16.F32.BF16" in s and "HMMA" not in s and "LDSM" not in s
+    else:
+        assert "HMMA.16816.F32.BF16" in s and "LDSM" in s
     assert "UTMALDG" in s
-    assert "LDSM" in s
     assert not re.search(r"\b(STL|LDL)\b", s), "local-memory spill in SASS"
     assert not re.search(r"\b(ATOMG|REDG|RED\.E)\b", s), "global atomic in SASS"
     if v.splits > 1:
@@ -265,6 +279,17 @@ def test_sm100a_compiles(kmod):
     ck, _ = _compile(kmod, PLANNED[0], "sm_100a")
     assert ".target sm_100a" in ck.ptx
     assert _count(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ck.ptx) > 0
+
+
+# wgmma exists on sm_90a only: a "wg" build for sm_100a is refused before any compile, and the B200's plan never
+# asks for one (mma.sync up to 4 tiles there; above 32 tokens cuBLAS + the fused epilogue)
+def test_wgmma_builds_are_sm90a_only(kmod):
+    wg = next(v for v in NEW if v.warp_split == "wg")
+    with pytest.raises(NotImplementedError, match="wgmma"):
+        kmod.compile_variant(wg, "sm_100a")
+    b200 = get_target("b200")
+    for n, nkv in ((2176, 1), (4352, 2), (8704, 4), (17408, 8)):
+        assert all(v.warp_split != "wg" for v in qkv_front_variants(n, nkv, b200, FRONT_MAX_TOKENS))
 
 
 @pytest.mark.slow

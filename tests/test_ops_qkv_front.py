@@ -337,15 +337,16 @@ def test_auto_is_the_reference_on_cpu_at_every_m():
         assert torch.equal(op.qkv_front_auto(**c), qkv_front_reference(**make_case(m=m, num_blocks=16)))
 
 
-# TP8 / TP4 / TP2 take the fused front up to M = 32 (one wave at two CTAs per SM), TP1 only up to 16; every other M
-# takes the GEMM + epilogue (variants.front_serves, measured: bench/NOTES.md "Every M: which path")
-@pytest.mark.parametrize("n,fused_up_to", [(2176, 32), (4352, 32), (8704, 32), (17408, 16)])
+# TP8 / TP4 take the fused front up to M = 64, TP2 up to 48 (one wave at two CTAs per SM; 8 tiles without a cluster
+# lose to cuBLAS), TP1 only up to 16; every other M takes the GEMM + epilogue (variants.front_serves, measured:
+# bench/NOTES.md "Every M: which path"). The grid: each side of every tile boundary and of the served range.
+@pytest.mark.parametrize("n,fused_up_to", [(2176, 64), (4352, 64), (8704, 48), (17408, 16)])
 def test_the_path_follows_the_planner(monkeypatch, n, fused_up_to):
     monkeypatch.setattr(op, "_target", lambda dev: get_target("h200"))
     op._fused.cache_clear()
+    ms = (1, 8, 16, 17, 32, 33, 48, 49, 64, 65, 4096)
     try:
-        assert [m for m in (1, 8, 16, 17, 32, 33, 64, 4096) if op._fused(n, m, 0)] == [
-            m for m in (1, 8, 16, 17, 32) if m <= fused_up_to]
+        assert [m for m in ms if op._fused(n, m, 0)] == [m for m in ms if m <= fused_up_to]
     finally:
         op._fused.cache_clear()
 

@@ -29,16 +29,16 @@ from musekern.variants.qkv_front_rules import MAX_RING_STAGES, SMEM_RESERVE_BYTE
 H200 = get_target("h200")
 
 
-# each side of every tile boundary: 8-token tiles up to 2, then M padded up to 4 tiles
+# each side of every tile boundary: 8-token tiles up to 2, then M padded up to 4, 6 and 8 tiles
 @pytest.mark.parametrize("m,tiles,fixed", [(1, 1, 0), (7, 1, 0), (8, 1, 8), (9, 2, 0), (16, 2, 0), (17, 4, 0),
-                                           (24, 4, 0), (32, 4, 0)])
+                                           (24, 4, 0), (32, 4, 0), (33, 6, 0), (48, 6, 0), (49, 8, 0), (64, 8, 0)])
 def test_token_tiles_and_fixed_rows(m, tiles, fixed):
     assert token_tiles(m) == tiles and fixed_rows(m) == fixed
 
 
-@pytest.mark.parametrize("m", [0, 33, -1])
+@pytest.mark.parametrize("m", [0, 65, -1])
 def test_token_tiles_range(m):
-    with pytest.raises(ValueError, match="1..32"):
+    with pytest.raises(ValueError, match="1..64"):
         token_tiles(m)
 
 
@@ -128,9 +128,10 @@ def test_default_plan():
     kinds = [(e.kernel, e.variant.params().get("n")) for e in entries]
     assert kinds.count(("qk_norm", None)) == 4  # with / without scale, large / small inputs
     assert kinds.count(("qkv_epilogue", None)) == 2  # one build serves every N: small and large inputs
-    for n, builds in ((2176, 4), (4352, 4), (8704, 4), (17408, 3)):  # tiles 1 (+ the M == 8 build), 2, and 4 but TP1
+    # tiles 1 (+ the M == 8 build), 2, and 4, 6, 8 (TP2: 4, 6; TP1: none)
+    for n, builds in ((2176, 6), (4352, 6), (8704, 5), (17408, 3)):
         assert kinds.count(("qkv_front", n)) == builds
-    assert len(entries) == 21
+    assert len(entries) == 26
     tp_of = {e.variant.n: e.tps for e in entries if e.kernel == "qkv_front"}
     assert tp_of == {17408: (1,), 8704: (2,), 4352: (4,), 2176: (8,)}
 
@@ -177,17 +178,41 @@ def test_plan_is_deterministic_across_hash_seeds():
         outs.add(r.stdout)
     assert len(outs) == 1
     doc = json.loads(outs.pop())
-    assert len(doc["variants"]) == 42  # 21 a target (test_default_plan) on h200 and on h20
+    assert len(doc["variants"]) == 52  # 26 a target (test_default_plan) on h200 and on h20
 
 
 # each field of QkvFrontVariant that __post_init__ guards, with a value outside its domain (splits 4 / 8 and the
 # trigger "wait" were levers once: measured slower, removed)
+# From 6 token tiles on (M > 32) S = 4 where heads x 4 CTAs fit one wave at two per SM (TP8 on the H200 and H20),
+# else the small-M rule; below 6 tiles never 4 (bench/NOTES.md "k_split").
+@pytest.mark.parametrize("n,target,tiles,s", [(2176, "h200", 6, 4), (2176, "h200", 8, 4), (2176, "h200", 4, 2),
+                                              (4352, "h200", 8, 2), (8704, "h200", 8, 1), (2176, "h20", 8, 4),
+                                              (4352, "h20", 6, 2)])
+def test_k_split_wide(n, target, tiles, s):
+    assert k_split(n, get_target(target), tiles) == s
+
+
+# The receive buffer moves into the ring only where that buys a ring stage at two CTAs per SM (the 8-tile builds of
+# TP8 and TP4); elsewhere its cluster barrier would cost without a deeper ring (bench/NOTES.md "ring_stages").
+@pytest.mark.parametrize("n,nkv,m,rir", [(2176, 1, 16, False), (2176, 1, 32, False), (2176, 1, 48, False),
+                                         (2176, 1, 64, True), (4352, 2, 40, False), (4352, 2, 64, True)])
+def test_recv_in_ring_rule(n, nkv, m, rir):
+    from musekern.variants.qkv_front_rules import ring_stages
+
+    v = variant(n, m, nkv, H200)
+    assert v.recv_in_ring == rir
+    assert v.stages == ring_stages(v.splits, H200, v.tiles, n, recv_in_ring=rir)
+    if rir:
+        assert v.stages > ring_stages(v.splits, H200, v.tiles, n)
+
+
 @pytest.mark.parametrize("field,value,msg", [("warp_split", "cols", "warp_split"), ("trigger", "wait", "trigger"),
                                              ("stages", 33, "stages"), ("stages", 1, "stages"),
-                                             ("splits", 4, "splits"), ("tiles", 3, "tiles"), ("tiles", 8, "tiles"),
+                                             ("splits", 3, "splits"), ("tiles", 3, "tiles"), ("tiles", 6, "tiles"),
                                              ("fixed_m", 16, "fixed_m"), ("n", 2175, "q|k|v|gate"),
                                              ("trigger_ahead", 26, "trigger_ahead"),
-                                             ("trigger_ahead", -1, "trigger_ahead")])
+                                             ("trigger_ahead", -1, "trigger_ahead"),
+                                             ("recv_in_ring", True, "recv_in_ring")])
 def test_qkv_front_variant_rejects_out_of_domain_fields(field, value, msg):
     import dataclasses
 
@@ -217,12 +242,15 @@ def test_gpu_test_builds_move_one_lever():
     planned = [e.variant for e in plan_model(load_config(), [H200]) if e.kernel == "qkv_front"]
     for v in planned:
         alts = same_bits_alternatives(v)
-        assert set(alts) == {"stages", "trigger"} | ({"trigger_ahead"} if v.trigger == "late" else set())
+        assert set(alts) == ({"stages", "trigger"} | ({"trigger_ahead"} if v.trigger == "late" else set())
+                             | ({"recv_in_ring"} if v.recv_in_ring else set()))
         for lever, alt in alts.items():
             moved = {f.name for f in dataclasses.fields(v) if getattr(alt, f.name) != getattr(v, f.name)}
             assert lever in moved and moved <= {lever, "trigger_ahead"}, (lever, v.label)
             assert (alt.n, alt.tiles, alt.splits, alt.warp_split) == (v.n, v.tiles, v.splits, v.warp_split)
-        assert other_warp_split(v).warp_split != v.warp_split
+        other = other_warp_split(v)
+        assert other is None or other.warp_split != v.warp_split
+        assert other is not None or v.warp_split == "wg"  # 6 tiles: wgmma only; 8: "k" needs a deeper ring
     builds = gpu_test_builds(planned)
     assert len(builds) == len(set(builds)) and not set(builds) & set(planned)
 
@@ -240,9 +268,9 @@ def test_warp_split_by_tile_count(tiles, split, stages, ok):
             make()
 
 
-# Above M = 16 (measured, bench/NOTES.md "The fused front above M = 16" and "Every M: which path"): the front serves
-# M <= 32 where heads x S CTAs fill one wave at two per SM (TP8, TP4, TP2 on the H200; one 4-tile build each), not
-# where the CTAs run in waves (TP1): it takes cuBLAS + the fused epilogue above 16. The M <= 16 builds stay the plan's.
+# Above M = 16 (measured, bench/NOTES.md "Every M: which path"): the front serves M <= 64 where heads x S CTAs fill
+# one wave at two per SM (TP8, TP4, TP2 on the H200; wgmma builds of 4, 6 and 8 tiles), not where the CTAs run in
+# waves (TP1): it takes cuBLAS + the fused epilogue above 16. The M <= 16 builds stay the plan's.
 @pytest.mark.parametrize("n,nkv,served", [(2176, 1, True), (4352, 2, True), (8704, 4, True), (17408, 8, False)])
 def test_front_variants_above_16(n, nkv, served):
     from musekern.variants import front_serves
@@ -250,10 +278,13 @@ def test_front_variants_above_16(n, nkv, served):
     small = qkv_front_variants(n, nkv, H200)
     full = qkv_front_variants(n, nkv, H200, FRONT_MAX_TOKENS)
     assert full[:len(small)] == small
-    assert [v.tiles for v in full[len(small):]] == ([4] if served else [])
-    for m in (17, 24, 32):
+    wide = served and n != 8704  # TP2 (S = 1): 8 tiles lose to cuBLAS's M > 48 kernel
+    assert [v.tiles for v in full[len(small):]] == ([4, 6, 8] if wide else [4, 6] if served else [])
+    for m, tiles in ((17, 4), (24, 4), (32, 4), (33, 6), (48, 6), (49, 8), (64, 8)):
         v = variant(n, m, nkv, H200)  # a build exists either way (the GPU tests keep it correct)
-        assert front_serves(n, m, H200) == served and (v in full) == served and v.tiles == 4
+        on = served and (tiles < 8 or wide)
+        assert front_serves(n, m, H200) == on and (v in full) == on and v.tiles == tiles
+        assert v.warp_split == "wg"
         assert smem_bytes(v) <= H200.max_smem_optin
     assert all(front_serves(n, m, H200) for m in range(1, 17))
     assert qkv_front_variants(n, nkv, H200, 1000) == full  # nothing past FRONT_MAX_TOKENS

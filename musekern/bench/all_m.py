@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from . import report
 
-ALL_M = (1, 16, 17, 32, 33, 64, 65, 128, 256, 1024, 4096, 16384)  # every tile / path edge of the rule, and prefill
+# every tile / path edge of the rules, and prefill
+ALL_M = (1, 16, 17, 32, 33, 48, 49, 64, 65, 128, 256, 1024, 4096, 16384)
 ALL_M_TPS = (8, 4, 1)  # N = 2176, 4352, 17408
-CLIFF_PAIRS = ((16, 17), (32, 33), (64, 65))  # where the path or the tile count changes
+CLIFF_PAIRS = ((16, 17), (32, 33), (48, 49), (64, 65))  # where the path or the tile count changes
 GRAPHS = ("musekern", "front", "gemm_epilogue", "epilogue", "cublas", "unfused", "compiled")
 TARGETS = {
     "epilogue_min_frac": 0.85, "epilogue_frac_from_m": 1024,  # the epilogue streams its bytes at M >= 1024

@@ -17,7 +17,9 @@ MMA's M, tokens = N, K = 16 per step, FP32 accumulate), operands loaded by ldmat
 swizzled ring (variant warp_split "rows"). With warp_split "k" consumer warp w instead computes all
 64 rows over k columns [32w, 32w+32) of every k-tile (x is read from shared memory once per CTA,
 not once per warp; 4 x tiles independent accumulators) and the four warps' partials are summed in
-warp order in the idle W ring after the last k-tile. After the last k-tile each consumer thread
+warp order in the idle W ring after the last k-tile. With warp_split "wg" (4 token tiles and more) the four
+consumer warps are warpgroup 0 and issue wgmma m64nTTk16 with both operands straight from the swizzled ring
+(musekern/kernels/qkv_front_mma.py has the consumer roles). After the last k-tile each consumer thread
 sends its FP32 partial of token t to
 the owner CTA, rank t % S, with st.async (DSMEM, completes on the owner's receive mbarrier);
 the owner sums the S partials in rank order 0..S-1 (bitwise deterministic: the order depends
@@ -40,11 +42,10 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
-from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 from cutlass.cute.runtime import make_ptr
-from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.memory import SmemAllocator
+from cutlass.utils import hopper_helpers as sm90_utils
 
 from ..store.abi import KernelAbi, LaunchSpec, TensorMapSpec, coord_tensor, pointer, scalar, tensormap
 from ..variants.qkv_front import (
@@ -54,35 +55,23 @@ from ..variants.qkv_front import (
     K_TILE,
     K_TILES,
     MAX_OWNED_TOKENS,
-    RED_STRIDE,
     THREADS,
     TOKEN_TILE,
     W_STAGE_BYTES,
-    WARP_K,
     QkvFrontVariant,
     launch_grid,
     owned_tokens,
     padded_tokens,
     smem_bytes,
 )
+from .qkv_front_mma import BAR_AUX, BAR_PARTIALS, BAR_RED, CONSUMER_THREADS, FrontConsumers
 
 # sm_90a: the target. sm_100a: compiles (mma.sync, TMA, clusters, st.async and griddepcontrol all exist
 # on Blackwell) but is checked on CPU only, never run.
 SUPPORTED_ARCHES = ("sm_90a", "sm_100a")
 PRODUCER_WARP = CONSUMER_WARPS  # warp 4
 AUX_WARP = CONSUMER_WARPS + 1  # warp 5
-CONSUMER_THREADS = 32 * CONSUMER_WARPS
 BOX_COLS = 64  # a 128B-swizzle TMA box is 64 bf16 columns wide
-# named barriers (0 is __syncthreads)
-BAR_PARTIALS = 1  # S == 1: consumers wrote their partials to smem with plain stores
-BAR_AUX = 2  # aux warp staged slots and cos|sin rows -> consumer warps (epilogue)
-BAR_RED = 3  # warp_split "k": the consumer warps are done with the ring / wrote their partials
-
-
-@dsl_user_op
-def f32_bits(x, *, loc=None, ip=None):
-    """Bit-cast fp32 -> i32: st.async payloads are b32 words (NOTES.md pitfall 7)."""
-    return Int32(llvm.bitcast(Int32.mlir_type, Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
 def ring_tma(mW, mX, stages: int, tt: int):
@@ -99,16 +88,19 @@ def ring_tma(mW, mX, stages: int, tt: int):
     return sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma
 
 
-def operand_copies(tiled_mma, tt: int, idx):
-    """ldmatrix tiled copies of the MMA operands and their slices for thread (or lane) idx: x4 for W (A);
-    for x (B) per k16 step x4 covers 16 tokens, x2 covers 8."""
-    cp_a = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), BFloat16), tiled_mma)
-    cp_b = cute.make_tiled_copy_B(
-        cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4 if tt >= 16 else 2), BFloat16), tiled_mma)
-    return cp_a, cp_b, cp_a.get_slice(idx), cp_b.get_slice(idx)
+def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool):
+    if recv_in_ring:
+        @cute.struct
+        class SmemRingRecv:  # the receive buffer is the W ring's first tt x 64 fp32 (`QkvFrontKernel.recv`)
+            sW: cute.struct.Align[cute.struct.MemRange[BFloat16, HEAD_COLS * K_TILE * stages], 1024]
+            sX: cute.struct.Align[cute.struct.MemRange[BFloat16, tt * K_TILE * stages], 1024]
+            full: cute.struct.MemRange[Int64, stages]
+            empty: cute.struct.MemRange[Int64, stages]
+            recv_bar: cute.struct.MemRange[Int64, 1]
+            slots: cute.struct.MemRange[Int64, owned]
+            cs: cute.struct.Align[cute.struct.MemRange[Float32, owned * 64], 16]
+        return SmemRingRecv
 
-
-def make_smem_struct(stages: int, tt: int, owned: int):
     @cute.struct
     class Smem:
         # ring first: offset 0 of the 1024-aligned dynamic smem, what the 128B swizzle expects
@@ -125,7 +117,7 @@ def make_smem_struct(stages: int, tt: int, owned: int):
     return Smem
 
 
-class QkvFrontKernel:
+class QkvFrontKernel(FrontConsumers):
     """One compiled qkv_front variant. Static: N, KV heads, tiles, ring depth, S, fixed M."""
 
     def __init__(self, v: QkvFrontVariant):
@@ -146,7 +138,8 @@ class QkvFrontKernel:
         assert self.stages <= self.ntiles
         self.stage_tx = W_STAGE_BYTES + self.tt * K_TILE * 2  # bytes landing per stage
         self.recv_tx = self.S * self.owned * HEAD_COLS * 4  # bytes of partials an owner receives
-        self.Smem = make_smem_struct(self.stages, self.tt, self.owned)
+        self.Smem = make_smem_struct(self.stages, self.tt, self.owned, v.recv_in_ring)
+        assert not v.recv_in_ring or self.tt * HEAD_COLS * 4 <= self.stages * W_STAGE_BYTES
         self.smem = smem_bytes(v)
 
     # ------------------------------------------------------------------ host side
@@ -220,10 +213,20 @@ class QkvFrontKernel:
 
         if warp_idx == PRODUCER_WARP:
             self.producer(tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank)
+            self.ring_idle()
         elif warp_idx == AUX_WARP:
             self.aux(st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, rank)
+            self.ring_idle()
         else:
-            if cutlass.const_expr(self.v.warp_split == "rows"):
+            if cutlass.const_expr(self.v.warp_split == "wg"):
+                # the 4 consumer warps = warpgroup 0: wgmma m64nTTk16, A (W) and B (x) K-major from the swizzled
+                # ring (made here, not passed in: its ACCUMULATE field would become a kernel parameter)
+                wg_mma = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K,
+                                                           OperandMajorMode.K, Float32, (1, 1, 1), (HEAD_COLS, self.tt))
+                acc = self.consumer_wg(wg_mma, sW, sX, full, empty, tidx)
+                self.ring_idle()
+                self.send(wg_mma, acc, st, recv_bar, tidx, rank)
+            elif cutlass.const_expr(self.v.warp_split == "rows"):
                 acc = self.consumer(tiled_mma, sW, sX, full, empty, tidx)
                 self.send(tiled_mma, acc, st, recv_bar, tidx, rank)
             else:
@@ -235,6 +238,25 @@ class QkvFrontKernel:
             # nobody leaves while a peer may still write into its shared memory
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
+
+    def recv(self, st):
+        """The owner's receive buffer, [src][j][col] fp32: its own array, or the W ring's start (`recv_in_ring`)."""
+        if cutlass.const_expr(self.v.recv_in_ring):
+            return cute.make_tensor(cute.recast_ptr(st.sW.data_ptr(), dtype=Float32),
+                                    cute.make_layout(self.tt * HEAD_COLS))
+        return st.recv.get_tensor(cute.make_layout(self.tt * HEAD_COLS))
+
+    @cute.jit
+    def ring_idle(self):
+        """`recv_in_ring`: every thread of the cluster passes here once its role is done with the ring (consumers
+        after their last MMA, producer after its last load, aux after staging): past it every ring of the cluster
+        is idle and the partials may land in it. With S == 1 only this CTA's consumer warps take part."""
+        if cutlass.const_expr(self.v.recv_in_ring):
+            if cutlass.const_expr(self.S > 1):
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+            elif cute.arch.make_warp_uniform(cute.arch.warp_idx()) < CONSUMER_WARPS:
+                cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
 
     @cute.jit
     def producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank):
@@ -282,145 +304,11 @@ class QkvFrontKernel:
         return rank + ((i + rot) % self.ntiles) * self.S
 
     @cute.jit
-    def consumer(self, tiled_mma, sW, sX, full, empty, tidx):
-        thr_mma = tiled_mma.get_slice(tidx)
-        tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sW[None, None, 0]))
-        tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sX[None, None, 0]))
-        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((16 * CONSUMER_WARPS, self.tt)), Float32)
-        acc.fill(0.0)
-        cp_a, cp_b, thr_a, thr_b = operand_copies(tiled_mma, self.tt, tidx)
-        tAsW = thr_a.partition_S(sW)  # (CPY, 1, 8 k-steps, stages)
-        tArA = thr_a.retile(tCrA)
-        tBsX = thr_b.partition_S(sX)  # (CPY, TT/8 or 1, 8 k-steps, stages)
-        tBrB = thr_b.retile(tCrB)
-        ksteps = cute.size(tAsW, mode=[2])
-        for i in cutlass.range(self.ntiles, unroll=1):
-            s = i % self.stages
-            cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
-            if cutlass.const_expr(self.v.tiles > 2):
-                # 4 tiles: one k16 step's operands at a time (a whole k-tile's x fragment takes 64 registers a
-                # thread)
-                for kk in cutlass.range_constexpr(ksteps):
-                    cute.copy(cp_a, tAsW[None, None, kk, s], tArA[None, None, kk])
-                    cute.copy(cp_b, tBsX[None, None, kk, s], tBrB[None, None, kk])
-                    cute.gemm(tiled_mma, acc, tCrA[None, None, kk], tCrB[None, None, kk], acc)
-            else:
-                for kk in cutlass.range_constexpr(ksteps):
-                    cute.copy(cp_a, tAsW[None, None, kk, s], tArA[None, None, kk])
-                    cute.copy(cp_b, tBsX[None, None, kk, s], tBrB[None, None, kk])
-                for kk in cutlass.range_constexpr(ksteps):
-                    cute.gemm(tiled_mma, acc, tCrA[None, None, kk], tCrB[None, None, kk], acc)
-            cute.arch.sync_warp()  # every lane's ldmatrix of stage s is done
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive(empty + s)
-        return acc
-
-    @cute.jit
-    def consumer_k(self, tiled_mma, sW, sX, full, empty, warp_idx, lane):
-        """warp_split "k": this warp's two k16 steps (columns 32w..32w+31) of every stage, all 64 rows.
-
-        Per stage a warp loads 4 A tiles and 1 B tile per k16 step (x is read once per CTA, not once per
-        warp) and releases the stage as soon as its operands are in registers. Software-pipelined over
-        two register sets: the MMAs of stage i-1 are issued after the loads of stage i, so ldmatrix latency
-        overlaps 4 x tiles independent MMA chains (without it ptxas serialises ldmatrix -> mma)."""
-        thr_mma = tiled_mma.get_slice(lane)
-        mine_w = cute.local_tile(sW[None, None, 0], (HEAD_COLS, WARP_K), (0, 0))  # shapes of one warp's slice
-        mine_x = cute.local_tile(sX[None, None, 0], (self.tt, WARP_K), (0, 0))
-        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((HEAD_COLS, self.tt)), Float32)
-        acc.fill(0.0)
-        cp_a, cp_b, thr_a, thr_b = operand_copies(tiled_mma, self.tt, lane)
-        tAsW = thr_a.partition_S(sW)  # (CPY, 4 m16, 8 k16, stages)
-        tBsX = thr_b.partition_S(sX)  # (CPY, 1, 8 k16, stages)
-        # two register sets (even / odd k-tiles): (MMA, 4 m16, 2 k16) and (MMA, 1, 2 k16) each
-        rA = [thr_mma.make_fragment_A(thr_mma.partition_A(mine_w)) for _ in range(2)]
-        rB = [thr_mma.make_fragment_B(thr_mma.partition_B(mine_x)) for _ in range(2)]
-        if cutlass.const_expr(self.v.tiles > 2):
-            # 4 tiles: 64 accumulators a thread leave no room for a second register set (two CTAs per SM)
-            for i in cutlass.range(self.ntiles, unroll=1):
-                self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[0], rB[0], full, empty, warp_idx, i)
-                self._mma_k(tiled_mma, acc, rA[0], rB[0])
-        else:
-            self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[0], rB[0], full, empty, warp_idx, Int32(0))
-            for p in cutlass.range(self.ntiles // 2, unroll=1):
-                i = 2 * p + 1
-                self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[1], rB[1], full, empty, warp_idx, i)
-                self._mma_k(tiled_mma, acc, rA[0], rB[0])
-                if i + 1 < self.ntiles:
-                    self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[0], rB[0], full, empty, warp_idx, i + 1)
-                self._mma_k(tiled_mma, acc, rA[1], rB[1])
-        return acc
-
-    @cute.jit
-    def _load_k(self, cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA, rB, full, empty, warp_idx, i):
-        """Wait for k-tile i, load this warp's operands of it, release its stage to the producer."""
-        s = i % self.stages
-        cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
-        tArA = thr_a.retile(rA)
-        tBrB = thr_b.retile(rB)
-        for j in cutlass.range_constexpr(WARP_K // 16):
-            kk = warp_idx * (WARP_K // 16) + j
-            cute.copy(cp_a, tAsW[None, None, kk, s], tArA[None, None, j])
-            cute.copy(cp_b, tBsX[None, None, kk, s], tBrB[None, None, j])
-        cute.arch.sync_warp()  # every lane's ldmatrix of stage s is done: the producer may refill it
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive(empty + s)
-
-    @cute.jit
-    def _mma_k(self, tiled_mma, acc, rA, rB):
-        for j in cutlass.range_constexpr(WARP_K // 16):  # k order fixed: j = 0, 1 of each k-tile
-            cute.gemm(tiled_mma, acc, rA[None, None, j], rB[None, None, j], acc)
-
-    @cute.jit
-    def reduce_send(self, tiled_mma, acc, st, recv_bar, warp_idx, tidx, rank):
-        """warp_split "k": sum the 4 warps' partials in warp order 0..3 (in the idle W ring), then each of the
-        128 consumer threads sends TT/2 of the CTA's 64 x TT sums to their owners (as `send` does)."""
-        red = cute.make_tensor(cute.recast_ptr(st.sW.data_ptr(), dtype=Float32),
-                               cute.make_layout(CONSUMER_WARPS * self.tt * RED_STRIDE))
-        recv = st.recv.get_tensor(cute.make_layout(self.tt * HEAD_COLS))
-        thr_mma = tiled_mma.get_slice(tidx % 32)
-        tCcC = thr_mma.partition_C(cute.make_identity_tensor((HEAD_COLS, self.tt)))
-        # every consumer warp has read its last stage (and every TMA write has landed: each was waited on)
-        cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            m, n = tCcC[i]
-            red[(warp_idx * self.tt + n) * RED_STRIDE + m] = acc[i]
-        cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
-        for e in cutlass.range_constexpr(self.tt * HEAD_COLS // CONSUMER_THREADS):
-            idx = tidx + e * CONSUMER_THREADS  # consecutive threads: consecutive columns (no bank conflicts)
-            n = idx // HEAD_COLS
-            m = idx % HEAD_COLS
-            total = red[n * RED_STRIDE + m]
-            for w in cutlass.range_constexpr(1, CONSUMER_WARPS):  # fixed warp order: deterministic
-                total = total + red[(w * self.tt + n) * RED_STRIDE + m]
-            self._deliver(recv, recv_bar, rank, n, m, total)
-
-    @cute.jit
-    def send(self, tiled_mma, acc, st, recv_bar, tidx, rank):
-        """warp_split "rows": every accumulator element is a whole partial of (column m, token n): deliver it."""
-        thr_mma = tiled_mma.get_slice(tidx)
-        tCcC = thr_mma.partition_C(cute.make_identity_tensor((16 * CONSUMER_WARPS, self.tt)))
-        recv = st.recv.get_tensor(cute.make_layout(self.tt * HEAD_COLS))
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            m, n = tCcC[i]
-            self._deliver(recv, recv_bar, rank, n, m, acc[i])
-
-    @cute.jit
-    def _deliver(self, recv, recv_bar, rank, n, m, value):
-        """This CTA's partial of (column m, token n) to the owner, rank n % S, at recv[rank][n // S][m]:
-        st.async into the owner's shared memory (completes on its receive barrier), or a plain store
-        with S == 1."""
-        if cutlass.const_expr(self.S > 1):
-            off = (rank * self.owned + n // self.S) * HEAD_COLS + m
-            cute.arch.store_async_dsmem(recv.iterator + off, f32_bits(value), recv_bar, n % self.S)
-        else:
-            recv[n * HEAD_COLS + m] = value
-
-    @cute.jit
     def finish(self, st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
                v_block_stride, eps, head, rank, warp_idx, tidx):
         """Owner epilogue: warp w owns tokens w, w + 4, ...; lane l holds columns (2l, 2l+1) = RoPE pair l."""
         lane = tidx % 32
-        recv = st.recv.get_tensor(cute.make_layout(self.tt * HEAD_COLS))
+        recv = self.recv(st)
         cs = st.cs.get_tensor(cute.make_layout(self.owned * 64))
         slots = st.slots.get_tensor(cute.make_layout(self.owned))
         if cutlass.const_expr(self.S > 1):
@@ -508,7 +396,11 @@ class QkvFrontKernel:
 
     @cute.jit
     def aux(self, st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, rank):
-        """Stage the owned tokens' slots and cos|sin rows (clamped position) in smem."""
+        """Stage the owned tokens' slots and cos|sin rows (clamped position) in smem, in two rounds of independent
+        loads: lane l reads the position and slot of owned tokens l, l + 32 (indices clamped to M - 1: never a
+        read beyond M), then every lane reads its two columns of every owned token's row, the position broadcast
+        by a shuffle. (One token after another, two dependent global loads each, took ~0.9 us a token under the
+        weight stream and set the pace above 16 owned tokens: bench/NOTES.md "Every M: which path".)"""
         cute.arch.griddepcontrol_wait()  # positions/slots/cos|sin may be written by the previous grid
         lane = cute.arch.lane_idx()
         cs = st.cs.get_tensor(cute.make_layout(self.owned * 64))
@@ -516,17 +408,21 @@ class QkvFrontKernel:
         mPos = cute.make_tensor(pos_ptr, cute.make_layout(self.tt))
         mSlot = cute.make_tensor(slot_ptr, cute.make_layout(self.tt))
         mCS = cute.make_tensor(cs_ptr, cute.make_layout((max_pos, 64), stride=(64, 1)))
+        rows = []
+        for r in cutlass.range_constexpr((self.owned + 31) // 32):
+            j = r * 32 + lane
+            t = cutlass.min(j * self.S + rank, M - 1)
+            p = mPos[t]
+            slot = mSlot[t]
+            p = cutlass.max(p, Int64(0))
+            p = cutlass.min(p, Int64(max_pos) - Int64(1))
+            rows.append(Int32(p))
+            if j < self.owned:
+                slots[j] = slot
         for j in cutlass.range_constexpr(self.owned):
-            t = j * self.S + rank
-            if t < M:  # never read positions/slots beyond M
-                p = mPos[t]
-                p = cutlass.max(p, Int64(0))
-                p = cutlass.min(p, Int64(max_pos) - Int64(1))
-                p32 = Int32(p)
-                cs[j * 64 + lane] = mCS[p32, lane]
-                cs[j * 64 + 32 + lane] = mCS[p32, 32 + lane]
-                if lane == 0:
-                    slots[j] = mSlot[t]
+            p32 = cute.arch.shuffle_sync(rows[j // 32], j % 32)
+            cs[j * 64 + lane] = mCS[p32, lane]
+            cs[j * 64 + 32 + lane] = mCS[p32, 32 + lane]
         cute.arch.barrier_arrive(barrier_id=BAR_AUX, number_of_threads=CONSUMER_THREADS + 32)
 
 
@@ -573,11 +469,14 @@ def compile_args(v: QkvFrontVariant) -> tuple:
             Int64(1 << 20), Int64(1 << 20), Float32(1e-5), cuda.CUstream(0))
 
 
-def check_arch(arch: str) -> None:
+def check_arch(arch: str, v: QkvFrontVariant | None = None) -> None:
     if arch not in SUPPORTED_ARCHES:
         raise NotImplementedError(
             f"qkv_front uses sm_90-class TMA, thread-block clusters and st.async; it is built for "
             f"{' / '.join(SUPPORTED_ARCHES)}; {arch} is not supported")
+    if v is not None and v.warp_split == "wg" and arch != "sm_90a":
+        raise NotImplementedError(f"qkv_front warp_split 'wg' issues wgmma, which only sm_90a has; {arch} takes "
+                                  f"'rows' or 'k' (up to 4 token tiles)")
 
 
 def compile_variant(v: QkvFrontVariant, arch: str):
@@ -586,7 +485,7 @@ def compile_variant(v: QkvFrontVariant, arch: str):
     from . import CompiledKernel
     from ._dsl import compile_to_cubin
 
-    check_arch(arch)
+    check_arch(arch, v)
     cubin, ptx, symbol = compile_to_cubin(QkvFrontKernel(v), *compile_args(v), arch=arch)
     abi = abi_for(v)
     check_abi_against_ptx(abi, ptx, symbol)

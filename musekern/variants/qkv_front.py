@@ -18,24 +18,27 @@ from .base import VariantMixin
 
 HIDDEN = 8192  # K of the projection (Muse Spark hidden size)
 HEAD_COLS = 64  # output columns per head = rows of W per cluster
-TOKEN_TILE = 8  # tokens per MMA N-tile (mma.sync m16n8k16: W rows are M, tokens are N)
+TOKEN_TILE = 8  # tokens per MMA N-tile (mma.sync m16n8k16 / wgmma m64nNk16: W rows are M, tokens are N)
 MAX_TOKENS = 16  # the M range the op takes today (musekern/ops/qkv_front.py); builds serve up to FRONT_MAX_TOKENS
-FRONT_MAX_TOKENS = 32  # the largest M one build serves (4 token tiles)
-TILE_CHOICES = (1, 2, 4)  # 8-token tiles of a build: M is padded up to the next one
+FRONT_MAX_TOKENS = 64  # the largest M one build serves (8 token tiles)
+TILE_CHOICES = (1, 2, 4, 6, 8)  # 8-token tiles of a build: M is padded up to the next one the rules use
+SYNC_TILE_CHOICES = (1, 2, 4, 8)  # the tiles an mma.sync build ("rows", "k") takes: its x ldmatrix is x2 or x4
 K_TILE = 128  # K columns per ring stage: two 64-wide 128B-swizzled TMA boxes
 K_TILES = HIDDEN // K_TILE
 W_STAGE_BYTES = HEAD_COLS * K_TILE * 2  # 16 KiB of bf16 weights per stage
 X_TILE_STAGE_BYTES = TOKEN_TILE * K_TILE * 2  # 2 KiB of bf16 activations per token tile per stage
 MIN_RING_STAGES = 2
-SPLIT_CHOICES = (1, 2)  # what the planner's k_split can pick (power-of-two clusters that are co-resident)
+SPLIT_CHOICES = (1, 2, 4)  # power-of-two clusters that are co-resident (k_split picks 1 or 2; 4 above M = 16)
 # Where the front lets the next grid (PDL) launch: "early" right after init (its W prefill overlaps this whole
 # grid), "late" once this CTA's producer has issued its last load (trigger_ahead k-tiles before it, if > 0),
 # "exit" never explicitly (a CTA counts as triggered when it exits).
 PDL_TRIGGERS = ("early", "late", "exit")
 # How the consumer warps share a k-tile: "rows" = warp w owns W rows 16w..16w+15 over all 128 k columns (every
 # warp re-reads the whole x stage from shared memory); "k" = warp w owns k columns 32w..32w+31 over all 64
-# rows (x read once per stage, a fixed-order 4-way reduction in shared memory after the last k-tile).
-WARP_SPLITS = ("rows", "k")
+# rows (x read once per stage, a fixed-order 4-way reduction in shared memory after the last k-tile); "wg" = the four
+# warps are one warpgroup issuing wgmma m64nTTk16 from the ring (W as A, x as B, both K-major in the ring's 128B
+# swizzle): the whole k-tile in one accumulator, no reduction.
+WARP_SPLITS = ("rows", "k", "wg")
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,10 @@ class QkvFrontVariant(VariantMixin):
     # instead of the last one (0). Past the ring prefill the next grid still cannot pass its own trigger before
     # this one completes: at most two grids resident. Never changes a bit.
     trigger_ahead: int = 0
+    # warp_split "wg" only: the owner's receive buffer for the S partials lives in the ring (idle once every CTA of
+    # the cluster has passed its last k-tile: a cluster barrier before the sends), which leaves its shared memory to
+    # ring stages. Never changes a bit.
+    recv_in_ring: bool = False
 
     def __post_init__(self):
         problems = []
@@ -63,6 +70,9 @@ class QkvFrontVariant(VariantMixin):
             problems.append(f"N={self.n} with num_kv_heads={self.num_kv_heads} is not a q|k|v|gate layout")
         if self.tiles not in TILE_CHOICES:
             problems.append(f"tiles must be one of {TILE_CHOICES}, got {self.tiles}")
+        elif self.tiles not in SYNC_TILE_CHOICES and self.warp_split != "wg":
+            problems.append(f"{self.tiles} tiles need warp_split 'wg' (mma.sync's ldmatrix takes "
+                            f"{SYNC_TILE_CHOICES} tiles), got {self.warp_split!r}")
         if self.fixed_m not in (0, TOKEN_TILE) or (self.fixed_m and self.tiles != 1):
             problems.append(f"fixed_m must be 0, or {TOKEN_TILE} with tiles=1, got {self.fixed_m}")
         if self.splits not in SPLIT_CHOICES:
@@ -78,6 +88,8 @@ class QkvFrontVariant(VariantMixin):
               and red_bytes(self.tiles) > self.stages * W_STAGE_BYTES):
             problems.append(f"warp_split 'k' with {self.tiles} tiles sums its partials in the W ring: needs "
                             f">= {-(-red_bytes(self.tiles) // W_STAGE_BYTES)} stages, got {self.stages}")
+        if self.recv_in_ring and self.warp_split != "wg":
+            problems.append(f"recv_in_ring needs warp_split 'wg', got {self.warp_split!r}")
         if problems:
             raise ValueError(f"invalid qkv_front variant: {'; '.join(problems)}")
         last = K_TILES // self.splits - 1
@@ -148,20 +160,21 @@ def stage_bytes(tiles: int) -> int:
 
 def smem_bytes(v: QkvFrontVariant) -> int:
     """Dynamic shared memory of one CTA; must equal the kernel's `Smem.size_in_bytes()`."""
-    return ring_smem_bytes(v.stages, v.tiles, v.splits)
+    return ring_smem_bytes(v.stages, v.tiles, v.splits, v.recv_in_ring)
 
 
-def ring_smem_bytes(stages: int, tiles: int, splits: int) -> int:
-    """`smem_bytes` of a variant with this ring depth, tile count and S (nothing else changes it).
+def ring_smem_bytes(stages: int, tiles: int, splits: int, recv_in_ring: bool = False) -> int:
+    """`smem_bytes` of a variant with this ring depth, tile count, S and receive-buffer place (nothing else changes
+    it).
 
     Layout (the kernel's @cute.struct, in order): W ring (stages x 16 KiB, 1024-aligned for the 128B swizzle),
     x ring (stages x TT x 256 B, 1024-aligned), full/empty/recv mbarriers (8 B each), a staged slot (int64)
     and cos|sin row (64 fp32) per owned token (TT / S), the owner's receive buffer for the S partials (TT x 64
-    fp32, S x TT/S tokens); padded to the struct's 1024-byte alignment.
+    fp32, S x TT/S tokens; none with `recv_in_ring`); padded to the struct's 1024-byte alignment.
     """
     tt = tiles * TOKEN_TILE
     owned = owned_tokens(tiles, splits)
     ring = stages * (tt * K_TILE * 2 + W_STAGE_BYTES)
     small = 8 * (2 * stages + 1) + 8 * owned
-    small = (small + 15) // 16 * 16 + 4 * owned * 64 + 4 * tt * HEAD_COLS
+    small = (small + 15) // 16 * 16 + 4 * owned * 64 + (0 if recv_in_ring else 4 * tt * HEAD_COLS)
     return (ring + small + 1023) // 1024 * 1024

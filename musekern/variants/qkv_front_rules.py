@@ -29,10 +29,13 @@ MIN_CTA_STREAM_BYTES = 512 * 1024  # below this a CTA's fixed costs dominate its
 SHALLOW_RING_STAGES = 4
 MAX_RING_STAGES = 8  # the deep ring with two token tiles
 SMEM_RESERVE_BYTES = 24 * 1024  # the deep ring's budget outside the ring (barriers, slots, cos|sin, receive)
+WG_FROM_TILES = 4  # builds of this many token tiles and more take wgmma (NOTES "warp_split")
+WGMMA_ARCHES = ("sm_90a",)  # wgmma is Hopper's (sm_100a has tcgen05 instead): elsewhere mma.sync, up to 4 tiles
+WIDE_TILES = 6  # from this many token tiles on, S = 4 where it fits one wave (NOTES "k_split")
 
 
 # NOTES "token tiles and fixed_rows": one build per 8-token tile count, M == 8 its own static-M build; above
-# M = 16 (NOTES "The fused front above M = 16") M pads up to 4 tiles.
+# M = 16 M pads up to 4, 6 or 8 tiles.
 def token_tiles(m: int) -> int:
     """8-token MMA tiles a build for M tokens computes (M padded up to the next of TILE_CHOICES)."""
     if not 1 <= m <= FRONT_MAX_TOKENS:
@@ -51,15 +54,17 @@ def cta_stream_bytes(split: int) -> int:
     return HEAD_COLS * HIDDEN * 2 // split
 
 
-# NOTES "k_split": the largest S with >= 512 KiB of W per CTA whose heads * S CTAs fit one wave at two per SM.
-def k_split(n: int, target: Target) -> int:
+# NOTES "k_split": the largest S with >= 512 KiB of W per CTA whose heads * S CTAs fit one wave at two per SM; from
+# WIDE_TILES token tiles on, S = 4 where its CTAs still fit that wave (each CTA's x re-read then weighs as much as its
+# W: every SM streams, not every other one).
+def k_split(n: int, target: Target, tiles: int = 1) -> int:
     """Cluster size S: the largest power of two with >= 512 KiB of W per CTA whose heads * S CTAs
-    fit in one wave at two CTAs per SM."""
+    fit in one wave at two CTAs per SM (S = 4 from WIDE_TILES token tiles where those CTAs fit it)."""
     heads = n // HEAD_COLS
     best = 1
     for s in SPLIT_CHOICES:
-        if (s <= target.max_cluster and cta_stream_bytes(s) >= MIN_CTA_STREAM_BYTES
-                and heads * s <= CTAS_PER_SM * target.sm_count):
+        big_enough = cta_stream_bytes(s) >= MIN_CTA_STREAM_BYTES or tiles >= WIDE_TILES
+        if s <= target.max_cluster and big_enough and heads * s <= CTAS_PER_SM * target.sm_count:
             best = s
     return best
 
@@ -75,13 +80,14 @@ def alone_on_sm(n: int, split: int, target: Target) -> bool:
 
 # NOTES "ring_stages": shallow (two CTAs per SM, one wave) where the grid fits; the deepest such ring where a
 # CTA is alone on its SM; else as deep as one CTA per SM allows (one tile) or MAX_RING_STAGES (two tiles).
-def ring_stages(split: int, target: Target, tiles: int = 2, n: int | None = None) -> int:
+def ring_stages(split: int, target: Target, tiles: int = 2, n: int | None = None, recv_in_ring: bool = False) -> int:
     """Ring depth (never changes the result). Without `n` (the seed's signature) the deep rule applies."""
     per_cta_tiles = (K_TILES + split - 1) // split
     if n is not None and one_wave_at_two_per_sm(n, split, target):
         top = MAX_RING_STAGES if alone_on_sm(n, split, target) else SHALLOW_RING_STAGES
         for st in range(top, MIN_RING_STAGES - 1, -1):
-            if CTAS_PER_SM * (ring_smem_bytes(st, tiles, split) + SMEM_RESERVED_PER_CTA) <= target.smem_per_sm:
+            fits = ring_smem_bytes(st, tiles, split, recv_in_ring) + SMEM_RESERVED_PER_CTA
+            if CTAS_PER_SM * fits <= target.smem_per_sm:
                 return min(st, per_cta_tiles)
     fit = (target.max_smem_optin - SMEM_RESERVE_BYTES) // stage_bytes(tiles)
     cap = fit if tiles == 1 else MAX_RING_STAGES
@@ -110,10 +116,12 @@ def trigger_ahead(n: int, split: int, target: Target, tiles: int, stages: int) -
     return stages
 
 
-# NOTES "warp_split": "k" everywhere except one token tile under the late trigger (4 tiles too: NOTES "The fused
-# front above M = 16").
+# NOTES "warp_split": "k" everywhere except one token tile under the late trigger; wgmma ("wg") above two tiles,
+# where mma.sync's consumer cannot keep up with the stream.
 def warp_split(n: int, split: int, target: Target, tiles: int) -> str:
     """How the consumer warps share a k-tile."""
+    if tiles >= WG_FROM_TILES and target.arch in WGMMA_ARCHES:
+        return "wg"
     return "rows" if tiles == 1 and pdl_trigger(n, split, target, tiles) == "late" else "k"
 
 
@@ -122,25 +130,39 @@ def variant(n: int, m: int, num_kv_heads: int, target: Target) -> QkvFrontVarian
     if not supports_shape(n, num_kv_heads):
         raise ValueError(f"qkv_front does not support N={n} with num_kv_heads={num_kv_heads}")
     tiles = token_tiles(m)
-    s = k_split(n, target)
+    s = k_split(n, target, tiles)
+    split = warp_split(n, s, target, tiles)
     stages = ring_stages(s, target, tiles, n)
+    rir = recv_in_ring(n, s, target, tiles, split)
+    if rir:
+        stages = ring_stages(s, target, tiles, n, recv_in_ring=True)
     return QkvFrontVariant(n, num_kv_heads, tiles, stages, s, fixed_rows(m), pdl_trigger(n, s, target, tiles),
-                           warp_split=warp_split(n, s, target, tiles),
-                           trigger_ahead=trigger_ahead(n, s, target, tiles, stages))
+                           warp_split=split, trigger_ahead=trigger_ahead(n, s, target, tiles, stages),
+                           recv_in_ring=rir)
 
 
-# NOTES "The fused front above M = 16" and "Every M: which path": the front where it measured faster than its
-# alternative, cuBLAS's GEMM + the fused epilogue, else that. Above M = 16 the 4-tile consumer needs ~0.45-0.6 us a
-# k-tile: it keeps up where the grid is one wave at two CTAs per SM (TP8 isolated 15.6-15.7 us against the GEMM +
-# epilogue's 16.1-16.9; TP4, TP2 0.90-0.93x the bare GEMM alone), not where CTAs run in waves (TP1: 81-88 us against
-# 75-79).
+# NOTES "ring_stages": a wgmma build keeps its receive buffer in the ring where that buys a ring stage at two CTAs
+# per SM (8 tiles at TP8 and TP4); elsewhere the cluster barrier it needs costs more than it gives.
+def recv_in_ring(n: int, split: int, target: Target, tiles: int, warp: str) -> bool:
+    """Does the owner's receive buffer live in the (then idle) ring?"""
+    return warp == "wg" and ring_stages(split, target, tiles, n, True) > ring_stages(split, target, tiles, n)
+
+
+# NOTES "Every M: which path": the front where it measured faster than its alternative, cuBLAS's GEMM + the fused
+# epilogue, else that: above M = 16 where the grid is one wave at two CTAs per SM (TP8, TP4; TP2 up to 48 tokens), not
+# where CTAs run in waves (TP1).
 def front_serves(n: int, m: int, target: Target) -> bool:
     """Does the fused front take a call with weight rows N and M tokens on `target` (pure)?"""
     if not 1 <= m <= FRONT_MAX_TOKENS:
         return False
     if m <= MAX_TOKENS:
         return True
-    return one_wave_at_two_per_sm(n, k_split(n, target), target)
+    tiles = token_tiles(m)
+    if tiles > WG_FROM_TILES and target.arch not in WGMMA_ARCHES:
+        return False  # no wgmma: mma.sync builds stop at 4 tiles
+    s = k_split(n, target, tiles)
+    # 8 tiles without a cluster (TP2): one CTA owns all 64 tokens of its head, and cuBLAS's M > 48 kernel wins
+    return one_wave_at_two_per_sm(n, s, target) and (tiles < max(TILE_CHOICES) or s > 1)
 
 
 def qkv_front_variants(n: int, num_kv_heads: int, target: Target, max_tokens: int = MAX_TOKENS):

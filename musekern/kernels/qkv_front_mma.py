@@ -1,0 +1,201 @@
+"""qkv_front's consumer roles: the MMA over the ring and the delivery of each CTA's partials to their owners.
+
+A mixin of `QkvFrontKernel` (musekern/kernels/qkv_front.py, whose docstring has the whole kernel): the methods read
+the kernel's static fields (`v`, `tt`, `stages`, `ntiles`, `S`, `owned`). Per `warp_split` (musekern/variants/
+qkv_front.py): "rows" and "k" issue mma.sync m16n8k16 from ldmatrix fragments ("k" sums its four warps' partials in
+the idle W ring), "wg" issues wgmma m64nTTk16 straight from the swizzled ring as one warpgroup.
+"""
+# (no `from __future__ import annotations`: @cute.jit reads real annotation objects)
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import warp, warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
+
+from ..variants.qkv_front import CONSUMER_WARPS, HEAD_COLS, RED_STRIDE, WARP_K
+
+CONSUMER_THREADS = 32 * CONSUMER_WARPS
+# named barriers (0 is __syncthreads)
+BAR_PARTIALS = 1  # S == 1: consumers wrote their partials to smem with plain stores
+BAR_AUX = 2  # aux warp staged slots and cos|sin rows -> consumer warps (epilogue)
+BAR_RED = 3  # warp_split "k": the consumer warps are done with the ring / wrote their partials
+
+
+@dsl_user_op
+def f32_bits(x, *, loc=None, ip=None):
+    """Bit-cast fp32 -> i32: st.async payloads are b32 words (NOTES.md pitfall 7)."""
+    return Int32(llvm.bitcast(Int32.mlir_type, Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+def operand_copies(tiled_mma, tt: int, idx):
+    """ldmatrix tiled copies of the MMA operands and their slices for thread (or lane) idx: x4 for W (A);
+    for x (B) per k16 step x4 covers 16 tokens, x2 covers 8."""
+    cp_a = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), BFloat16), tiled_mma)
+    cp_b = cute.make_tiled_copy_B(
+        cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4 if tt >= 16 else 2), BFloat16), tiled_mma)
+    return cp_a, cp_b, cp_a.get_slice(idx), cp_b.get_slice(idx)
+
+
+class FrontConsumers:
+    """The consumer warps' roles of `QkvFrontKernel` (mixin)."""
+
+    @cute.jit
+    def consumer(self, tiled_mma, sW, sX, full, empty, tidx):
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sW[None, None, 0]))
+        tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sX[None, None, 0]))
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((16 * CONSUMER_WARPS, self.tt)), Float32)
+        acc.fill(0.0)
+        cp_a, cp_b, thr_a, thr_b = operand_copies(tiled_mma, self.tt, tidx)
+        tAsW = thr_a.partition_S(sW)  # (CPY, 1, 8 k-steps, stages)
+        tArA = thr_a.retile(tCrA)
+        tBsX = thr_b.partition_S(sX)  # (CPY, TT/8 or 1, 8 k-steps, stages)
+        tBrB = thr_b.retile(tCrB)
+        ksteps = cute.size(tAsW, mode=[2])
+        for i in cutlass.range(self.ntiles, unroll=1):
+            s = i % self.stages
+            cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
+            if cutlass.const_expr(self.v.tiles > 2):
+                # 4 tiles: one k16 step's operands at a time (a whole k-tile's x fragment takes 64 registers a
+                # thread)
+                for kk in cutlass.range_constexpr(ksteps):
+                    cute.copy(cp_a, tAsW[None, None, kk, s], tArA[None, None, kk])
+                    cute.copy(cp_b, tBsX[None, None, kk, s], tBrB[None, None, kk])
+                    cute.gemm(tiled_mma, acc, tCrA[None, None, kk], tCrB[None, None, kk], acc)
+            else:
+                for kk in cutlass.range_constexpr(ksteps):
+                    cute.copy(cp_a, tAsW[None, None, kk, s], tArA[None, None, kk])
+                    cute.copy(cp_b, tBsX[None, None, kk, s], tBrB[None, None, kk])
+                for kk in cutlass.range_constexpr(ksteps):
+                    cute.gemm(tiled_mma, acc, tCrA[None, None, kk], tCrB[None, None, kk], acc)
+            cute.arch.sync_warp()  # every lane's ldmatrix of stage s is done
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive(empty + s)
+        return acc
+
+    @cute.jit
+    def consumer_wg(self, tiled_mma, sW, sX, full, empty, tidx):
+        """warp_split "wg": warpgroup 0 issues a k-tile's 8 wgmma m64nTTk16 (W rows x tokens, k order fixed) as one
+        group and releases the stage as soon as the group completes: the MMAs (<= 0.15 us a k-tile) are short
+        against the stream, so a stage is never held while the next one is waited for (with a group kept in flight
+        a ring of S stages would prefetch only S - 1)."""
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sW))  # (MMA, 1, 8 k16, stages) descriptors
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((HEAD_COLS, self.tt)), Float32)
+        acc.fill(0.0)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        ksteps = cute.size(tCrA, mode=[2])
+        for i in cutlass.range(self.ntiles, unroll=1):
+            s = i % self.stages
+            cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
+            warpgroup.fence()
+            for kk in cutlass.range_constexpr(ksteps):
+                cute.gemm(tiled_mma, acc, tCrA[None, None, kk, s], tCrB[None, None, kk, s], acc)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)  # k-tile i's MMAs have read their stage
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive(empty + s)
+        return acc
+
+    @cute.jit
+    def consumer_k(self, tiled_mma, sW, sX, full, empty, warp_idx, lane):
+        """warp_split "k": this warp's two k16 steps (columns 32w..32w+31) of every stage, all 64 rows.
+
+        Per stage a warp loads 4 A tiles and 1 B tile per k16 step (x is read once per CTA, not once per
+        warp) and releases the stage as soon as its operands are in registers. Software-pipelined over
+        two register sets: the MMAs of stage i-1 are issued after the loads of stage i, so ldmatrix latency
+        overlaps 4 x tiles independent MMA chains (without it ptxas serialises ldmatrix -> mma)."""
+        thr_mma = tiled_mma.get_slice(lane)
+        mine_w = cute.local_tile(sW[None, None, 0], (HEAD_COLS, WARP_K), (0, 0))  # shapes of one warp's slice
+        mine_x = cute.local_tile(sX[None, None, 0], (self.tt, WARP_K), (0, 0))
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((HEAD_COLS, self.tt)), Float32)
+        acc.fill(0.0)
+        cp_a, cp_b, thr_a, thr_b = operand_copies(tiled_mma, self.tt, lane)
+        tAsW = thr_a.partition_S(sW)  # (CPY, 4 m16, 8 k16, stages)
+        tBsX = thr_b.partition_S(sX)  # (CPY, 1, 8 k16, stages)
+        # two register sets (even / odd k-tiles): (MMA, 4 m16, 2 k16) and (MMA, 1, 2 k16) each
+        rA = [thr_mma.make_fragment_A(thr_mma.partition_A(mine_w)) for _ in range(2)]
+        rB = [thr_mma.make_fragment_B(thr_mma.partition_B(mine_x)) for _ in range(2)]
+        if cutlass.const_expr(self.v.tiles > 2):
+            # 4 tiles: 64 accumulators a thread leave no room for a second register set (two CTAs per SM)
+            for i in cutlass.range(self.ntiles, unroll=1):
+                self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[0], rB[0], full, empty, warp_idx, i)
+                self._mma_k(tiled_mma, acc, rA[0], rB[0])
+        else:
+            self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[0], rB[0], full, empty, warp_idx, Int32(0))
+            for p in cutlass.range(self.ntiles // 2, unroll=1):
+                i = 2 * p + 1
+                self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[1], rB[1], full, empty, warp_idx, i)
+                self._mma_k(tiled_mma, acc, rA[0], rB[0])
+                if i + 1 < self.ntiles:
+                    self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[0], rB[0], full, empty, warp_idx, i + 1)
+                self._mma_k(tiled_mma, acc, rA[1], rB[1])
+        return acc
+
+    @cute.jit
+    def _load_k(self, cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA, rB, full, empty, warp_idx, i):
+        """Wait for k-tile i, load this warp's operands of it, release its stage to the producer."""
+        s = i % self.stages
+        cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
+        tArA = thr_a.retile(rA)
+        tBrB = thr_b.retile(rB)
+        for j in cutlass.range_constexpr(WARP_K // 16):
+            kk = warp_idx * (WARP_K // 16) + j
+            cute.copy(cp_a, tAsW[None, None, kk, s], tArA[None, None, j])
+            cute.copy(cp_b, tBsX[None, None, kk, s], tBrB[None, None, j])
+        cute.arch.sync_warp()  # every lane's ldmatrix of stage s is done: the producer may refill it
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive(empty + s)
+
+    @cute.jit
+    def _mma_k(self, tiled_mma, acc, rA, rB):
+        for j in cutlass.range_constexpr(WARP_K // 16):  # k order fixed: j = 0, 1 of each k-tile
+            cute.gemm(tiled_mma, acc, rA[None, None, j], rB[None, None, j], acc)
+
+    @cute.jit
+    def reduce_send(self, tiled_mma, acc, st, recv_bar, warp_idx, tidx, rank):
+        """warp_split "k": sum the 4 warps' partials in warp order 0..3 (in the idle W ring), then each of the
+        128 consumer threads sends TT/2 of the CTA's 64 x TT sums to their owners (as `send` does)."""
+        red = cute.make_tensor(cute.recast_ptr(st.sW.data_ptr(), dtype=Float32),
+                               cute.make_layout(CONSUMER_WARPS * self.tt * RED_STRIDE))
+        recv = self.recv(st)
+        thr_mma = tiled_mma.get_slice(tidx % 32)
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((HEAD_COLS, self.tt)))
+        # every consumer warp has read its last stage (and every TMA write has landed: each was waited on)
+        cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            m, n = tCcC[i]
+            red[(warp_idx * self.tt + n) * RED_STRIDE + m] = acc[i]
+        cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
+        for e in cutlass.range_constexpr(self.tt * HEAD_COLS // CONSUMER_THREADS):
+            idx = tidx + e * CONSUMER_THREADS  # consecutive threads: consecutive columns (no bank conflicts)
+            n = idx // HEAD_COLS
+            m = idx % HEAD_COLS
+            total = red[n * RED_STRIDE + m]
+            for w in cutlass.range_constexpr(1, CONSUMER_WARPS):  # fixed warp order: deterministic
+                total = total + red[(w * self.tt + n) * RED_STRIDE + m]
+            self._deliver(recv, recv_bar, rank, n, m, total)
+
+    @cute.jit
+    def send(self, tiled_mma, acc, st, recv_bar, tidx, rank):
+        """warp_split "rows": every accumulator element is a whole partial of (column m, token n): deliver it."""
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((16 * CONSUMER_WARPS, self.tt)))
+        recv = self.recv(st)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            m, n = tCcC[i]
+            self._deliver(recv, recv_bar, rank, n, m, acc[i])
+
+    @cute.jit
+    def _deliver(self, recv, recv_bar, rank, n, m, value):
+        """This CTA's partial of (column m, token n) to the owner, rank n % S, at recv[rank][n // S][m]:
+        st.async into the owner's shared memory (completes on its receive barrier), or a plain store
+        with S == 1."""
+        if cutlass.const_expr(self.S > 1):
+            off = (rank * self.owned + n // self.S) * HEAD_COLS + m
+            cute.arch.store_async_dsmem(recv.iterator + off, f32_bits(value), recv_bar, n % self.S)
+        else:
+            recv[n * HEAD_COLS + m] = value

@@ -88,7 +88,6 @@ def front_candidates(target) -> list:
     wgmma), a 2-tile wgmma build and each wgmma build with its receive buffer in the ring (a deeper ring at two
     CTAs per SM); at TP8 the wgmma builds with S = 4 (136 CTAs: every SM streams, not 68)."""
     from musekern.variants import variant
-    from musekern.variants.qkv_front import smem_bytes
     from musekern.variants.qkv_front_rules import ring_stages
 
     out = []
@@ -110,15 +109,4 @@ def front_candidates(target) -> list:
                     out.append((f"tp8-m{m}-s4{'-rir' if rir else ''}",
                                 replace(v, splits=4, stages=st, trigger="exit", trigger_ahead=0, warp_split="wg",
                                         recv_in_ring=rir), m))
-        # two heads a CTA (each x tile serves 128 W rows): the grid halves, so S doubles to keep every SM streaming
-        for m in (32, 48, 64) if tp in (8, 4) else ():
-            v = variant(n, m, nkv, target)
-            for s_, st in ((2, 3), (2, 4), (4, 2), (4, 3), (4, 4)) + (((8, 2), (8, 4)) if m != 48 else ()):
-                try:
-                    c = replace(v, splits=s_, stages=st, trigger="exit", trigger_ahead=0, recv_in_ring=True,
-                                heads_per_cta=2)
-                except ValueError:
-                    continue
-                if smem_bytes(c) <= target.max_smem_optin:
-                    out.append((f"tp{tp}-m{m}-h2-s{s_}-st{st}", c, m))
     return out

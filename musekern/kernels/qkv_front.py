@@ -74,25 +74,25 @@ AUX_WARP = CONSUMER_WARPS + 1  # warp 5
 BOX_COLS = 64  # a 128B-swizzle TMA box is 64 bf16 columns wide
 
 
-def ring_tma(mW, mX, stages: int, tt: int, rows: int = HEAD_COLS):
+def ring_tma(mW, mX, stages: int, tt: int):
     """The ring's swizzled shared-memory layouts and the W / x TMA atoms (traced inside a @cute.jit): one
     stage = W (64 rows x 128 k) and x (tt rows x 128 k), each two 64-column boxes with 128B swizzle.
     Shared with bench/probes/skeleton_probe.py, whose ring must be this one."""
     atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
-    sW_layout = cute.tile_to_shape(atom, (rows, K_TILE, stages), order=(0, 1, 2))
+    sW_layout = cute.tile_to_shape(atom, (HEAD_COLS, K_TILE, stages), order=(0, 1, 2))
     sX_layout = cute.tile_to_shape(atom, (tt, K_TILE, stages), order=(0, 1, 2))
     tma_w, mW_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW,
-                                                cute.slice_(sW_layout, (None, None, 0)), (rows, K_TILE))
+                                                cute.slice_(sW_layout, (None, None, 0)), (HEAD_COLS, K_TILE))
     tma_x, mX_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX,
                                                 cute.slice_(sX_layout, (None, None, 0)), (tt, K_TILE))
     return sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma
 
 
-def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool, rows: int = HEAD_COLS):
+def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool):
     if recv_in_ring:
         @cute.struct
-        class SmemRingRecv:  # the receive buffer is the W ring's first tt x rows fp32 (`QkvFrontKernel.recv`)
-            sW: cute.struct.Align[cute.struct.MemRange[BFloat16, rows * K_TILE * stages], 1024]
+        class SmemRingRecv:  # the receive buffer is the W ring's first tt x 64 fp32 (`QkvFrontKernel.recv`)
+            sW: cute.struct.Align[cute.struct.MemRange[BFloat16, HEAD_COLS * K_TILE * stages], 1024]
             sX: cute.struct.Align[cute.struct.MemRange[BFloat16, tt * K_TILE * stages], 1024]
             full: cute.struct.MemRange[Int64, stages]
             empty: cute.struct.MemRange[Int64, stages]
@@ -104,7 +104,7 @@ def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool, rows:
     @cute.struct
     class Smem:
         # ring first: offset 0 of the 1024-aligned dynamic smem, what the 128B swizzle expects
-        sW: cute.struct.Align[cute.struct.MemRange[BFloat16, rows * K_TILE * stages], 1024]
+        sW: cute.struct.Align[cute.struct.MemRange[BFloat16, HEAD_COLS * K_TILE * stages], 1024]
         sX: cute.struct.Align[cute.struct.MemRange[BFloat16, tt * K_TILE * stages], 1024]
         full: cute.struct.MemRange[Int64, stages]  # TMA -> consumers: count 1 + W and x bytes
         empty: cute.struct.MemRange[Int64, stages]  # consumers -> producer: count 4 (one lane a warp)
@@ -113,7 +113,7 @@ def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool, rows:
         # cos|sin rows of the owned tokens (sized by them: with one tile at S = 2 this is what lets a 6-stage
         # ring fit two CTAs per SM, bench/NOTES.md round 17)
         cs: cute.struct.Align[cute.struct.MemRange[Float32, owned * 64], 16]
-        recv: cute.struct.Align[cute.struct.MemRange[Float32, tt * rows], 16]  # [src][j][col]
+        recv: cute.struct.Align[cute.struct.MemRange[Float32, tt * HEAD_COLS], 16]  # [src][j][col]
     return Smem
 
 
@@ -136,12 +136,10 @@ class QkvFrontKernel(FrontConsumers):
         assert self.tt % self.S == 0 and self.owned % CONSUMER_WARPS == 0 and self.owned <= MAX_OWNED_TOKENS
         self.ntiles = K_TILES // self.S  # k-tiles per CTA
         assert self.stages <= self.ntiles
-        self.hpc = v.heads_per_cta  # heads a CTA computes: its W rows are rows = 64 x hpc
-        self.rows = HEAD_COLS * self.hpc
-        self.stage_tx = self.hpc * W_STAGE_BYTES + self.tt * K_TILE * 2  # bytes landing per stage
-        self.recv_tx = self.S * self.owned * self.rows * 4  # bytes of partials an owner receives
-        self.Smem = make_smem_struct(self.stages, self.tt, self.owned, v.recv_in_ring, self.rows)
-        assert not v.recv_in_ring or self.tt * self.rows * 4 <= self.stages * self.hpc * W_STAGE_BYTES
+        self.stage_tx = W_STAGE_BYTES + self.tt * K_TILE * 2  # bytes landing per stage
+        self.recv_tx = self.S * self.owned * HEAD_COLS * 4  # bytes of partials an owner receives
+        self.Smem = make_smem_struct(self.stages, self.tt, self.owned, v.recv_in_ring)
+        assert not v.recv_in_ring or self.tt * HEAD_COLS * 4 <= self.stages * W_STAGE_BYTES
         self.smem = smem_bytes(v)
 
     # ------------------------------------------------------------------ host side
@@ -155,7 +153,7 @@ class QkvFrontKernel(FrontConsumers):
             mX = cute.make_tensor(x_ptr, cute.make_layout((self.v.fixed_m, HIDDEN), stride=(HIDDEN, 1)))
         else:
             mX = cute.make_tensor(x_ptr, cute.make_layout((M, HIDDEN), stride=(HIDDEN, 1)))
-        sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma = ring_tma(mW, mX, self.stages, self.tt, self.rows)
+        sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma = ring_tma(mW, mX, self.stages, self.tt)
         mma_op = warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
         if cutlass.const_expr(self.v.warp_split == "rows"):
             # 4 warps along M (16 W rows each); every warp covers all TT tokens (tiles n8 atoms)
@@ -180,7 +178,7 @@ class QkvFrontKernel(FrontConsumers):
         tidx = cute.arch.thread_idx()[0]
         bidx = cute.arch.block_idx()[0]
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        unit = bidx // self.S  # the cluster's head (heads_per_cta 2: its pair of heads 2 unit, 2 unit + 1)
+        head = bidx // self.S
         rank = Int32(0)
         if cutlass.const_expr(self.S > 1):
             rank = cute.arch.block_idx_in_cluster()  # == bidx % S: clusters are S consecutive CTAs
@@ -214,7 +212,7 @@ class QkvFrontKernel(FrontConsumers):
             cute.arch.griddepcontrol_launch_dependents()  # PDL: the next grid may start its W prefetch
 
         if warp_idx == PRODUCER_WARP:
-            self.producer(tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, unit, rank)
+            self.producer(tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank)
             self.ring_idle()
         elif warp_idx == AUX_WARP:
             self.aux(st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, rank)
@@ -225,7 +223,6 @@ class QkvFrontKernel(FrontConsumers):
                 # ring (made here, not passed in: its ACCUMULATE field would become a kernel parameter)
                 wg_mma = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K,
                                                            OperandMajorMode.K, Float32, (1, 1, 1), (HEAD_COLS, self.tt))
-                # (hpc = 2: the fragments' M mode holds the two heads' m64 tiles, two wgmma per k16 step)
                 acc = self.consumer_wg(wg_mma, sW, sX, full, empty, tidx)
                 self.ring_idle()
                 self.send(wg_mma, acc, st, recv_bar, tidx, rank)
@@ -236,7 +233,7 @@ class QkvFrontKernel(FrontConsumers):
                 acc = self.consumer_k(tiled_mma, sW, sX, full, empty, warp_idx, tidx % 32)
                 self.reduce_send(tiled_mma, acc, st, recv_bar, warp_idx, tidx, rank)
             self.finish(st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
-                        v_block_stride, eps, unit, rank, warp_idx, tidx)
+                        v_block_stride, eps, head, rank, warp_idx, tidx)
         if cutlass.const_expr(self.S > 1):
             # nobody leaves while a peer may still write into its shared memory
             cute.arch.cluster_arrive()
@@ -246,8 +243,8 @@ class QkvFrontKernel(FrontConsumers):
         """The owner's receive buffer, [src][j][col] fp32: its own array, or the W ring's start (`recv_in_ring`)."""
         if cutlass.const_expr(self.v.recv_in_ring):
             return cute.make_tensor(cute.recast_ptr(st.sW.data_ptr(), dtype=Float32),
-                                    cute.make_layout(self.tt * self.rows))
-        return st.recv.get_tensor(cute.make_layout(self.tt * self.rows))
+                                    cute.make_layout(self.tt * HEAD_COLS))
+        return st.recv.get_tensor(cute.make_layout(self.tt * HEAD_COLS))
 
     @cute.jit
     def ring_idle(self):
@@ -263,7 +260,7 @@ class QkvFrontKernel(FrontConsumers):
 
     @cute.jit
     def producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank):
-        gW = cute.local_tile(mW_tma, (self.rows, K_TILE), (head, None))  # (64 x hpc, 128, 64 k-tiles)
+        gW = cute.local_tile(mW_tma, (HEAD_COLS, K_TILE), (head, None))  # (64, 128, 64 k-tiles)
         gX = cute.local_tile(mX_tma, (self.tt, K_TILE), (0, None))  # (TT, 128, 64 k-tiles)
         tWsW, tWgW = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
                                            cute.group_modes(gW, 0, 2))
@@ -308,9 +305,8 @@ class QkvFrontKernel(FrontConsumers):
 
     @cute.jit
     def finish(self, st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
-               v_block_stride, eps, unit, rank, warp_idx, tidx):
-        """Owner epilogue: warp w owns tokens w, w + 4, ...; lane l holds columns (2l, 2l+1) = RoPE pair l of each of
-        the CTA's heads."""
+               v_block_stride, eps, head, rank, warp_idx, tidx):
+        """Owner epilogue: warp w owns tokens w, w + 4, ...; lane l holds columns (2l, 2l+1) = RoPE pair l."""
         lane = tidx % 32
         recv = self.recv(st)
         cs = st.cs.get_tensor(cute.make_layout(self.owned * 64))
@@ -321,40 +317,38 @@ class QkvFrontKernel(FrontConsumers):
             cute.arch.barrier(barrier_id=BAR_PARTIALS, number_of_threads=CONSUMER_THREADS)
         cute.arch.barrier(barrier_id=BAR_AUX, number_of_threads=CONSUMER_THREADS + 32)
         cute.arch.griddepcontrol_wait()  # before any global store
+        is_qk = head < self.nq + self.nkv
+        is_k = head >= self.nq and head < self.nq + self.nkv
+        is_v = head >= self.nq + self.nkv and head < self.nq + 2 * self.nkv
+        kv_head = head - self.nq
+        if is_v:
+            kv_head = head - self.nq - self.nkv
         mY = cute.make_tensor(y_ptr, cute.make_layout((self.tt, self.n), stride=(self.n, 1)))
         # Every warp owns `rounds` tokens: all their math first (padded tokens t >= M too: their partials are the
         # zero-filled x rows; nothing of them is stored), then the stores. The rounds' shuffle reductions are
         # independent and overlap, instead of one token's latency chain after another (with 16 owned tokens the
         # epilogue was the CTA's tail on an SM no other CTA can use).
         rounds = self.owned // CONSUMER_WARPS
-        for hh in cutlass.range_constexpr(self.hpc):
-            head = unit * self.hpc + hh
-            is_qk = head < self.nq + self.nkv
-            is_k = head >= self.nq and head < self.nq + self.nkv
-            is_v = head >= self.nq + self.nkv and head < self.nq + 2 * self.nkv
-            kv_head = head - self.nq
-            if is_v:
-                kv_head = head - self.nq - self.nkv
-            vals = []
-            for jj in cutlass.range_constexpr(rounds):
-                vals.append(self._token_values(recv, cs, jj * CONSUMER_WARPS + warp_idx, lane, eps, is_qk, hh))
-            for jj in cutlass.range_constexpr(rounds):
-                j = jj * CONSUMER_WARPS + warp_idx
-                if j * self.S + rank < M:
-                    self._token_store(vals[jj][0], vals[jj][1], mY, slots, kc_ptr, vc_ptr, j, j * self.S + rank,
-                                      lane, head, kv_head, is_k, is_v, block_size, num_blocks, k_block_stride,
-                                      v_block_stride)
+        vals = []
+        for jj in cutlass.range_constexpr(rounds):
+            vals.append(self._token_values(recv, cs, jj * CONSUMER_WARPS + warp_idx, lane, eps, is_qk))
+        for jj in cutlass.range_constexpr(rounds):
+            j = jj * CONSUMER_WARPS + warp_idx
+            if j * self.S + rank < M:
+                self._token_store(vals[jj][0], vals[jj][1], mY, slots, kc_ptr, vc_ptr, j, j * self.S + rank,
+                                  lane, head, kv_head, is_k, is_v, block_size, num_blocks, k_block_stride,
+                                  v_block_stride)
 
     @cute.jit
-    def _token_values(self, recv, cs, j, lane, eps, is_qk, hh):
-        """bf16 outputs of owned token j for columns (2 lane, 2 lane + 1) of the CTA's head hh: partial sum in rank
-        order, bf16 rounding, then (q, k heads: is_qk) RMS norm over the head and interleaved RoPE."""
-        c0 = hh * HEAD_COLS + 2 * lane
+    def _token_values(self, recv, cs, j, lane, eps, is_qk):
+        """bf16 outputs of owned token j for columns (2 lane, 2 lane + 1): partial sum in rank order, bf16
+        rounding, then (q, k heads: is_qk) RMS norm over the head and interleaved RoPE."""
+        c0 = 2 * lane
         a = Float32(0.0)
         b = Float32(0.0)
         for src in cutlass.range_constexpr(self.S):  # fixed rank order: deterministic
-            a = a + recv[(src * self.owned + j) * self.rows + c0]
-            b = b + recv[(src * self.owned + j) * self.rows + c0 + 1]
+            a = a + recv[(src * self.owned + j) * HEAD_COLS + c0]
+            b = b + recv[(src * self.owned + j) * HEAD_COLS + c0 + 1]
         # the GEMM result is bf16: every later step works on the rounded value
         a = Float32(BFloat16(a))
         b = Float32(BFloat16(b))
@@ -460,9 +454,8 @@ def abi_for(v: QkvFrontVariant) -> KernelAbi:
     return KernelAbi(
         params=tuple(params),
         launch=LaunchSpec(block=(THREADS, 1, 1), cluster=(v.splits, 1, 1), dynamic_smem_bytes=smem_bytes(v),
-                          pdl=True, grid=f"(heads / heads_per_cta * S, 1, 1) = ({v.heads} / {v.heads_per_cta} * "
-                                         f"{v.splits}, 1, 1)"),
-        tensormaps=(TensorMapSpec("tma_w", "weight", "bf16", (BOX_COLS, HEAD_COLS * v.heads_per_cta)),
+                          pdl=True, grid=f"(heads * S, 1, 1) = ({v.heads} * {v.splits}, 1, 1)"),
+        tensormaps=(TensorMapSpec("tma_w", "weight", "bf16", (BOX_COLS, HEAD_COLS)),
                     TensorMapSpec("tma_x", "x", "bf16", (BOX_COLS, tt))))
 
 

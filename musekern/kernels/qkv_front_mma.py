@@ -82,9 +82,9 @@ class FrontConsumers:
         against the stream, so a stage is never held while the next one is waited for (with a group kept in flight
         a ring of S stages would prefetch only S - 1)."""
         thr_mma = tiled_mma.get_slice(tidx)
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sW))  # (MMA, heads_per_cta, 8 k16, stages) descriptors
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sW))  # (MMA, 1, 8 k16, stages) descriptors
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))
-        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.rows, self.tt)), Float32)
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((HEAD_COLS, self.tt)), Float32)
         acc.fill(0.0)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         ksteps = cute.size(tCrA, mode=[2])
@@ -183,7 +183,7 @@ class FrontConsumers:
     def send(self, tiled_mma, acc, st, recv_bar, tidx, rank):
         """warp_split "rows": every accumulator element is a whole partial of (column m, token n): deliver it."""
         thr_mma = tiled_mma.get_slice(tidx)
-        tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.rows, self.tt)))
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((16 * CONSUMER_WARPS, self.tt)))
         recv = self.recv(st)
         for i in cutlass.range_constexpr(cute.size(acc)):
             m, n = tCcC[i]
@@ -195,7 +195,7 @@ class FrontConsumers:
         st.async into the owner's shared memory (completes on its receive barrier), or a plain store
         with S == 1."""
         if cutlass.const_expr(self.S > 1):
-            off = (rank * self.owned + n // self.S) * self.rows + m
+            off = (rank * self.owned + n // self.S) * HEAD_COLS + m
             cute.arch.store_async_dsmem(recv.iterator + off, f32_bits(value), recv_bar, n % self.S)
         else:
-            recv[n * self.rows + m] = value
+            recv[n * HEAD_COLS + m] = value

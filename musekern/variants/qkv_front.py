@@ -28,8 +28,7 @@ K_TILES = HIDDEN // K_TILE
 W_STAGE_BYTES = HEAD_COLS * K_TILE * 2  # 16 KiB of bf16 weights per stage
 X_TILE_STAGE_BYTES = TOKEN_TILE * K_TILE * 2  # 2 KiB of bf16 activations per token tile per stage
 MIN_RING_STAGES = 2
-HEADS_PER_CTA_CHOICES = (1, 2)
-SPLIT_CHOICES = (1, 2, 4, 8)  # power-of-two clusters that are co-resident (k_split picks 1 or 2; 4 above M = 16)
+SPLIT_CHOICES = (1, 2, 4)  # power-of-two clusters that are co-resident (k_split picks 1 or 2; 4 above M = 16)
 # Where the front lets the next grid (PDL) launch: "early" right after init (its W prefill overlaps this whole
 # grid), "late" once this CTA's producer has issued its last load (trigger_ahead k-tiles before it, if > 0),
 # "exit" never explicitly (a CTA counts as triggered when it exits).
@@ -64,9 +63,6 @@ class QkvFrontVariant(VariantMixin):
     # the cluster has passed its last k-tile: a cluster barrier before the sends), which leaves its shared memory to
     # ring stages. Never changes a bit.
     recv_in_ring: bool = False
-    # warp_split "wg" only: heads one CTA computes (2: its warpgroup issues two m64 wgmma per k16 step over 128 W rows,
-    # so each x tile a CTA reads serves twice the weight; the grid has heads / 2 x S CTAs). Changes no bit of a head.
-    heads_per_cta: int = 1
 
     def __post_init__(self):
         problems = []
@@ -81,9 +77,6 @@ class QkvFrontVariant(VariantMixin):
             problems.append(f"fixed_m must be 0, or {TOKEN_TILE} with tiles=1, got {self.fixed_m}")
         if self.splits not in SPLIT_CHOICES:
             problems.append(f"splits must be one of {SPLIT_CHOICES}, got {self.splits}")
-        elif self.tiles * TOKEN_TILE % (self.splits * CONSUMER_WARPS):
-            problems.append(f"{self.tiles} tiles at splits={self.splits}: every owner CTA's tokens must split evenly "
-                            f"over the {CONSUMER_WARPS} consumer warps")
         elif not MIN_RING_STAGES <= self.stages <= K_TILES // self.splits:
             problems.append(f"stages must be in {MIN_RING_STAGES}..{K_TILES // self.splits} for splits="
                             f"{self.splits}, got {self.stages}")
@@ -97,11 +90,6 @@ class QkvFrontVariant(VariantMixin):
                             f">= {-(-red_bytes(self.tiles) // W_STAGE_BYTES)} stages, got {self.stages}")
         if self.recv_in_ring and self.warp_split != "wg":
             problems.append(f"recv_in_ring needs warp_split 'wg', got {self.warp_split!r}")
-        if self.heads_per_cta not in HEADS_PER_CTA_CHOICES:
-            problems.append(f"heads_per_cta must be one of {HEADS_PER_CTA_CHOICES}, got {self.heads_per_cta}")
-        elif self.heads_per_cta > 1 and (self.warp_split != "wg" or self.n // HEAD_COLS % self.heads_per_cta):
-            problems.append(f"heads_per_cta={self.heads_per_cta} needs warp_split 'wg' and a head count it divides, "
-                            f"got {self.warp_split!r} with {self.n // HEAD_COLS} heads")
         if problems:
             raise ValueError(f"invalid qkv_front variant: {'; '.join(problems)}")
         last = K_TILES // self.splits - 1
@@ -151,8 +139,8 @@ assert red_bytes(2) <= MIN_RING_STAGES * W_STAGE_BYTES  # one or two tiles fit a
 
 
 def launch_grid(v: QkvFrontVariant) -> tuple[int, int, int]:
-    """heads / heads_per_cta * S CTAs along x; consecutive groups of S CTAs form one cluster (one head, or a pair)."""
-    return (v.heads // v.heads_per_cta * v.splits, 1, 1)
+    """heads * S CTAs along x; consecutive groups of S CTAs form one cluster (one head)."""
+    return (v.heads * v.splits, 1, 1)
 
 
 def padded_tokens(v: QkvFrontVariant) -> int:
@@ -172,21 +160,21 @@ def stage_bytes(tiles: int) -> int:
 
 def smem_bytes(v: QkvFrontVariant) -> int:
     """Dynamic shared memory of one CTA; must equal the kernel's `Smem.size_in_bytes()`."""
-    return ring_smem_bytes(v.stages, v.tiles, v.splits, v.recv_in_ring, v.heads_per_cta)
+    return ring_smem_bytes(v.stages, v.tiles, v.splits, v.recv_in_ring)
 
 
-def ring_smem_bytes(stages: int, tiles: int, splits: int, recv_in_ring: bool = False, heads_per_cta: int = 1) -> int:
+def ring_smem_bytes(stages: int, tiles: int, splits: int, recv_in_ring: bool = False) -> int:
     """`smem_bytes` of a variant with this ring depth, tile count, S and receive-buffer place (nothing else changes
     it).
 
-    Layout (the kernel's @cute.struct, in order): W ring (stages x 16 KiB a head, 1024-aligned for the 128B swizzle),
+    Layout (the kernel's @cute.struct, in order): W ring (stages x 16 KiB, 1024-aligned for the 128B swizzle),
     x ring (stages x TT x 256 B, 1024-aligned), full/empty/recv mbarriers (8 B each), a staged slot (int64)
     and cos|sin row (64 fp32) per owned token (TT / S), the owner's receive buffer for the S partials (TT x 64
     fp32, S x TT/S tokens; none with `recv_in_ring`); padded to the struct's 1024-byte alignment.
     """
     tt = tiles * TOKEN_TILE
     owned = owned_tokens(tiles, splits)
-    ring = stages * (tt * K_TILE * 2 + heads_per_cta * W_STAGE_BYTES)
+    ring = stages * (tt * K_TILE * 2 + W_STAGE_BYTES)
     small = 8 * (2 * stages + 1) + 8 * owned
-    small = (small + 15) // 16 * 16 + 4 * owned * 64 + (0 if recv_in_ring else 4 * tt * HEAD_COLS * heads_per_cta)
+    small = (small + 15) // 16 * 16 + 4 * owned * 64 + (0 if recv_in_ring else 4 * tt * HEAD_COLS)
     return (ring + small + 1023) // 1024 * 1024

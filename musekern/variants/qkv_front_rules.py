@@ -32,7 +32,6 @@ SMEM_RESERVE_BYTES = 24 * 1024  # the deep ring's budget outside the ring (barri
 WG_FROM_TILES = 4  # builds of this many token tiles and more take wgmma (NOTES "warp_split")
 WGMMA_ARCHES = ("sm_90a",)  # wgmma is Hopper's (sm_100a has tcgen05 instead): elsewhere mma.sync, up to 4 tiles
 WIDE_TILES = 6  # from this many token tiles on, S = 4 where it fits one wave (NOTES "k_split")
-K_SPLITS = tuple(s for s in SPLIT_CHOICES if s <= 4)  # what k_split picks (S = 8 builds only as a --variant)
 
 
 # NOTES "token tiles and fixed_rows": one build per 8-token tile count, M == 8 its own static-M build; above
@@ -63,7 +62,7 @@ def k_split(n: int, target: Target, tiles: int = 1) -> int:
     fit in one wave at two CTAs per SM (S = 4 from WIDE_TILES token tiles where those CTAs fit it)."""
     heads = n // HEAD_COLS
     best = 1
-    for s in K_SPLITS:
+    for s in SPLIT_CHOICES:
         big_enough = cta_stream_bytes(s) >= MIN_CTA_STREAM_BYTES or tiles >= WIDE_TILES
         if s <= target.max_cluster and big_enough and heads * s <= CTAS_PER_SM * target.sm_count:
             best = s

@@ -141,6 +141,17 @@ def load_front(m: int, n: int = N, nkv: int = NKV):
     return v, k
 
 
+def load_qk_norm(m: int = 16, heads: int = 16, head_dim: int = 64, scale: float = 0.125):
+    """The qk_norm build an [m, heads * head_dim] bf16 call with `scale` takes, loaded as `load_front` does."""
+    from musekern.kernels.qk_norm import abi_for
+    from musekern.runtime import loader
+    from musekern.variants.qk_norm import qk_norm_variant, qk_norm_vectors
+
+    v = qk_norm_variant("bfloat16", head_dim, scale, qk_norm_vectors(head_dim, m, heads))
+    loader._LOADED[(v, 0, None)] = loaded_kernel(v.label, abi_for(v))
+    return v
+
+
 def inputs(m: int):
     import torch
 
@@ -157,7 +168,7 @@ def build_rows(m: int):
 
     import musekern
     from musekern.ops import qkv_front as ops
-    from musekern.ops.library import QKV_FRONT_SCHEMA
+    from musekern.ops.library import QK_NORM_SCHEMA, QKV_FRONT_SCHEMA
 
     args = inputs(m)
     y = torch.empty(m, N, dtype=torch.bfloat16)
@@ -167,9 +178,14 @@ def build_rows(m: int):
     lib.impl("qkv_front", ops.qkv_front, "CPU")
     lib.define("empty" + QKV_FRONT_SCHEMA[QKV_FRONT_SCHEMA.index("("):])
     lib.impl("empty", lambda *a: y, "CPU")
+    lib.define("qk_norm" + QK_NORM_SCHEMA[QK_NORM_SCHEMA.index("("):])
+    lib.impl("qk_norm", musekern.qk_norm, "CPU")
     op = torch.ops.musekern_cpu_probe.qkv_front.default
     empty = torch.ops.musekern_cpu_probe.empty.default
     x = args[0]
+    load_qk_norm()
+    q = torch.randn(16, 2176).to(torch.bfloat16)[:, :1024]  # q heads of a fused row
+    qk_op = torch.ops.musekern_cpu_probe.qk_norm.default
     rows = {
         "op (Library, CPU key -> checked qkv_front)": lambda: op(*args),
         "musekern.qkv_front (checked)": lambda: musekern.qkv_front(*args),
@@ -181,6 +197,8 @@ def build_rows(m: int):
                                                                            device=x.device),
         "x.new_empty((m, n))": lambda: x.new_empty((m, N)),
         "x.new_empty(m, n)": lambda: x.new_empty(m, N),
+        "op (Library, CPU key -> musekern.qk_norm) [16,1024]": lambda: qk_op(q, 64, 1e-5, 0.125),
+        "musekern.qk_norm (checked) [16,1024]": lambda: musekern.qk_norm(q, 64, 1e-5, 0.125),
     }
     rows.update(pieces(ops, args, y, m))
     return rows, lib

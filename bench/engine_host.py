@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Host cost of the ops in an engine (issue 14), on the GPU machine: the custom op's eager call side by side with a
 tiny torch.mm's, the checked musekern.qkv_front, ops.qkv_front.launch, an empty op of each registration route, and
-the launch path's pieces (checks alone, the loader's launch with its values ready, the bare driver call; cuda.core's
-launch on the same qk_norm cubin), all in one process and interleaved.
+the launch path's pieces (checks alone, the unchecked binding, the front's launcher and the loader's launch_ordered with
+their values ready, the bare driver call; cuda.core's launch on the same qk_norm cubin), all in one process and
+interleaved.
 
 Method: rounds; in each round every row runs a batch of CALLS calls (the GPU synchronised before and after the
 batch, so the launch queue never fills and the host is what is timed); per row the median over rounds of the
@@ -109,6 +110,7 @@ def build_rows(n=2176, nkv=1, m=1):
     rows = {
         MM_ROW: lambda: torch.mm(mm_a, mm_b),
         "torch.empty y": lambda: torch.empty((m, n), dtype=torch.bfloat16, device="cuda"),
+        "x.new_empty(m, n) (the checked call's y)": lambda: args[0].new_empty(m, n),
         "torch.cuda.is_available()": torch.cuda.is_available,
         "empty op: Library.impl": lambda: lib_empty(*args),
         "empty op: custom_op": lambda: custom_empty(*args),
@@ -145,24 +147,32 @@ def build_rows(n=2176, nkv=1, m=1):
 def launch_breakdown(ops, args, y, n, nkv, m):
     """The launch path's pieces (private helpers of ops/qkv_front.py and the loader at the measured commit; a
     later refactor that renames them drops these rows, noted, instead of failing the run)."""
-    import torch
+    from musekern.ops._bind import take
+    from musekern.runtime.driver import launch_config
+    from musekern.runtime.loader import current_stream_getter
 
     try:
-        kernel, grid, bind = ops._front_plan(n, m, nkv, 0)
-        base = bind(*args[:7], args[8], y)
-        kernel.launch_ordered(grid, list(base))
-        cfg_addr = kernel._config(grid, torch.cuda.current_stream().cuda_stream, kernel.abi.launch.pdl)[1]
-        raw = kernel._c_launch
+        kernel, grid, run = ops._front_plan(n, m, nkv, 0)
+        x, w = args[0], args[1]
+        ready = ops._all_values(*args[:7], args[8], y)  # y preallocated; the tensor maps as the checked call reads them
+        ready[:2] = [(w.data_ptr(), *w.shape, w.stride(0)), (x.data_ptr(), *x.shape, x.stride(0))]
+        ordered = [ready[i] for i in take(kernel.label, kernel.param_names, ops._NAMES)]
+        run(list(ready))
+        L = kernel.abi.launch
+        cfg = launch_config(grid, L.block, L.dynamic_smem_bytes, current_stream_getter()(0), L.cluster, L.pdl)
+        cfg_addr, raw = cfg.getPtr(), kernel._c_launch
     except Exception as e:  # recorded, not fatal
         return {}, {"breakdown_error": f"{type(e).__name__}: {e}"[:300]}
     rows = {
-        "binder (binding alone)": lambda: bind(*args[:7], args[8], y),
-        # packs the param block with `base` (y preallocated): the bare call right after it relaunches exactly that
-        "LoadedKernel.launch_ordered (values ready)": lambda: kernel.launch_ordered(grid, list(base)),
+        "checks alone, no launch (ops.qkv_front._fast dry)": lambda: ops._fast(*args, None, True),
+        "unchecked binding (ops.qkv_front._all_values)": lambda: ops._all_values(*args[:7], args[8], y),
+        # the parameter block packed with `ready`: the bare call right after it relaunches exactly that
+        "front launcher (values ready)": lambda: run(list(ready)),
+        "LoadedKernel.launch_ordered (values ready)": lambda: kernel.launch_ordered(grid, list(ordered)),
     }
     if raw is not None:
-        rows["bare cuLaunchKernelEx (ctypes, params packed)"] = lambda: raw(cfg_addr, kernel._func_addr,
-                                                                            kernel._kp_addr, None)
+        rows["bare cuLaunchKernelEx (ctypes, params packed)"] = lambda c=cfg: raw(cfg_addr, kernel._func_addr,
+                                                                                 kernel._kp_addr, None)
     return rows, {}
 
 

@@ -117,3 +117,27 @@ def world_dir():
     os.chmod(d, 0o755)
     yield Path(d)
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def as_if_cuda(monkeypatch):
+    """CPU tensors that claim to live on CUDA device 0: the ops' fast paths (device checks included) run here."""
+    import torch
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda t: 0)
+
+
+class _Recorder:
+    """A stand-in launcher (LoadedKernel.launcher's signature) that keeps the values of each launch: `calls`."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, values, stream=None):
+        self.calls.append(list(values))
+
+
+@pytest.fixture
+def recorder():
+    return _Recorder()

@@ -37,6 +37,60 @@ def test_bad_out_rejected():
         musekern.qk_norm(x, 64, out=torch.empty(4, 128, dtype=torch.float16))
 
 
+# every rejection above (but the CPU device: these tensors claim CUDA), and the calls the checks take to the slow path:
+# M = 0, an int eps or scale, out of another shape / dtype / layout / alignment, a misaligned x
+_OUT_BASE = torch.empty(4 * 128 + 8, dtype=torch.bfloat16)
+FAST_REJECT = [(x, hd, {}) for x, hd in ((_x(4, 128, dtype=torch.float32), 64), ([[1.0]], 64), (_x(2, 4, 64), 64),
+                                         (_x(4, 100), 64), (_x(4, 96), 96), (_x(128, 4).t(), 64),
+                                         (_x(4, 130)[:, :128], 64), (_x(0, 128), 64),
+                                         (torch.empty(4 * 128 + 8, dtype=torch.bfloat16)[4:4 + 512].view(4, 128), 64))
+                ] + [
+    (_x(4, 128), 64, {"eps": 0}), (_x(4, 128), 64, {"scale": 1}),
+    (_x(4, 128), 64, {"out": torch.empty(4, 64, dtype=torch.bfloat16)}),
+    (_x(4, 128), 64, {"out": torch.empty(4, 128, dtype=torch.float16)}),
+    (_x(4, 128), 64, {"out": torch.empty(128, 4, dtype=torch.bfloat16).t()}),
+    (_x(4, 128), 64, {"out": torch.empty(4, 132, dtype=torch.bfloat16)[:, :128]}),
+    (_x(4, 128), 64, {"out": _OUT_BASE[4:4 + 512].view(4, 128)})]
+
+
+@pytest.mark.parametrize("case", range(len(FAST_REJECT)))
+def test_fast_path_never_accepts_a_rejected_call(as_if_cuda, recorder, monkeypatch, case):
+    from musekern.ops import qk_norm as op
+
+    monkeypatch.setattr(op, "_PLANS", op.Plans(lambda *key: recorder))
+    x, hd, kw = FAST_REJECT[case]
+    assert op._fast(x, hd, kw.get("eps", 1e-5), kw.get("scale", 1.0), kw.get("out")) is None
+    assert recorder.calls == []
+
+
+def test_fast_path_leaves_more_vectors_than_an_int32_to_launch_grid(as_if_cuda, recorder, monkeypatch):
+    from musekern.ops import qk_norm as op
+
+    monkeypatch.setattr(op, "_PLANS", op.Plans(lambda *key: recorder))
+    monkeypatch.setattr(op, "_MAX_ELEMS", 4 * 128 - 1)  # (the real bound needs 2^34 elements)
+    assert op._fast(_x(4, 128), 64, 1e-5, 1.0, None) is None and recorder.calls == []
+    monkeypatch.setattr(op, "_MAX_ELEMS", 4 * 128)
+    assert op._fast(_x(4, 128), 64, 1e-5, 1.0, None) is not None and len(recorder.calls) == 1
+
+
+# contiguous and strided rows (q heads inside a fused row), M = 1 and 16, out given or allocated, scale on / off
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("give_out,scale", [(False, 1.0), (True, 0.5)])
+def test_the_checked_call_launches_the_values_it_checked(as_if_cuda, recorder, monkeypatch, strided, m, give_out,
+                                                          scale):
+    from musekern.ops import qk_norm as op
+
+    keys = []
+    monkeypatch.setattr(op, "_PLANS", op.Plans(lambda *key: keys.append(key) or recorder))
+    x = _x(m, 2176)[:, :1024] if strided else _x(m, 1024)
+    out = torch.empty(m, 1024, dtype=torch.bfloat16) if give_out else None
+    y = musekern.qk_norm(x, 64, 1e-6, scale, out=out)
+    assert (y is out) if give_out else (y.shape == (m, 1024) and y.dtype == torch.bfloat16)
+    assert recorder.calls == [op._all_values(x, y, m, 16, 1e-6, scale)]
+    assert keys == [("bfloat16", 64, scale, m, 16, 0)]
+
+
 def test_reference_math():
     # The reference computes in fp32 whatever the input dtype (the kernels' math), so against the fp64 formula it
     # agrees to fp32 precision: a few 2^-24 relative. float64's default tolerance (1e-7) is tighter than that and

@@ -137,6 +137,33 @@ def test_launch_args_bind_every_abi_name(layout):
     assert set(args) == {f.name for p in abi_for(QkvEpilogueVariant(1)).params for f in p.fields}
 
 
+# every rejection above, plus inputs the reasons turn down only after a cheap look (wrong ranks, an int eps)
+FAST_REJECT = [over for over, _ in REJECTIONS] + [
+    dict(y=torch.zeros(5, 2176, 1, dtype=torch.bfloat16)), dict(cos_sin_cache=torch.zeros(64 * 64)),
+    dict(positions=torch.arange(5)[None]), dict(eps=0), dict(y=torch.zeros(0, 2176, dtype=torch.bfloat16))]
+
+
+@pytest.mark.parametrize("over", FAST_REJECT)
+def test_fast_path_never_accepts_a_rejected_call(as_if_cuda, over):
+    """The fast path (checks reading each attribute once, the host cost) is stricter than the reasons."""
+    c = case()
+    c.update(over)
+    assert op._fast(**c, dry=True) is None
+
+
+# both layouts, one and two KV heads, M = 1 (the row stride of a one-row y is N) and M = 17
+@pytest.mark.parametrize("layout", ["vllm", "flashinfer"])
+@pytest.mark.parametrize("nkv,m", [(1, 1), (2, 17)])
+def test_the_checked_call_launches_the_values_it_checked(as_if_cuda, recorder, monkeypatch, layout, nkv, m):
+    rec = recorder
+    monkeypatch.setattr(op, "_RUNS", op.Plans(lambda n, m, nkv, dev: rec))
+    c = case(m=m, nkv=nkv, layout=layout, num_blocks=8)
+    assert op.qkv_epilogue(**c) is c["y"]
+    assert len(rec.calls) == 1 and dict(zip(op._NAMES, rec.calls[0], strict=True)) == op.launch_args(**c)
+    n = c["y"].shape[1]
+    assert list(op._RUNS) == [(n, m, nkv, 0)]
+
+
 def test_zero_rows_launch_nothing():
     c = case(m=0)
     assert op.launch(**c) is c["y"]  # returns before any kernel lookup (there is no GPU here)

@@ -217,27 +217,70 @@ def test_unsupported_rejects(name):
         op.qkv_front(**c)
 
 
-@pytest.fixture
-def as_if_cuda(monkeypatch):
-    """CPU tensors that claim to live on CUDA device 0: the fast path's device checks pass here."""
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
-    monkeypatch.setattr(torch.Tensor, "get_device", lambda t: 0)
+# every rejection, and calls the reasons reject only after a cheap look (a 3-D x of the right row width, a weight of
+# the right width but another rank: the fast path must still refuse them)
+FAST_REJECT = {**{k: v[0] for k, v in REJECT.items()},
+               "x 3-D": dict(x=lambda c: torch.zeros(5, K, 2, dtype=torch.bfloat16)),
+               "weight 3-D": dict(weight=lambda c: torch.zeros(2176, K, 1, dtype=torch.bfloat16)),
+               "cos_sin 1-D": dict(cos_sin_cache=lambda c: torch.zeros(64 * 64)),
+               "cache 5-D": dict(key_cache=lambda c: c["key_cache"][None],
+                                 value_cache=lambda c: c["value_cache"][None]),
+               "out 1-D": dict(out=lambda c: torch.empty(5 * 2176, dtype=torch.bfloat16)),
+               "eps int": dict(eps=0), "kv heads bool": dict(num_kv_heads=True)}
 
 
-@pytest.mark.parametrize("name", sorted(REJECT))
+@pytest.mark.parametrize("name", sorted(FAST_REJECT))
 def test_fast_path_never_accepts_a_rejected_call(as_if_cuda, name):
-    """The fast accept path (host cost) is stricter than the checks that give the reasons."""
-    changes, _ = REJECT[name]
-    c = _mut(**changes)
-    assert not op._fast_ok(**{**c, "out": c.get("out")})
+    """The fast path (checks reading each attribute once, the host cost) is stricter than the reasons."""
+    c = _mut(**FAST_REJECT[name])
+    assert op._fast(**{**c, "out": c.get("out")}, dry=True) is None
 
 
 @pytest.mark.parametrize("layout", ["vllm", "flashinfer"])
 @pytest.mark.parametrize("m", [1, 5, 16])
 def test_fast_path_accepts_the_common_call(as_if_cuda, layout, m):
     c = make_case(m=m, layout=layout)
-    assert op._fast_ok(**c, out=None)
-    assert op._fast_ok(**c, out=torch.empty(m, c["weight"].shape[0], dtype=torch.bfloat16))
+    assert op._fast(**c, out=None, dry=True)
+    assert op._fast(**c, out=torch.empty(m, c["weight"].shape[0], dtype=torch.bfloat16), dry=True)
+    assert op.unsupported(**c) is None
+
+
+def _map_key(t):
+    """The tensor-map cache key the loader reads from a tensor (runtime/tensormap.py TensorMaps.encode)."""
+    return (t.data_ptr(), t.shape[0], t.shape[1], t.stride(0))
+
+
+# both layouts, M at the front's edges, `out` given or allocated: the checked call launches exactly the values the
+# unchecked binding (launch_args) gives, its tensor maps as the keys the loader would read from the tensors
+@pytest.mark.parametrize("layout", ["vllm", "flashinfer"])
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("give_out", [False, True])
+def test_the_checked_call_launches_the_values_it_checked(as_if_cuda, recorder, monkeypatch, layout, m, give_out):
+    rec = recorder
+    monkeypatch.setattr(op, "_RUNS", op.Plans(lambda n, m, nkv, dev: rec))
+    c = make_case(m=m, layout=layout)
+    out = torch.empty(m, 2176, dtype=torch.bfloat16) if give_out else None
+    y = op.qkv_front(**c, out=out)
+    assert (y is out) if give_out else (y.shape == (m, 2176) and y.dtype == torch.bfloat16)
+    want = op.launch_args(c["x"], c["weight"], c["positions"], c["cos_sin_cache"], c["slot_mapping"],
+                          c["key_cache"], c["value_cache"], EPS, y)
+    want["weight"], want["x"] = _map_key(c["weight"]), _map_key(c["x"])
+    assert len(rec.calls) == 1 and dict(zip(op._NAMES, rec.calls[0], strict=True)) == want
+    assert list(op._RUNS) == [(2176, m, 1, 0)]
+
+
+def test_the_gemm_path_launches_the_epilogue_with_the_values_checked(as_if_cuda, recorder, monkeypatch):
+    """Above the front's M: torch.mm into y, then the epilogue's launcher with the values the front's checks read
+    (nothing re-read, nothing re-checked)."""
+    rec = recorder
+    monkeypatch.setattr(op, "_RUNS", op.Plans(lambda n, m, nkv, dev: op._GEMM))
+    monkeypatch.setattr(op.qkv_epilogue, "_RUNS", op.Plans(lambda n, m, nkv, dev: rec))
+    c = make_case(m=40, num_blocks=16)
+    y = op.qkv_front(**c)
+    assert torch.equal(y, c["x"] @ c["weight"].t())  # the mm ran (CPU); the epilogue's launch was recorded
+    want = op.qkv_epilogue.launch_args(y, c["positions"], c["cos_sin_cache"], c["slot_mapping"], c["key_cache"],
+                                       c["value_cache"], 1, EPS)
+    assert len(rec.calls) == 1 and dict(zip(op.qkv_epilogue._NAMES, rec.calls[0], strict=True)) == want
 
 
 def test_type_errors_vs_value_errors():
@@ -309,7 +352,7 @@ def test_lazy_kernel_class():
 def test_op_binds_every_planned_abi_by_name(v):
     pytest.importorskip("cutlass")  # abi_for is pure, but lives in the kernel module
     from musekern.kernels.qkv_front import abi_for
-    from musekern.ops._bind import binder
+    from musekern.ops._bind import take
     from musekern.runtime.loader import _ParamBlock
 
     abi = abi_for(v)
@@ -318,16 +361,19 @@ def test_op_binds_every_planned_abi_by_name(v):
     out = torch.empty(5, 2176, dtype=torch.bfloat16)
     call = (c["x"], c["weight"], c["positions"], c["cos_sin_cache"], c["slot_mapping"], c["key_cache"],
             c["value_cache"], EPS, out)
-    values = binder(v.label, names, op._VALUES, op._ARGS)(*call)
+    values = op._all_values(*call)
     by_name = op.launch_args(*call)
-    assert all(val is by_name[n] or val == by_name[n] for n, val in zip(names, values, strict=True))
+    picked = [values[i] for i in take(v.label, names, op._NAMES)]
+    assert all(val is by_name[n] or val == by_name[n] for n, val in zip(names, picked, strict=True))
 
 
 def test_a_parameter_the_op_cannot_bind_names_the_fix():
-    from musekern.ops._bind import UnboundParameterError, binder
+    from musekern.ops._bind import UnboundParameterError, binder, take
 
     with pytest.raises(UnboundParameterError, match=r"takes new_thing.*musekern prepare"):
         binder("qkv_front[...]", ("x", "new_thing"), op._VALUES, op._ARGS)
+    with pytest.raises(UnboundParameterError, match=r"takes new_thing.*musekern prepare"):
+        take("qkv_front[...]", ("x", "new_thing"), op._NAMES)
 
 
 # ---------------------------------------------------------------- every M: the two GPU paths (plumbing, on CPU)
@@ -382,13 +428,43 @@ def test_prepare_without_cuda_is_one_line(monkeypatch):
 # ends), and exactly adjacent: the fast path's overlap test must agree with the general span test
 @pytest.mark.parametrize("layout", ["vllm", "flashinfer"])
 def test_the_fast_overlap_test_is_the_general_one(layout):
-    from musekern.ops.checks import meets_cache, span
+    from musekern.ops.checks import fast_token_cache_values, span
 
     c = make_case(layout=layout)
-    for cache in (c["key_cache"], c["value_cache"]):
-        c0, c1 = span(cache)
-        base, total = cache.untyped_storage().data_ptr(), cache.untyped_storage().nbytes()
-        for start in range(-256, total + 256, 64):
-            for length in (2, 128, 4096):
-                a0, a1 = base + start, base + start + length
-                assert meets_cache(a0, a1, cache) == (a0 < c1 and c0 < a1), (start, length)
+    tok = (c["positions"], c["slot_mapping"], c["cos_sin_cache"], c["key_cache"], c["value_cache"])
+    spans = [span(c["key_cache"]), span(c["value_cache"])]
+    base, total = c["key_cache"].untyped_storage().data_ptr(), c["key_cache"].untyped_storage().nbytes()
+    for start in range(-256, total + 256, 64):
+        for length in (2, 128, 4096):
+            a0, a1 = base + start, base + start + length
+            meets = any(a0 < c1 and c0 < a1 for c0, c1 in spans)
+            # device -1: these CPU tensors' get_device()
+            assert (fast_token_cache_values(5, -1, 1, *tok, a0, a1) is None) == meets, (start, length)
+
+
+def test_the_cache_layout_verdict_is_kept_per_layout(monkeypatch):
+    """The layout rules run once per (shapes, strides, num_kv_heads); addresses are checked on every call; the
+    verdicts are bounded."""
+    from musekern.ops import checks
+
+    monkeypatch.setattr(checks, "_LAYOUTS", {})
+    runs = []
+    rules = checks._layout
+    monkeypatch.setattr(checks, "_layout", lambda *k: runs.append(k) or rules(*k))
+    c = make_case()
+    tok = (c["positions"], c["slot_mapping"], c["cos_sin_cache"], c["key_cache"], c["value_cache"])
+    got = checks.fast_token_cache_values(5, -1, 1, *tok)
+    ptrs = (c[k].data_ptr() for k in ("positions", "cos_sin_cache", "slot_mapping", "key_cache", "value_cache"))
+    assert got == (*ptrs, 64, 4, 6, c["key_cache"].stride(0), c["value_cache"].stride(0))  # the ABI's order
+    assert checks.fast_token_cache_values(5, -1, 1, *tok) == got and len(runs) == 1
+    other = make_case(layout="flashinfer")  # same shapes, other block strides: its own verdict
+    assert checks.fast_token_cache_values(5, -1, 1, *tok[:3], other["key_cache"], other["value_cache"]) is not None
+    assert len(runs) == 2
+    misaligned = torch.zeros(6 * 4 * D + 8, dtype=torch.bfloat16)[4:4 + 6 * 4 * D].view(6, 4, 1, D)
+    assert checks.fast_token_cache_values(5, -1, 1, *tok[:3], misaligned, c["value_cache"]) is None  # same layout
+    assert len(runs) == 2 and checks.fast_token_cache_values(5, -1, 1, *tok) == got  # the verdict, not the address
+    assert checks.fast_token_cache_values(5, 0, 1, *tok) is None  # another device
+    for nb in range(300):  # a new layout each: the dict starts over past 256
+        kv = torch.zeros(2, nb + 1, 4, 1, D, dtype=torch.bfloat16)
+        checks.fast_token_cache_values(5, -1, 1, *tok[:3], kv[0], kv[1])
+    assert len(checks._LAYOUTS) <= 256

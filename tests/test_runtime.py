@@ -1,4 +1,6 @@
-"""The runtime loader's CPU-testable half: parameter packing, lookup, integrity, no cutlass import."""
+"""The runtime loader's CPU-testable half: parameter packing, lookup, integrity, no cutlass import, and the launch
+path with the driver stubbed (binding by name, streams, tensor maps, errors)."""
+import ctypes
 import importlib.util
 import json
 import os
@@ -6,6 +8,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from cubin_headers import elf_header
@@ -196,3 +199,114 @@ def test_a_truncated_manifest_is_reported_corrupt_not_missing(tmp_path, monkeypa
     e.manifest_path.write_bytes(e.manifest_path.read_bytes()[:100])
     with pytest.raises(CorruptEntryError, match="verify --repair"):
         load_artifact(V, "sm_90a", cache)
+
+
+# ---------------------------------------------------------------- launch path (the driver stubbed, bench/host_cpu.py)
+_hs = importlib.util.spec_from_file_location("host_cpu", Path(__file__).resolve().parents[1] / "bench" / "host_cpu.py")
+host_cpu = importlib.util.module_from_spec(_hs)
+_hs.loader.exec_module(host_cpu)
+
+
+class _Cfg(ctypes.Structure):  # CUlaunchConfig's C layout (test_launch_config_c_layout)
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
+@pytest.fixture
+def stub_driver():
+    """A loaded kernel of a small ABI (pointer, i32, tensor map, f32; cluster 2, PDL) on the stubbed driver; each
+    launch records (grid, stream, attributes, the parameter block's bytes per parameter); each encode its key."""
+    pytest.importorskip("torch")
+    launches, encodes = [], []
+    box = {}
+
+    def launch(cfg, func, params, extra):
+        c = _Cfg.from_address(cfg)
+        blk = box["k"]._block
+        sizes = [p.size for p in box["k"].abi.params]
+        launches.append({"grid": tuple(c.grid), "stream": c.stream or 0, "num_attrs": c.num_attrs,
+                         "params": [ctypes.string_at(a, n) for a, n in zip(blk.pointers, sizes, strict=True)]})
+        return box.get("err", 0)
+
+    def encode(spec, ptr, rows, cols, stride, kernel):
+        encodes.append((ptr, rows, cols, stride))
+        return struct.pack("<QQQQ", ptr, rows, cols, stride) * 4  # 128 bytes that say which map they are
+
+    fake = host_cpu.fake_gpu(launch=launch, encode=encode)
+    try:
+        abi = KernelAbi((pointer("x"), scalar("m", "i32"), tensormap("tma"), scalar("eps", "f32")),
+                        LaunchSpec((128, 1, 1), (2, 1, 1), 0, True), (TensorMapSpec("tma", "w", "bf16", (64, 64)),))
+        box["k"] = host_cpu.loaded_kernel("stub[k]", abi)
+        yield box, launches, encodes
+    finally:
+        fake.undo()
+
+
+def test_launcher_binds_by_name_and_packs_on_the_current_stream(stub_driver):
+    from musekern.ops._bind import take
+
+    box, launches, encodes = stub_driver
+    k = box["k"]
+    assert k.param_names == ("x", "m", "w", "eps")
+    names = ("eps", "w", "x", "m")  # an op's own order
+    run = k.launcher((4,), take=take(k.label, k.param_names, names))
+    run([0.5, (0x1000, 8, 64, 64), 0xDEAD_0000, 7])  # stream: torch's current (stubbed: handle 0)
+    run([0.5, (0x1000, 8, 64, 64), 0xDEAD_0000, 8], stream=5)
+    assert [(r["grid"], r["stream"], r["num_attrs"]) for r in launches] == [((4, 1, 1), 0, 2), ((4, 1, 1), 5, 2)]
+    first = launches[0]["params"]
+    assert struct.unpack("<Q", first[0]) == (0xDEAD_0000,) and struct.unpack("<i", first[1]) == (7,)
+    assert first[2] == struct.pack("<QQQQ", 0x1000, 8, 64, 64) * 4 and struct.unpack("<f", first[3]) == (0.5,)
+    assert struct.unpack("<i", launches[1]["params"][1]) == (8,) and encodes == [(0x1000, 8, 64, 64)]
+
+
+def test_tensor_maps_encode_once_per_buffer_and_a_new_pointer_re_encodes(stub_driver):
+    import torch
+
+    box, launches, encodes = stub_driver
+    k = box["k"]
+    w = torch.zeros(8, 64, dtype=torch.bfloat16)
+    key = (w.data_ptr(), 8, 64, 64)
+    run = k.launcher((1, 1, 1))
+    run([1, 2, key, 0.0])
+    run([1, 2, w, 0.0])  # the tensor: the same key read from it, the same map
+    assert encodes == [key] and launches[1]["params"][2] == launches[0]["params"][2]
+    w2 = torch.zeros(8, 64, dtype=torch.bfloat16)
+    run([1, 2, w2, 0.0])  # another buffer: its own map in the parameter
+    assert encodes == [key, (w2.data_ptr(), 8, 64, 64)] and launches[2]["params"][2][:8] == struct.pack(
+        "<Q", w2.data_ptr())
+    with pytest.raises(ValueError, match=r"stub\[k\]: tensor map for 'w' needs a 2-D row-major tensor"):
+        run([1, 2, w.t(), 0.0])
+
+
+def test_tensor_maps_are_bounded_oldest_first(stub_driver):
+    from musekern.runtime.tensormap import TensorMaps
+
+    _, _, encodes = stub_driver
+    maps = TensorMaps(TensorMapSpec("tma", "w", "bf16", (64, 64)), "stub", max_entries=2)
+    for ptr in (0x100, 0x200, 0x300, 0x200, 0x100):
+        maps.encode((ptr, 1, 64, 64))
+    assert [e[0] for e in encodes] == [0x100, 0x200, 0x300, 0x100] and list(maps.maps) == [
+        (0x300, 1, 64, 64), (0x100, 1, 64, 64)]
+
+
+def test_launch_errors_name_the_kernel(stub_driver):
+    from musekern.runtime import CudaError
+
+    box, _, _ = stub_driver
+    k = box["k"]
+    with pytest.raises(TypeError, match=r"stub\[k\]: bad launch argument"):
+        k.launch_ordered((1,), [1, "two", (0x100, 1, 64, 64), 0.0])
+    box["err"] = 1  # CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(CudaError, match=r"stub\[k\]: cuLaunchKernelEx\(grid=\(1, 1, 1\), block=\(128, 1, 1\), "
+                                        r"cluster=\(2, 1, 1\)"):
+        k.launch((1,), {"x": 1, "m": 2, "w": (0x100, 1, 64, 64), "eps": 0.0})
+
+
+def test_launch_ordered_keeps_one_launcher_per_grid(stub_driver):
+    box, launches, _ = stub_driver
+    k = box["k"]
+    for g in ((1,), (1,), (2,)):
+        k.launch_ordered(g, [1, 2, (0x100, 1, 64, 64), 0.0])
+    k.launch_ordered((2,), [1, 2, (0x100, 1, 64, 64), 0.0], pdl=False)  # PDL off: the cluster attribute only
+    assert list(k._launchers) == [((1,), None), ((2,), None), ((2,), False)]
+    assert [(r["grid"][0], r["num_attrs"]) for r in launches] == [(1, 2), (1, 2), (2, 2), (2, 1)]

@@ -1,9 +1,9 @@
 """The checks the attention front's ops share (ops/qkv_front.py, ops/qkv_epilogue.py): one rule per input.
 
 Each `*_reason` returns one line saying what is wrong with a call, or None; they read shapes, strides, dtypes and
-addresses only (no host sync, CPU tensors work: the rejections are testable anywhere). `fast_tokens_and_caches`
-is the same rules for the common valid call, with as few attribute reads as possible (the checked call's host
-cost): whatever it accepts, the reasons accept.
+addresses only (no host sync, CPU tensors work: the rejections are testable anywhere). `fast_token_cache_values`
+is the same rules for the common valid call, reading each attribute once and returning the launch values it
+read (the checked call's host cost): whatever it accepts, the reasons accept.
 """
 from __future__ import annotations
 
@@ -32,12 +32,16 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and a0 < b1 and b0 < a1
 
 
+def cache_end(c0: int, shape, block_stride: int) -> int:
+    """One past the last byte of a cache at `c0` of a layout `kv_reason` accepts (bf16, inner three dims contiguous)."""
+    return c0 + ((shape[0] - 1) * block_stride + shape[1] * shape[2] * shape[3]) * 2
+
+
 def meets_cache(a0: int, a1: int, c: torch.Tensor) -> bool:
-    """Does the byte range [a0, a1) meet cache `c` (a layout `kv_reason` accepts: bf16, the inner three dims
-    contiguous)? The fast paths' overlap test: a few reads, where `overlaps` walks every dim."""
-    c0, s = c.data_ptr(), c.shape
-    c1 = c0 + ((s[0] - 1) * c.stride(0) + s[1] * s[2] * s[3]) * 2
-    return a0 < c1 and c0 < a1
+    """Does the byte range [a0, a1) meet cache `c` (a layout `kv_reason` accepts)? The fast paths' overlap test: a
+    few reads, where `overlaps` walks every dim."""
+    c0 = c.data_ptr()
+    return a0 < cache_end(c0, c.shape, c.stride(0)) and c0 < a1
 
 
 def num_kv_heads_reason(num_kv_heads) -> str | None:
@@ -140,26 +144,57 @@ def device_reason(lead: str, t0: torch.Tensor, named) -> str | None:
     return None
 
 
-def fast_tokens_and_caches(m: int, dev: int, positions, slot_mapping, cos_sin_cache, key_cache, value_cache,
-                           nkv: int) -> bool:
-    """`token_inputs_reason` and `kv_reason` of the common valid call, and every tensor on device `dev`, in few
-    attribute reads (the caller has already checked dtypes and that nkv is an int)."""
-    kshape = key_cache.shape
-    inner = (nkv * HEAD_COLS, HEAD_COLS, 1)
-    ks, vs = key_cache.stride(), value_cache.stride()
-    return (positions.shape == (m,) and slot_mapping.shape == (m,)
-            and positions.stride() == (1,) and slot_mapping.stride() == (1,)
-            and cos_sin_cache.stride() == (HEAD_COLS, 1) and cos_sin_cache.shape[1] == HEAD_COLS
-            and 0 < cos_sin_cache.shape[0] <= INT32_MAX // HEAD_COLS
-            and len(kshape) == 4 and kshape == value_cache.shape and kshape[2] == nkv
-            and kshape[3] == HEAD_COLS and kshape[0] >= 1 and kshape[1] >= 1
-            and kshape[0] * kshape[1] <= INT32_MAX and kshape[1] * inner[0] <= INT32_MAX
-            and ks[1:] == inner and vs[1:] == inner and ks[0] >= kshape[1] * inner[0] and vs[0] >= kshape[1] * inner[0]
-            and (ks[0] | vs[0]) % VEC == 0
-            and (cos_sin_cache.data_ptr() | key_cache.data_ptr() | value_cache.data_ptr()) % ALIGN == 0
-            and positions.get_device() == dev and slot_mapping.get_device() == dev
-            and cos_sin_cache.get_device() == dev and key_cache.get_device() == dev
-            and value_cache.get_device() == dev)
+def _layout(ks, vs, kst, vst, cs, nkv: int) -> tuple | None:
+    """The caches' and cos_sin_cache's rules of `kv_reason` / `token_inputs_reason` on their shapes and strides, for
+    the common valid call (exact strides): (max_pos, block_size, num_blocks, the two block strides, the bytes each
+    cache spans), or None."""
+    row = nkv * HEAD_COLS  # elements of one slot
+    if not (len(ks) == 4 and ks == vs and ks[2] == nkv and ks[3] == HEAD_COLS and cs[1] == HEAD_COLS
+            and 0 < cs[0] <= INT32_MAX // HEAD_COLS):
+        return None
+    nb, bs, kb, vb = ks[0], ks[1], kst[0], vst[0]
+    if not (nb >= 1 and bs >= 1 and nb * bs <= INT32_MAX and bs * row <= INT32_MAX
+            and kst[1:] == vst[1:] == (row, HEAD_COLS, 1) and kb >= bs * row and vb >= bs * row
+            and (kb | vb) % VEC == 0):
+        return None
+    return cs[0], bs, nb, kb, vb, ((nb - 1) * kb + bs * row) * 2, ((nb - 1) * vb + bs * row) * 2
+
+
+_LAYOUTS: dict = {}  # (shapes and strides of the caches and cos_sin_cache, num_kv_heads) -> _layout's accepted verdict
+
+
+def fast_token_cache_values(m: int, dev: int, nkv: int, positions, slot_mapping, cos_sin_cache, key_cache,
+                            value_cache, a0: int = 0, a1: int = 0) -> tuple | None:
+    """`token_inputs_reason`, `kv_reason` and the device check of the common valid call, reading each attribute once,
+    and that the bytes [a0, a1) (an output; a1 = 0: none) meet neither cache. Returns the launch values they give, in
+    the ops' ABI order (positions, cos_sin_cache, slot_mapping, key_cache, value_cache addresses; max_pos, block_size,
+    num_blocks, the two block strides), or None. Stricter than the reasons (exact cache strides, each tensor on CUDA
+    device `dev`): whatever it accepts, they accept. The caller has checked the dtypes and that nkv is an int; a
+    tensor of another rank raises IndexError or TypeError (the caller's slow path then says why).
+
+    The layout rules' verdict is kept per (shapes, strides, num_kv_heads) in a bounded dict: an engine's caches keep
+    one layout, and the lookup costs a third of the rules (bench/host_cpu.py). Addresses and devices are read and
+    checked on every call."""
+    # is_contiguous is the reasons' rule for the token inputs (a size-1 dim's stride is never used), and one read
+    if not (positions.shape == slot_mapping.shape == (m,) and positions.is_contiguous() and slot_mapping.is_contiguous()
+            and cos_sin_cache.is_contiguous()):
+        return None
+    key = (key_cache.shape, value_cache.shape, key_cache.stride(), value_cache.stride(), cos_sin_cache.shape, nkv)
+    lay = _LAYOUTS.get(key)
+    if lay is None:
+        lay = _layout(*key)
+        if lay is None:
+            return None
+        if len(_LAYOUTS) >= 256:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = lay
+    c0, k0, v0 = cos_sin_cache.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr()
+    if (c0 | k0 | v0) % ALIGN or (a1 and ((a0 < k0 + lay[5] and k0 < a1) or (a0 < v0 + lay[6] and v0 < a1))):
+        return None
+    if not (positions.get_device() == slot_mapping.get_device() == cos_sin_cache.get_device() == key_cache.get_device()
+            == value_cache.get_device() == dev):
+        return None
+    return positions.data_ptr(), c0, slot_mapping.data_ptr(), k0, v0, *lay[:5]
 
 
 def raise_for(op: str, reason: str):

@@ -5,8 +5,15 @@ import functools
 
 import torch
 
-from ..variants.qk_norm import SUPPORTED_HEAD_DIMS, launch_grid, qk_norm_variant, qk_norm_vectors
-from ._bind import binder
+from ..variants.qk_norm import (
+    QK_NORM_MAX_VECTORS,
+    QK_NORM_VEC_ELEMS,
+    SUPPORTED_HEAD_DIMS,
+    launch_grid,
+    qk_norm_variant,
+    qk_norm_vectors,
+)
+from ._bind import Plans, binder, take
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _VEC_BYTES = 16  # the kernel moves 16 bytes per thread access
@@ -44,9 +51,46 @@ def qk_norm_unsupported(x, head_dim: int, out=None) -> str | None:
     return None
 
 
+def _fast(x, head_dim, eps, scale, out):
+    """The common valid call (M >= 1, float eps and scale, one CUDA device), checked reading each attribute once and
+    launched with the values it read: y, or None for any other call (then `qk_norm` checks it for the reason, or
+    launches it). Stricter than `qk_norm_unsupported`: whatever it accepts, that accepts."""
+    try:
+        name = _DTYPES.get(x.dtype)
+        m, n = x.shape
+        if not (name is not None and type(head_dim) is int and head_dim in SUPPORTED_HEAD_DIMS and type(eps) is float
+                and type(scale) is float and m >= 1 and n > 0 and n % head_dim == 0 and x.is_cuda
+                and m * n <= _MAX_ELEMS):
+            return None
+        sx, ux = x.stride()
+        x0, dev = x.data_ptr(), x.get_device()
+        # both dtypes are 2 bytes an element: a row stride of 8 elements is 16 bytes
+        if ux != 1 or x0 % _VEC_BYTES or (m > 1 and (sx % 8 or sx < n)):
+            return None
+        if out is None:
+            out = x.new_empty(m, n)  # x's dtype and device; int sizes parse faster than a tuple
+            sy = n
+        else:
+            sy, uy = out.stride()
+            if not (out.dtype is x.dtype and out.shape == (m, n) and uy == 1 and out.get_device() == dev
+                    and (m == 1 or sy % 8 == 0)):
+                return None
+        y0 = out.data_ptr()
+        if y0 % _VEC_BYTES:
+            return None
+    except (AttributeError, TypeError, ValueError):  # not a tensor, not 2-D: the checks say why
+        return None
+    heads = n // head_dim
+    _PLANS[(name, head_dim, scale, m, heads, dev)]([x0, y0, m, heads, sx, sy, eps, scale])  # `_VALUES` order
+    return out
+
+
 def qk_norm(x: torch.Tensor, head_dim: int, eps: float = 1e-5, scale: float = 1.0,
             out: torch.Tensor | None = None) -> torch.Tensor:
     """RMS-norm each head_dim group of x [M, heads*head_dim] (rows may be strided), times scale."""
+    y = _fast(x, head_dim, eps, scale, out)
+    if y is not None:
+        return y
     reason = qk_norm_unsupported(x, head_dim, out)
     if reason is not None:
         if not isinstance(x, torch.Tensor) or x.dtype not in _DTYPES or (out is not None and (
@@ -63,24 +107,42 @@ def qk_norm(x: torch.Tensor, head_dim: int, eps: float = 1e-5, scale: float = 1.
         return out
     heads = n // head_dim
     variant = qk_norm_variant(_DTYPES[x.dtype], head_dim, float(scale), qk_norm_vectors(head_dim, m, heads))
-    kernel, bind = _loaded(variant, x.get_device())
-    kernel.launch_ordered(launch_grid(variant, m, heads), bind(x, out, m, heads, eps, scale))
+    _launcher(variant, m, heads, x.get_device())(_all_values(x, out, m, heads, eps, scale))
     return out
 
 
-# How each value of the kernel's launch ABI (kernels/qk_norm.py::abi_for) is computed from a call (ops/_bind.py).
+# How each value of the kernel's launch ABI (kernels/qk_norm.py::abi_for) is computed from a call (ops/_bind.py);
+# `_fast` reads the same values, in this order, while it checks them (tests/test_ops_qk_norm.py compares).
 _ARGS = "x, out, m, heads, eps, scale"
 _VALUES = {"x": "x.data_ptr()", "out": "out.data_ptr()", "m": "m", "heads": "heads", "ld_x": "x.stride(0)",
            "ld_out": "out.stride(0)", "eps": "float(eps)", "scale": "float(scale)"}
+_NAMES = tuple(_VALUES)
+_all_values = binder("qk_norm", _NAMES, _VALUES, _ARGS)
+_MAX_ELEMS = QK_NORM_MAX_VECTORS * QK_NORM_VEC_ELEMS  # larger inputs: launch_grid says why
 
 
 @functools.lru_cache(maxsize=None)
 def _loaded(variant, device_index: int):
-    """(loaded kernel, its binder), once per variant and device."""
+    """(loaded kernel, the index of each of its parameters among `_VALUES`), once per variant and device."""
     from ..runtime import get_kernel
 
     kernel = get_kernel(variant, device=device_index)
-    return kernel, binder(variant.label, kernel.param_names, _VALUES, _ARGS)
+    return kernel, take(variant.label, kernel.param_names, _NAMES)
+
+
+@functools.lru_cache(maxsize=1024)
+def _launcher(variant, m: int, heads: int, device_index: int):
+    """The launcher of `variant` for an [m, heads * head_dim] call (its grid), taking `_VALUES`-ordered values."""
+    kernel, order = _loaded(variant, device_index)
+    return kernel.launcher(launch_grid(variant, m, heads), take=order)
+
+
+def _resolve(dtype: str, head_dim: int, scale: float, m: int, heads: int, device_index: int):
+    v = qk_norm_variant(dtype, head_dim, scale, qk_norm_vectors(head_dim, m, heads))
+    return _launcher(v, m, heads, device_index)
+
+
+_PLANS = Plans(_resolve)  # (dtype, head_dim, scale, M, heads, device) -> the launcher of the call's build
 
 
 def prepare(head_dim: int, dtype=torch.bfloat16, device=None) -> list:

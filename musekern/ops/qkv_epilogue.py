@@ -21,7 +21,7 @@ from ..variants.qkv_epilogue import (
 )
 from ..variants.qkv_front import supports_shape
 from . import checks
-from ._bind import binder
+from ._bind import Plans, binder, take
 from .checks import ALIGN, INT32_MAX, VEC, is_tensor, overlaps
 
 
@@ -63,36 +63,61 @@ def _layout_reason(y, positions, cos_sin_cache, slot_mapping, key_cache, value_c
     return checks.eps_reason(eps)
 
 
-_supports_shape = functools.lru_cache(maxsize=256)(supports_shape)
+@functools.lru_cache(maxsize=256)
+def rows_limit(n: int, num_kv_heads: int) -> int:
+    """The most rows one call of N columns takes (`rows_any_build`), 0 where N is no q|k|v|gate layout of these
+    KV heads: one cached lookup for the fast paths' two shape questions."""
+    return rows_any_build(n, num_kv_heads) if supports_shape(n, num_kv_heads) else 0
 
 
-def _fast_ok(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps) -> bool:
-    """The common valid call (contiguous y of M >= 1 on one CUDA device), accepted with few attribute reads.
-    Stricter than `_layout_reason` + the device check: whatever it accepts, they accept; anything else goes
-    through them for the reason."""
+_BF16, _I64, _F32, _INF = torch.bfloat16, torch.int64, torch.float32, float("inf")
+
+
+def _fast(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, dry):
+    """The common valid call (contiguous y of M >= 1 on one CUDA device), checked reading each attribute once, then
+    (unless `dry`) launched with the values it read: y, or True where `dry`; None for any other call (then
+    `_layout_reason` and the device check say why, or accept it). Stricter than they are: whatever it accepts,
+    they accept."""
     try:
-        bf = torch.bfloat16
+        bf, nkv = _BF16, num_kv_heads
         m, n = y.shape
-        nkv = num_kv_heads
         if not (y.dtype is bf and key_cache.dtype is bf and value_cache.dtype is bf
-                and positions.dtype is torch.int64 and slot_mapping.dtype is torch.int64
-                and cos_sin_cache.dtype is torch.float32 and type(nkv) is int and type(eps) is float
-                and 0.0 <= eps < float("inf") and m >= 1 and y.is_cuda and _supports_shape(n, nkv)):
-            return False
+                and positions.dtype is _I64 and slot_mapping.dtype is _I64 and cos_sin_cache.dtype is _F32
+                and type(nkv) is int and type(eps) is float and 0.0 <= eps < _INF and m >= 1 and y.is_cuda):
+            return None
+        dev = y.get_device()
         y0 = y.data_ptr()
-        return (y.stride() == (n, 1) and m <= rows_any_build(n, nkv) and y0 % ALIGN == 0
-                and checks.fast_tokens_and_caches(m, y.get_device(), positions, slot_mapping, cos_sin_cache,
-                                                  key_cache, value_cache, nkv)
-                and not checks.meets_cache(y0, y0 + m * n * 2, key_cache)
-                and not checks.meets_cache(y0, y0 + m * n * 2, value_cache))
+        if not (y.stride() == (n, 1) and y0 % ALIGN == 0 and m <= rows_limit(n, nkv)):
+            return None
+        tc = checks.fast_token_cache_values(m, dev, nkv, positions, slot_mapping, cos_sin_cache, key_cache,
+                                            value_cache, y0, y0 + m * n * 2)
+        if tc is None:
+            return None
     except (AttributeError, TypeError, ValueError, IndexError):  # not tensors, wrong ranks: the slow path says why
-        return False
+        return None
+    if dry:
+        return True
+    launch_read((n, m, nkv, dev), y0, tc, eps)
+    return y
+
+
+def launch_read(key: tuple, y0: int, tc: tuple, eps: float) -> None:
+    """No checks: the launch of a contiguous y (address y0) of call shape key = (N, M, num_kv_heads, device), with
+    the values `checks.fast_token_cache_values` read (`tc`): the checked calls' launch, nothing read twice."""
+    n, m, nkv, _ = key
+    # `_VALUES` order; y is contiguous: its row stride is N
+    _RUNS[key]([y0, *tc[:5], m, (n // EPI_HEAD_DIM - 2 * nkv) // 2, nkv, n, *tc[5:], eps])
 
 
 def unsupported(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps) -> str | None:
     """Why the qkv_epilogue kernel cannot take this call (checked before launch), or None."""
-    if _fast_ok(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps):
+    if _fast(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, True):
         return None
+    return _reason(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps)
+
+
+def _reason(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps) -> str | None:
+    """Every check, one at a time, for the reason (the calls `_fast` does not take)."""
     r = _layout_reason(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps)
     if r:
         return r
@@ -114,22 +139,38 @@ _VALUES = {
     "block_size": "key_cache.shape[1]", "num_blocks": "key_cache.shape[0]", "k_block_stride": "key_cache.stride(0)",
     "v_block_stride": "value_cache.stride(0)", "eps": "float(eps)",
 }
-_all_values = binder("qkv_epilogue", tuple(_VALUES), _VALUES, _ARGS)
+_NAMES = tuple(_VALUES)
+_all_values = binder("qkv_epilogue", _NAMES, _VALUES, _ARGS)
 
 
 def launch_args(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps) -> dict:
     """The values of every ABI field by name (kernels/qkv_epilogue.py::abi_for); LoadedKernel.launch packs them."""
-    return dict(zip(_VALUES, _all_values(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
-                                         num_kv_heads, eps), strict=True))
+    return dict(zip(_NAMES, _all_values(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
+                                        num_kv_heads, eps), strict=True))
 
 
 @functools.lru_cache(maxsize=None)
 def _loaded(v: QkvEpilogueVariant, device_index: int):
-    """(loaded kernel, its binder) of a build on a device (once per process)."""
+    """(loaded kernel, the index of each of its parameters among `_VALUES`) of a build on a device (once per
+    process)."""
     from ..runtime import get_kernel
 
     kernel = get_kernel(v, device=device_index)
-    return kernel, binder(v.label, kernel.param_names, _VALUES, _ARGS)
+    return kernel, take(v.label, kernel.param_names, _NAMES)
+
+
+@functools.lru_cache(maxsize=1024)
+def _launcher(v: QkvEpilogueVariant, m: int, n: int, num_kv_heads: int, device_index: int):
+    """The launcher of build `v` for a call shape (its grid), taking `_VALUES`-ordered values."""
+    kernel, order = _loaded(v, device_index)
+    return kernel.launcher(launch_grid(v, m, n, num_kv_heads), take=order)
+
+
+def _resolve(n: int, m: int, num_kv_heads: int, device_index: int):
+    return _launcher(epilogue_variant(n, m, num_kv_heads), m, n, num_kv_heads, device_index)
+
+
+_RUNS = Plans(_resolve)  # (N, M, num_kv_heads, device) -> the launcher of the build the rule picks
 
 
 def launch(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
@@ -139,18 +180,19 @@ def launch(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, nu
     m, n = y.shape
     if m == 0:
         return y
-    v = variant or epilogue_variant(n, m, num_kv_heads)
     dev = y.get_device()
-    kernel, bind = _loaded(v, dev if dev >= 0 else torch.cuda.current_device())
-    kernel.launch_ordered(launch_grid(v, m, n, num_kv_heads), bind(y, positions, cos_sin_cache, slot_mapping,
-                                                                   key_cache, value_cache, num_kv_heads, eps))
+    dev = dev if dev >= 0 else torch.cuda.current_device()
+    run = _RUNS[(n, m, num_kv_heads, dev)] if variant is None else _launcher(variant, m, n, num_kv_heads, dev)
+    run(_all_values(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps))
     return y
 
 
 def qkv_epilogue(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps) -> torch.Tensor:
     """Checked qkv_epilogue (in place on y, which it returns): raises TypeError (wrong types / dtypes) or
     ValueError with the reason, else launches."""
-    reason = unsupported(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps)
+    if _fast(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, False) is not None:
+        return y
+    reason = _reason(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps)
     if reason is not None:
         checks.raise_for("qkv_epilogue", reason)
     return launch(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps)

@@ -21,15 +21,8 @@ import torch
 from ..variants.qkv_front import HIDDEN, QkvFrontVariant, launch_grid, supports_shape
 from ..variants.qkv_front_rules import front_serves, variant
 from . import checks, qkv_epilogue
-from ._bind import binder
+from ._bind import Plans, binder, take
 from .checks import ALIGN, is_tensor, overlaps
-
-
-@functools.lru_cache(maxsize=256)
-def _rows_limit(n: int, num_kv_heads: int) -> int:
-    """The most rows one call of N columns takes (the epilogue's Int32 index), 0 where N is no q|k|v|gate layout:
-    one cached lookup for the fast path's two questions."""
-    return qkv_epilogue.rows_any_build(n, num_kv_heads) if supports_shape(n, num_kv_heads) else 0
 
 
 def hidden_rows_ok(x) -> bool:
@@ -90,45 +83,59 @@ def _layout_reason(x, weight, positions, cos_sin_cache, slot_mapping, key_cache,
     return None
 
 
-def _fast_ok(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
-             out) -> bool:
-    """The common valid call, accepted with as few tensor attribute reads as possible (the checked call's host
-    cost). Stricter than `_layout_reason` + the device checks (exact strides, a CUDA x, one device index): whatever
-    it accepts, those accept; anything else goes through them for the reason."""
+_BF16, _I64, _F32, _INF = torch.bfloat16, torch.int64, torch.float32, float("inf")
+
+
+def _fast(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out, dry):
+    """The common valid call, checked reading each tensor attribute once, then (unless `dry`) launched with the values
+    it read (the checked call's host cost): y, or True where `dry`; None for any other call (then `_reason` says
+    why, or accepts a valid call this path leaves to it: a CPU x, an `out` view with a row stride). Stricter than
+    `_reason`: whatever it accepts, that accepts."""
     try:
-        bf = torch.bfloat16
-        m = x.shape[0]
-        n = weight.shape[0]
-        nkv = num_kv_heads
+        bf, nkv = _BF16, num_kv_heads
         if not (x.dtype is bf and weight.dtype is bf and key_cache.dtype is bf and value_cache.dtype is bf
-                and positions.dtype is torch.int64 and slot_mapping.dtype is torch.int64
-                and cos_sin_cache.dtype is torch.float32 and type(nkv) is int and type(eps) is float
-                and 0.0 <= eps < float("inf") and m >= 1 and x.is_cuda):
-            return False
-        dev = x.get_device()
-        if not (x.stride() == (HIDDEN, 1) and x.shape[1] == HIDDEN and weight.stride() == (HIDDEN, 1)
-                and weight.shape[1] == HIDDEN and m <= _rows_limit(n, nkv)
-                and (x.data_ptr() | weight.data_ptr()) % ALIGN == 0 and weight.get_device() == dev
-                and checks.fast_tokens_and_caches(m, dev, positions, slot_mapping, cos_sin_cache, key_cache,
-                                                  value_cache, nkv)):
-            return False
+                and positions.dtype is _I64 and slot_mapping.dtype is _I64 and cos_sin_cache.dtype is _F32
+                and type(nkv) is int and type(eps) is float and 0.0 <= eps < _INF and x.is_cuda):
+            return None
+        (m, k), (n, kw) = x.shape, weight.shape
+        # is_contiguous: x's row stride is 8192 where M > 1 (with M = 1 the map's row stride is never used)
+        if not (k == kw == HIDDEN and x.is_contiguous() and weight.is_contiguous()
+                and 1 <= m <= qkv_epilogue.rows_limit(n, nkv)):
+            return None
+        x0, w0, dev = x.data_ptr(), weight.data_ptr(), x.get_device()
+        if (x0 | w0) % ALIGN or weight.get_device() != dev:
+            return None
+        y0 = y1 = 0
         if out is not None:
-            o0, x0 = out.data_ptr(), x.data_ptr()
-            o1 = o0 + m * n * 2
-            return (out.dtype is bf and out.shape == (m, n) and out.stride() == (n, 1) and o0 % ALIGN == 0
-                    and out.get_device() == dev and not (o0 < x0 + m * HIDDEN * 2 and x0 < o1)
-                    and not checks.meets_cache(o0, o1, key_cache) and not checks.meets_cache(o0, o1, value_cache))
-        return True
-    except (AttributeError, TypeError, IndexError):  # not tensors, wrong ranks: the slow path says why
-        return False
-
-
-def unsupported(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
-                out=None) -> str | None:
-    """Why the GPU path cannot take this call (checked before launch), or None."""
-    if _fast_ok(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
-                out):
+            y0 = out.data_ptr()
+            y1 = y0 + m * n * 2
+            if not (out.dtype is bf and out.shape == (m, n) and out.stride() == (n, 1) and y0 % ALIGN == 0
+                    and out.get_device() == dev and not (y0 < x0 + m * HIDDEN * 2 and x0 < y1)):
+                return None
+        tc = checks.fast_token_cache_values(m, dev, nkv, positions, slot_mapping, cos_sin_cache, key_cache,
+                                            value_cache, y0, y1)
+        if tc is None:
+            return None
+    except (AttributeError, TypeError, IndexError, ValueError):  # not tensors, wrong ranks: `_reason` says why
         return None
+    if dry:
+        return True
+    key = (n, m, nkv, dev)
+    run = _RUNS[key]
+    if out is None:
+        out = x.new_empty(m, n)  # x's dtype (bf16) and device; int sizes parse faster than a tuple
+        y0 = out.data_ptr()
+    if run is _GEMM:  # y = x @ W^T by cuBLAS, then the epilogue in place with the values read here
+        torch.mm(x, weight.t(), out=out)
+        qkv_epilogue.launch_read(key, y0, tc, eps)
+    else:
+        run([(w0, n, HIDDEN, HIDDEN), (x0, m, HIDDEN, HIDDEN), m, w0, y0, *tc, eps])  # `_VALUES` order
+    return out
+
+
+def _reason(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
+            out) -> str | None:
+    """Every check, one at a time, for the reason (the calls `_fast` does not take)."""
     r = _layout_reason(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads,
                        eps, out)
     if r:
@@ -136,6 +143,14 @@ def unsupported(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, va
     named = [("weight", weight), ("positions", positions), ("cos_sin_cache", cos_sin_cache),
              ("slot_mapping", slot_mapping), ("key_cache", key_cache), ("value_cache", value_cache)]
     return checks.device_reason("x", x, named + ([("out", out)] if out is not None else []))
+
+
+def unsupported(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
+                out=None) -> str | None:
+    """Why the GPU path cannot take this call (checked before launch), or None."""
+    if _fast(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out, True):
+        return None
+    return _reason(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out)
 
 
 # ---------------------------------------------------------------- launch
@@ -160,23 +175,9 @@ def _fused(n: int, m: int, device_index: int) -> bool:
     return front_serves(n, m, _target(device_index))
 
 
-@functools.lru_cache(maxsize=4096)
-def _path(n: int, m: int, num_kv_heads: int, device_index: int):
-    """The launch function of a call shape, resolved once: the fused front bound to its kernel, or the GEMM and the
-    fused epilogue (the host cost of `launch`: one cached lookup, then the launch)."""
-    if not _fused(n, m, device_index):
-        return launch_gemm_epilogue
-    kernel, grid, bind = _front_plan(n, m, num_kv_heads, device_index)
-    launch_ordered = kernel.launch_ordered
-
-    def front(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out):
-        launch_ordered(grid, bind(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out))
-        return out
-    return front
-
-
-# How each value the front's launch ABI (kernels/qkv_front.py::abi_for) names is computed from a call; the
-# loaded kernel's param_names give the order (ops/_bind.py). Tensor-map parameters take the tensor itself.
+# How each value the front's launch ABI (kernels/qkv_front.py::abi_for) names is computed from a call; the loaded
+# kernel's param_names pick theirs by name (ops/_bind.py). Tensor-map parameters take the tensor itself. The checked
+# call's `_fast` reads the same values, in this order, while it checks them (tests/test_ops_qkv_front.py compares).
 _ARGS = "x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out"
 _VALUES = {
     "weight": "weight", "x": "x", "M": "x.shape[0]", "weight_ptr": "weight.data_ptr()", "y": "out.data_ptr()",
@@ -186,33 +187,42 @@ _VALUES = {
     "num_blocks": "key_cache.shape[0]", "k_block_stride": "key_cache.stride(0)",
     "v_block_stride": "value_cache.stride(0)", "eps": "float(eps)",
 }
-_all_values = binder("qkv_front", tuple(_VALUES), _VALUES, _ARGS)
+_NAMES = tuple(_VALUES)
+_all_values = binder("qkv_front", _NAMES, _VALUES, _ARGS)
 
 
 def launch_args(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out) -> dict:
     """Every value a qkv_front build may take, by ABI name: the `args` of LoadedKernel.launch."""
-    return dict(zip(_VALUES, _all_values(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
-                                         eps, out), strict=True))
+    return dict(zip(_NAMES, _all_values(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
+                                        eps, out), strict=True))
 
 
 @functools.lru_cache(maxsize=None)
 def _front_plan(n: int, m: int, num_kv_heads: int, device_index: int):
-    """(loaded kernel, grid, its binder) of a fused-front call shape: resolved once per process."""
+    """(loaded kernel, grid, its launcher of `_VALUES`-ordered values) of a fused-front call shape: once per process."""
     from ..runtime import get_kernel
 
     v = _variant(n, m, num_kv_heads, device_index)
     kernel = get_kernel(v, device=device_index)
-    return kernel, launch_grid(v), binder(v.label, kernel.param_names, _VALUES, _ARGS)
+    grid = launch_grid(v)
+    return kernel, grid, kernel.launcher(grid, take=take(v.label, kernel.param_names, _NAMES))
+
+
+def _resolve(n: int, m: int, num_kv_heads: int, device_index: int):
+    """The plan of a call shape: the fused front's launcher, or _GEMM (the planner's rule)."""
+    return _front_plan(n, m, num_kv_heads, device_index)[2] if _fused(n, m, device_index) else _GEMM
+
+
+_GEMM = "cuBLAS GEMM + fused epilogue"  # the plan of a call shape the fused front does not serve
+_RUNS = Plans(_resolve)  # (N, M, num_kv_heads, device) -> the front's launcher, or _GEMM
 
 
 def launch_front(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
                  out) -> torch.Tensor:
     """No checks: the fused front for this call (its M must be one a front build serves), into `out`."""
     dev = x.get_device()
-    kernel, grid, bind = _front_plan(weight.shape[0], x.shape[0], num_kv_heads,
-                                     dev if dev >= 0 else torch.cuda.current_device())
-    kernel.launch_ordered(grid, bind(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps,
-                                     out))
+    run = _front_plan(weight.shape[0], x.shape[0], num_kv_heads, dev if dev >= 0 else torch.cuda.current_device())[2]
+    run(_all_values(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out))
     return out
 
 
@@ -229,21 +239,28 @@ def launch(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_c
     """No checks: the path the planner picks for this call, on torch's current stream."""
     m, n = x.shape[0], weight.shape[0]
     if out is None:
-        out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     dev = x.get_device()
-    return _path(n, m, num_kv_heads, dev if dev >= 0 else torch.cuda.current_device())(
-        x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out)
+    key = (n, m, num_kv_heads, dev if dev >= 0 else torch.cuda.current_device())
+    run = _RUNS[key]
+    if run is _GEMM:
+        return launch_gemm_epilogue(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
+                                    num_kv_heads, eps, out)
+    run(_all_values(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out))
+    return out
 
 
 def qkv_front(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
               out=None) -> torch.Tensor:
     """Checked: raises TypeError (wrong types/dtypes) or ValueError with the reason, else launches."""
-    reason = unsupported(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads,
-                         eps, out)
+    y = _fast(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out, False)
+    if y is not None:
+        return y
+    # a rejected call (raise the reason), or a valid one the fast path leaves to the full checks
+    reason = _reason(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out)
     if reason is not None:
         checks.raise_for("qkv_front", reason)
-    return launch(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
-                  out)
+    return launch(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out)
 
 
 def qkv_front_auto(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,

@@ -7,6 +7,7 @@ PDL) and the tensor-map encode parameters. Kernels are loaded once per process a
 from __future__ import annotations
 
 import ctypes
+import functools
 import operator
 import struct
 import threading
@@ -20,7 +21,7 @@ from ..store.cache import Cache, CacheError, MissingEntryError, default_cache_di
 from ..store.keys import dsl_version, key_parts
 from ..store.lookup import Policy
 from .driver import c_launch_kernel_ex, check, device_info, ensure_context, launch_config
-from .tensormap import TensorMapCache
+from .tensormap import TensorMaps
 
 _FIELD_FMT = {"u8": "B", "i32": "i", "u32": "I", "f32": "f", "i64": "q", "u64": "Q"}
 
@@ -98,11 +99,11 @@ class LoadedKernel:
         self._set_attributes()
         self._block = _ParamBlock(self.abi.params, self.abi.tensormaps)
         self._kp_addr = ctypes.addressof(self._block.pointers)
-        self._tmaps = TensorMapCache(lbl)
-        self._configs: dict = {}  # (grid, stream, pdl) -> (CUlaunchConfig, its C address)
+        self._maps = [(i, TensorMaps(spec, lbl)) for i, spec in self._block.tmaps]  # per tensor-map parameter
         self._c_launch = c_launch_kernel_ex()
         self._func_addr = int(self.func)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the parameter block is shared: pack + launch (which copies it) are one step
+        self._launchers: dict = {}  # (grid, pdl) -> launch_ordered's launcher
 
     def _set_attributes(self) -> None:
         A, L, lbl = drv.CUfunction_attribute, self.abi.launch, self.label
@@ -120,30 +121,79 @@ class LoadedKernel:
         self.num_regs = check(drv.cuFuncGetAttribute(A.CU_FUNC_ATTRIBUTE_NUM_REGS, self.func), "regs query", lbl)
         self.static_smem = static
 
-    def _config(self, grid: tuple, hstream: int, pdl: bool):
-        """(CUlaunchConfig, its C address), built once per (grid, stream, pdl); the object owns the memory."""
-        key = (grid, hstream, pdl)
-        got = self._configs.get(key)
-        if got is not None:
-            return got
-        L = self.abi.launch
-        cfg = launch_config(grid, L.block, L.dynamic_smem_bytes, hstream, L.cluster, pdl)
-        if len(self._configs) > 256:
-            self._configs.clear()
-        got = self._configs[key] = (cfg, cfg.getPtr())
-        return got
-
     @property
     def param_names(self) -> tuple:
         """The launch values in ABI order: field names, and for tensor-map parameters the tensor's name."""
         return tuple(self._block.names)
 
+    def launcher(self, grid: tuple, take: tuple | None = None, pdl: bool | None = None):
+        """`launch(values, stream=None)`: this kernel on `grid`, on `stream` (a CUstream handle as int; default:
+        torch's current stream on the kernel's device).
+
+        `values` is a list: without `take`, in `param_names` order; with it, the values an op computes per call
+        in its own order, `take[i]` the index of the i-th of `param_names` among them. A tensor-map value is the
+        2-D tensor or (ptr, rows, cols, row_stride_elems); the launch replaces it in `values` by the encoded map.
+        Everything a call does not change is bound here, once (the parameter block, the launch configuration of
+        each stream, the tensor-map caches): a launch is the stream query, one pack and the driver call (the host
+        cost of an eager op, issue 14). `pdl` overrides the manifest's programmatic-stream-serialization
+        attribute (False: a plain stream-ordered launch).
+        """
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        pdl = self.abi.launch.pdl if pdl is None else pdl
+        blk, n = self._block, len(self._block.names)
+        if take is not None and tuple(take) == tuple(range(n)):
+            take = None  # the op's order is the kernel's: no reordering per call
+        pick = None if take is None else (operator.itemgetter(*take) if n > 1 else (lambda v, i=take[0]: (v[i],)))
+        maps = tuple((i if take is None else take[i], m.maps, m.encode) for i, m in self._maps)
+        configs: dict = {}  # stream -> (CUlaunchConfig, a no-argument launch); the config owns its C memory
+        c_launch, func, kp, label = self._c_launch, self._func_addr, self._kp_addr, self.label
+        acquire, release = self._lock.acquire, self._lock.release
+        pack, view, dev, stream_of = blk.struct.pack_into, blk.view, self.device_index, current_stream_getter()
+
+        def config(stream: int):
+            cfg = launch_config(grid, self.abi.launch.block, self.abi.launch.dynamic_smem_bytes, stream,
+                                self.abi.launch.cluster, pdl)
+            if c_launch is not None:
+                go = functools.partial(c_launch, cfg.getPtr(), func, kp, None)
+            else:
+                go = functools.partial(_bindings_launch, cfg, self.func, kp)
+            if len(configs) >= 64:
+                configs.clear()
+            got = configs[stream] = (cfg, go)
+            return got
+
+        def launch(values: list, stream: int | None = None) -> None:
+            if stream is None:
+                stream = stream_of(dev)
+            cfg = configs.get(stream) or config(stream)
+            for i, cached, encode in maps:
+                v = values[i]
+                values[i] = (cached.get(v) if type(v) is tuple else None) or encode(v)
+            acquire()  # (not `with`: half the cost)
+            try:
+                pack(view, 0, *(values if pick is None else pick(values)))
+                err = cfg[1]()
+            except struct.error as e:
+                raise TypeError(f"{label}: bad launch argument: {e}") from None
+            finally:
+                release()
+            if err:  # CUDA_SUCCESS is 0 in both paths
+                self._failed(err, grid)
+
+        return launch
+
+    def _failed(self, err: int, grid: tuple):
+        L = self.abi.launch
+        check(drv.CUresult(err), f"cuLaunchKernelEx(grid={grid}, block={L.block}, cluster={L.cluster}, "
+                                 f"smem={L.dynamic_smem_bytes})", self.label)
+
     def launch(self, grid: tuple, args: dict, stream: int | None = None, pdl: bool | None = None) -> None:
         """Launch on `stream` (a CUstream handle as int; default: torch's current stream).
 
         `args` maps every field name of the ABI to an int/float; for each tensor map spec,
-        args[spec.tensor] is the 2-D torch tensor the map describes. `pdl` overrides the
-        manifest's programmatic-stream-serialization attribute (False: a plain stream-ordered launch).
+        args[spec.tensor] is the 2-D torch tensor the map describes (or its (ptr, rows, cols, row_stride_elems)).
+        `pdl` overrides the manifest's programmatic-stream-serialization attribute (False: a plain
+        stream-ordered launch).
         """
         try:
             values = self._block.values(args)
@@ -152,39 +202,29 @@ class LoadedKernel:
         self.launch_ordered(grid, values, stream, pdl)
 
     def launch_ordered(self, grid: tuple, values: list, stream: int | None = None, pdl: bool | None = None) -> None:
-        """`launch` with the values already in `param_names` order (a list: tensor maps are filled in place).
-
-        The hot path of an op that checked its binding against `param_names` once (ops/qkv_front.py)."""
-        if stream is None:
-            stream = _current_stream(self.device_index)
-        if len(grid) != 3:
-            grid = tuple(grid) + (1,) * (3 - len(grid))
-        cfg, cfg_addr = self._config(grid, stream, self.abi.launch.pdl if pdl is None else pdl)
-        blk = self._block
-        for i, spec in blk.tmaps:
-            values[i] = self._tmaps.get(spec, values[i])
-        with self._lock:  # the host buffer is shared: pack + launch (which copies it) must not interleave
-            try:
-                blk.struct.pack_into(blk.view, 0, *values)
-            except struct.error as e:
-                raise TypeError(f"{self.label}: bad launch argument: {e}") from None
-            if self._c_launch is not None:
-                err = self._c_launch(cfg_addr, self._func_addr, self._kp_addr, None)
-            else:
-                err = drv.cuLaunchKernelEx(cfg, self.func, self._kp_addr, 0)[0]
-        if err:  # CUDA_SUCCESS is 0 in both paths
-            check(drv.CUresult(err), f"cuLaunchKernelEx(grid={grid}, block={self.abi.launch.block}, "
-                       f"cluster={self.abi.launch.cluster}, smem={self.abi.launch.dynamic_smem_bytes})", self.label)
+        """`launch` with the values already in `param_names` order (a list: tensor maps are filled in place), through
+        the kernel's launcher of (grid, pdl) (`launcher`, made on the first call)."""
+        key = (grid, pdl)
+        run = self._launchers.get(key)
+        if run is None:
+            if len(self._launchers) >= 256:
+                self._launchers.clear()
+            run = self._launchers[key] = self.launcher(grid, pdl=pdl)
+        run(values, stream)
 
 
-def _current_stream(device_index: int) -> int:
-    """torch's current stream on the device, as a raw handle (the private accessor is ~10x faster)."""
+def _bindings_launch(cfg, func, kp: int) -> int:
+    """cuda.bindings' cuLaunchKernelEx (where libcuda's cannot be called through ctypes): its error code."""
+    return int(drv.cuLaunchKernelEx(cfg, func, kp, 0)[0])
+
+
+def current_stream_getter():
+    """f(device_index) -> torch's current stream on that device as a raw handle (the private accessor is ~10x
+    faster than torch.cuda.current_stream; the public one where a torch build lacks it)."""
     import torch
 
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return raw(device_index)
-    return torch.cuda.current_stream(device_index).cuda_stream
+    return raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
 
 
 # ---------------------------------------------------------------- lookup

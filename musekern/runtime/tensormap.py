@@ -7,6 +7,7 @@ on an H200 (shared/cute-dsl/e2e-tma-cluster).
 from __future__ import annotations
 
 import ctypes
+import threading
 
 from cuda.bindings import driver as drv
 
@@ -44,27 +45,39 @@ def encode_2d(spec: TensorMapSpec, ptr: int, rows: int, cols: int, row_stride_el
     return ctypes.string_at(tm.getPtr(), TENSORMAP_BYTES)
 
 
-class TensorMapCache:
-    """Encoded maps per (spec, pointer, shape, stride): weights are encoded once per tensor.
+class TensorMaps:
+    """The encoded maps of one tensor-map parameter of a loaded kernel, per (ptr, rows, cols, row_stride_elems):
+    each weight and activation buffer is encoded once (decode loops and CUDA-graph engines reuse their buffers).
 
-    Bounded, so a serving engine that feeds new activation buffers cannot grow it forever.
+    A launch passes the value of the parameter as that key tuple (the op's checked path has the numbers already)
+    or as the 2-D row-major tensor (its key is read and checked here). The hot path is `maps.get(key)`, one dict
+    lookup, then `encode(value)` on a miss. Bounded: past `max_entries` the oldest map goes, so a serving engine
+    that feeds new activation buffers cannot grow it forever.
     """
 
-    def __init__(self, kernel: str, max_entries: int = 4096):
+    def __init__(self, spec: TensorMapSpec, kernel: str, max_entries: int = 4096):
+        self.spec = spec
         self._kernel = kernel
         self._max = max_entries
-        self._maps: dict = {}
+        self.maps: dict = {}
+        self._lock = threading.Lock()
 
-    def get(self, spec: TensorMapSpec, t) -> bytes:
-        # a hit costs three tensor queries (the launch path's budget); shape and layout are checked on a miss
-        key = (spec.param, t.data_ptr(), t.shape, t.stride())  # one spec per param name per kernel
-        raw = self._maps.get(key)
+    def encode(self, value) -> bytes:
+        """The 128 bytes of the map `value` (a key tuple or a tensor) describes: cached, else encoded and kept."""
+        if type(value) is tuple:
+            key = value
+        else:  # a tensor: three reads for the key; its layout is checked here, before any lookup
+            shape, stride = value.shape, value.stride()
+            if len(shape) != 2 or stride[1] != 1:
+                raise ValueError(f"{self._kernel}: tensor map for {self.spec.tensor!r} needs a 2-D row-major tensor, "
+                                 f"got shape {tuple(shape)} stride {tuple(stride)}")
+            key = (value.data_ptr(), shape[0], shape[1], stride[0])
+        raw = self.maps.get(key)
         if raw is None:
-            if t.dim() != 2 or t.stride(1) != 1:
-                raise ValueError(f"{self._kernel}: tensor map for {spec.tensor!r} needs a 2-D row-major tensor, "
-                                 f"got shape {tuple(t.shape)} stride {tuple(t.stride())}")
-            rows, cols = t.shape
-            if len(self._maps) >= self._max:
-                self._maps.clear()
-            raw = self._maps[key] = encode_2d(spec, t.data_ptr(), rows, cols, t.stride(0), self._kernel)
+            ptr, rows, cols, row_stride = key
+            raw = encode_2d(self.spec, ptr, rows, cols, row_stride, self._kernel)
+            with self._lock:  # eviction walks the dict: one writer at a time
+                while len(self.maps) >= self._max:
+                    del self.maps[next(iter(self.maps))]
+                self.maps[key] = raw
         return raw

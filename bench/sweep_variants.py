@@ -23,6 +23,7 @@ from musekern.bench.report import commit_info
 from musekern.bench.timing import Graph, copy_bandwidth, time_graphs
 from musekern.ops.qkv_front import launch_args
 from musekern.runtime import get_kernel
+from musekern.runtime.driver import launch_config
 from musekern.variants import QkvFrontVariant, fixed_rows, token_tiles, variant_from_label
 from musekern.variants.qkv_front import HIDDEN, launch_grid
 
@@ -47,7 +48,7 @@ def grid_jobs():
 def occupancy(k) -> dict:
     L = k.abi.launch
     blocks = drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(k.func, L.block[0], L.dynamic_smem_bytes)[1]
-    cfg, _ = k._config((L.cluster[0] * 132, 1, 1), 0, False)
+    cfg = launch_config((L.cluster[0] * 132, 1, 1), L.block, L.dynamic_smem_bytes, 0, L.cluster, False)
     clusters = drv.cuOccupancyMaxActiveClusters(k.func, cfg)[1]
     return {"blocks_per_sm": blocks, "active_clusters": clusters}
 

@@ -336,3 +336,29 @@ def test_sweep_grid_is_buildable_variants():
     for v, m in jobs:
         assert variant_from_label(v.label) == v
         assert (v.tiles, v.fixed_m) == (token_tiles(m), fixed_rows(m))
+
+
+def test_sweep_occupancy_asks_the_driver_with_the_kernels_launch_config(monkeypatch):
+    """bench/sweep_variants.py's occupancy row uses only the loader's public surface and the driver's launch config
+    (a private loader helper it once called went away in the host-cost change, and only a GPU run noticed)."""
+    from types import SimpleNamespace
+
+    from musekern.store.abi import LaunchSpec
+
+    sv = _sweep_module()
+    seen = {}
+
+    def blocks(func, threads, smem):
+        seen["blocks"] = (func, threads, smem)
+        return (0, 2)
+
+    def clusters(func, cfg):
+        seen["clusters"] = (func, cfg.gridDimX, cfg.blockDimX, cfg.sharedMemBytes, cfg.numAttrs)
+        return (0, 66)
+
+    monkeypatch.setattr(sv.drv, "cuOccupancyMaxActiveBlocksPerMultiprocessor", blocks)
+    monkeypatch.setattr(sv.drv, "cuOccupancyMaxActiveClusters", clusters)
+    k = SimpleNamespace(func="F", abi=SimpleNamespace(launch=LaunchSpec(block=(192, 1, 1), cluster=(2, 1, 1),
+                                                                       dynamic_smem_bytes=1024, pdl=True)))
+    assert sv.occupancy(k) == {"blocks_per_sm": 2, "active_clusters": 66}
+    assert seen == {"blocks": ("F", 192, 1024), "clusters": ("F", 264, 192, 1024, 1)}  # the cluster attribute only

@@ -109,4 +109,9 @@ def front_candidates(target) -> list:
                     out.append((f"tp8-m{m}-s4{'-rir' if rir else ''}",
                                 replace(v, splits=4, stages=st, trigger="exit", trigger_ahead=0, warp_split="wg",
                                         recv_in_ring=rir), m))
+        if tp in (8, 4):  # 136 CTAs double up on only 4 of 132 SMs: does a PDL trigger before exit pay there?
+            for m in (48, 64) if tp == 8 else (64,):
+                v = variant(n, m, nkv, target)
+                for trig, ahead in (("late", 0), ("late", v.stages), ("early", 0)):
+                    out.append((f"tp{tp}-m{m}-{trig}{ahead or ''}", replace(v, trigger=trig, trigger_ahead=ahead), m))
     return out

@@ -3,9 +3,9 @@ caches written in place), mode="reduce-overhead" (CUDA graphs), a hand-captured 
 `prepare`, and the decoder attention block of examples/decode_attention.py in a multi-request run against the
 float32 oracle (tests/engine_scenario.py).
 
-Until the GPU path for M > 16 lands (issue 13), `qkv_front_auto` serves M > 16 with the plain-torch reference,
-which syncs the host: the tests that capture such an M report xfail naming issue 13 (checked before any
-capture is attempted), and the decode run records which path served its M > 16 steps.
+`qkv_front_auto` serves every M on the GPU (the fused front, or cuBLAS + the fused epilogue); should a build fall back
+to the plain-torch reference (which syncs the host), the tests that capture such an M report xfail naming it (checked
+before any capture is attempted), and the decode run records which path served its M > 16 steps.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ pytestmark = pytest.mark.gpu
 K, D = 8192, 64
 SHARDS = {s.tp: s for s in load_config().shards()}
 OPS = torch.ops.musekern
-ISSUE_13 = "issue 13: qkv_front_auto serves M > 16 with the plain-torch reference (host sync, not capturable)"
+ISSUE_13 = "qkv_front_auto served this M with the plain-torch reference (host sync, not capturable)"
 
 
 @pytest.fixture(scope="module")

@@ -147,6 +147,32 @@ def test_every_m_every_planned_n(weights, record_property, tp, m):
     check_against_truth(p, weights[tp], nkv, y, record_property)
 
 
+# The product call (musekern.qkv_front: the fused front or cuBLAS + the fused epilogue, by the planner's rule) at the
+# issue's M grid above 16 on every planned N: each side of every tile count (4, 6, 8 tiles), of the front's range
+# (64 / 65; TP2 48 / 49, TP1 16 / 17) and of the epilogue's build switch, rows that end mid-CTA, and prefill sizes;
+# against fp64, the caches bit for bit outside the slots, with no host sync (sync debug mode "error"). Both cache
+# layouts alternate over M.
+PRODUCT_MS = [17, 24, 31, 32, 33, 40, 48, 49, 56, 63, 64, 65, 100, 128, 255, 256, 1000, 4096]
+
+
+@pytest.mark.parametrize("tp", [8, 4, 2, 1])
+@pytest.mark.parametrize("m", PRODUCT_MS)
+def test_product_path_every_m_no_host_sync(weights, record_property, tp, m):
+    nkv = SHARDS[tp].num_kv_heads
+    layout = ("vllm", "flashinfer")[PRODUCT_MS.index(m) % 2]
+    p = problem(m, nkv, num_blocks=max(64, m // 8), layout=layout, pad_every=7, seed=500 * tp + m)
+    y = torch.full((m, SHARDS[tp].n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run_kernel(p, weights[tp], nkv, out=y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    record_property("path", "front" if ops._fused(SHARDS[tp].n, m, torch.cuda.current_device()) else "gemm")
+    check_against_truth(p, weights[tp], nkv, y, record_property)
+
+
 # Both engine layouts (non-contiguous block stride for FlashInfer), padding slots (-1) and a slot past
 # the end of the cache (written nowhere), at the TP8 and TP4 shapes.
 @pytest.mark.parametrize("layout", ["vllm", "flashinfer"])

@@ -7,7 +7,8 @@ copy bandwidth of the same run) times, side by side:
                   fused epilogue), as an engine launches it (the manifests' PDL attributes);
 - front:          the fused front, where a planned build serves this M (`front_serves`);
 - gemm_epilogue:  torch.mm + the fused epilogue, at every M (so that both paths are timed where the rule chooses);
-- epilogue:       the fused epilogue alone, on a GEMM result (its bytes: `variants.qkv_epilogue.epilogue_bytes`);
+- epilogue:       the fused epilogue alone, on a GEMM result (its bytes: `variants.qkv_epilogue.epilogue_bytes`), one y
+                  per layer as the weights are (a y the size of the L2, 60 MB, must not stay there between launches);
 - cublas:         torch.mm alone;  unfused: torch.mm + the plain-torch epilogue (bench/unfused.py);
 - compiled:       torch.mm + `torch.compile(reference.fused_qknorm_rope_kv_insert, dynamic=True)` (M >= 2).
 
@@ -160,9 +161,10 @@ def measure_all_m(shard, m: int, copy_tbps: float, samples: int, compiled) -> di
     y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     dev = torch.cuda.current_device()
     fused = ops._fused(n, m, dev)
+    ys = [torch.empty_like(y) for _ in W]  # the epilogue's own inputs, one a layer (filled below, after the check)
     seq = {"musekern": [lambda w=w: ops.launch(p["x"], w, *tok, nkv, eps, y) for w in W],
            "gemm_epilogue": [lambda w=w: ops.launch_gemm_epilogue(p["x"], w, *tok, nkv, eps, y) for w in W],
-           "epilogue": [lambda: epi.launch(y, *tok, nkv, eps)] * len(W),
+           "epilogue": [lambda y_=y_: epi.launch(y_, *tok, nkv, eps) for y_ in ys],
            "cublas": [lambda w=w: torch.mm(p["x"], w.t(), out=y) for w in W],
            "unfused": [lambda w=w: unfused_epilogue(torch.mm(p["x"], w.t()), *tok, nkv, eps) for w in W]}
     if fused:
@@ -174,6 +176,8 @@ def measure_all_m(shard, m: int, copy_tbps: float, samples: int, compiled) -> di
     ops.launch(p["x"], W[0], *tok, nkv, eps, y)
     want = unfused_epilogue(torch.mm(p["x"], W[0].t()), *tok, nkv, eps)
     err = ((y.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    for i, y_ in enumerate(ys):  # each layer's GEMM result
+        torch.mm(p["x"], W[i].t(), out=y_)
     loops = loops_for(len(W) * report.floor_us(n, copy_tbps) * 1e-6 * max(1.0, m / 256))
     graphs = [Graph(name, closures, loops, len(W)) for name, closures in seq.items()]
     timed = time_graphs(graphs, samples)

@@ -13,6 +13,8 @@ HEAD_COLS = 64  # columns per head: the caches' last dim, the cos|sin row width
 ALIGN = 16  # TMA bases and 16-byte vector loads / stores
 VEC = 8  # bf16 elements per 16 bytes: the caches' block strides are multiples of it
 INT32_MAX = 2**31 - 1
+# the fast paths' dtype and eps tests, as module constants (a global read each, no attribute lookup on torch)
+BF16, I64, F32, INF = torch.bfloat16, torch.int64, torch.float32, float("inf")
 
 
 def is_tensor(t) -> bool:
@@ -157,7 +159,7 @@ def _layout(ks, vs, kst, vst, cs, nkv: int) -> tuple | None:
             and kst[1:] == vst[1:] == (row, HEAD_COLS, 1) and kb >= bs * row and vb >= bs * row
             and (kb | vb) % VEC == 0):
         return None
-    return cs[0], bs, nb, kb, vb, ((nb - 1) * kb + bs * row) * 2, ((nb - 1) * vb + bs * row) * 2
+    return cs[0], bs, nb, kb, vb, cache_end(0, ks, kb), cache_end(0, vs, vb)
 
 
 _LAYOUTS: dict = {}  # (shapes and strides of the caches and cos_sin_cache, num_kv_heads) -> _layout's accepted verdict

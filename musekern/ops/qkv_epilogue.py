@@ -22,7 +22,7 @@ from ..variants.qkv_epilogue import (
 from ..variants.qkv_front import supports_shape
 from . import checks
 from ._bind import Plans, binder, take
-from .checks import ALIGN, INT32_MAX, VEC, is_tensor, overlaps
+from .checks import ALIGN, BF16, F32, I64, INF, INT32_MAX, VEC, is_tensor, overlaps
 
 
 @functools.lru_cache(maxsize=256)
@@ -70,20 +70,17 @@ def rows_limit(n: int, num_kv_heads: int) -> int:
     return rows_any_build(n, num_kv_heads) if supports_shape(n, num_kv_heads) else 0
 
 
-_BF16, _I64, _F32, _INF = torch.bfloat16, torch.int64, torch.float32, float("inf")
-
-
 def _fast(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, dry):
     """The common valid call (contiguous y of M >= 1 on one CUDA device), checked reading each attribute once, then
     (unless `dry`) launched with the values it read: y, or True where `dry`; None for any other call (then
     `_layout_reason` and the device check say why, or accept it). Stricter than they are: whatever it accepts,
     they accept."""
     try:
-        bf, nkv = _BF16, num_kv_heads
+        bf, nkv = BF16, num_kv_heads
         m, n = y.shape
         if not (y.dtype is bf and key_cache.dtype is bf and value_cache.dtype is bf
-                and positions.dtype is _I64 and slot_mapping.dtype is _I64 and cos_sin_cache.dtype is _F32
-                and type(nkv) is int and type(eps) is float and 0.0 <= eps < _INF and m >= 1 and y.is_cuda):
+                and positions.dtype is I64 and slot_mapping.dtype is I64 and cos_sin_cache.dtype is F32
+                and type(nkv) is int and type(eps) is float and 0.0 <= eps < INF and m >= 1 and y.is_cuda):
             return None
         dev = y.get_device()
         y0 = y.data_ptr()

@@ -22,7 +22,7 @@ from ..variants.qkv_front import HIDDEN, QkvFrontVariant, launch_grid, supports_
 from ..variants.qkv_front_rules import front_serves, variant
 from . import checks, qkv_epilogue
 from ._bind import Plans, binder, take
-from .checks import ALIGN, is_tensor, overlaps
+from .checks import ALIGN, BF16, F32, I64, INF, is_tensor, overlaps
 
 
 def hidden_rows_ok(x) -> bool:
@@ -83,19 +83,16 @@ def _layout_reason(x, weight, positions, cos_sin_cache, slot_mapping, key_cache,
     return None
 
 
-_BF16, _I64, _F32, _INF = torch.bfloat16, torch.int64, torch.float32, float("inf")
-
-
 def _fast(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out, dry):
     """The common valid call, checked reading each tensor attribute once, then (unless `dry`) launched with the values
     it read (the checked call's host cost): y, or True where `dry`; None for any other call (then `_reason` says
     why, or accepts a valid call this path leaves to it: a CPU x, an `out` view with a row stride). Stricter than
     `_reason`: whatever it accepts, that accepts."""
     try:
-        bf, nkv = _BF16, num_kv_heads
+        bf, nkv = BF16, num_kv_heads
         if not (x.dtype is bf and weight.dtype is bf and key_cache.dtype is bf and value_cache.dtype is bf
-                and positions.dtype is _I64 and slot_mapping.dtype is _I64 and cos_sin_cache.dtype is _F32
-                and type(nkv) is int and type(eps) is float and 0.0 <= eps < _INF and x.is_cuda):
+                and positions.dtype is I64 and slot_mapping.dtype is I64 and cos_sin_cache.dtype is F32
+                and type(nkv) is int and type(eps) is float and 0.0 <= eps < INF and x.is_cuda):
             return None
         (m, k), (n, kw) = x.shape, weight.shape
         # is_contiguous: x's row stride is 8192 where M > 1 (with M = 1 the map's row stride is never used)

@@ -132,10 +132,8 @@ def variant(n: int, m: int, num_kv_heads: int, target: Target) -> QkvFrontVarian
     tiles = token_tiles(m)
     s = k_split(n, target, tiles)
     split = warp_split(n, s, target, tiles)
-    stages = ring_stages(s, target, tiles, n)
     rir = recv_in_ring(n, s, target, tiles, split)
-    if rir:
-        stages = ring_stages(s, target, tiles, n, recv_in_ring=True)
+    stages = ring_stages(s, target, tiles, n, recv_in_ring=rir)
     return QkvFrontVariant(n, num_kv_heads, tiles, stages, s, fixed_rows(m), pdl_trigger(n, s, target, tiles),
                            warp_split=split, trigger_ahead=trigger_ahead(n, s, target, tiles, stages),
                            recv_in_ring=rir)

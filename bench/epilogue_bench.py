@@ -3,7 +3,9 @@
 
 Per (N, M), each a graph of `layers` launches replayed until >= 1.5 ms of GPU work (musekern.bench.timing):
   epi          the fused epilogue alone, the build the planner picks (y rotated over enough buffers to leave the L2)
-  epi_vpt<k>   the same with each build (vecs_per_thread k: the data of the planner's rule)
+  epi_<k>x<r>  the same with each build of the sweep (vecs_per_thread k, rounds r: the data of the planner's rule)
+  copy         torch's device copy of as many bytes (read + written) as the epilogue moves, over as many rotated
+               buffers: the streaming reference in the same samples (the 2 GiB copy_TBps is measured once, first)
   mm           torch.mm (cuBLAS) alone, y = x @ W^T, W rotated over the layers' distinct weights
   mm_epi       torch.mm + the fused epilogue (its PDL launch attribute, as planned)
   mm_epi_nopdl torch.mm + the fused epilogue launched without PDL
@@ -36,6 +38,7 @@ from musekern.config import load_config
 from musekern.ops import qkv_epilogue as op
 from musekern.reference import fused_qknorm_rope_kv_insert, rope_cos_sin_table
 from musekern.variants.qkv_epilogue import (
+    EPI_ROUNDS_CHOICES,
     EPI_VPT_CHOICES,
     QkvEpilogueVariant,
     epilogue_bytes,
@@ -49,6 +52,14 @@ MAX_POS = 8192
 BLOCK_SIZE = 16
 ROTATE_BYTES = 256 << 20  # y bytes the epilogue-alone graphs rotate over: far above the 60 MB L2
 MMA_TFLOPS = 700e12  # for the graph-length estimate only
+# the builds swept: every vecs_per_thread of one round, and the rounds with one and two vectors a thread (more
+# vectors with rounds > 1 spill past 100 registers)
+SWEEP = tuple(QkvEpilogueVariant(v) for v in EPI_VPT_CHOICES) + tuple(
+    QkvEpilogueVariant(v, r) for v in (1, 2) for r in EPI_ROUNDS_CHOICES if r > 1)
+
+
+def _name(b: QkvEpilogueVariant) -> str:
+    return f"epi_{b.vecs_per_thread}x{b.rounds}"
 
 
 def _problem(n: int, nkv: int, m: int, g: torch.Generator) -> dict:
@@ -80,19 +91,28 @@ def measure(n: int, nkv: int, m: int, weights: list, copy_tbps: float, compiled,
     # the epilogue alone, over rotated y buffers (in place: every launch re-norms them; values stay normed)
     nbuf = max(1, min(8, math.ceil(ROTATE_BYTES / (m * n * 2))))
     ys = [torch.randn(m, n, device="cuda", generator=g).to(torch.bfloat16) for _ in range(nbuf)]
-    builds = [None] + ([QkvEpilogueVariant(v) for v in EPI_VPT_CHOICES] if sweep else [])
+    builds = [None] + (list(SWEEP) if sweep else [])
     graphs = []
     for b in builds:
-        name = "epi" if b is None else f"epi_vpt{b.vecs_per_thread}"
+        name = "epi" if b is None else _name(b)
         closures = [(lambda y=y, b=b: op.launch(y, **p, variant=b)) for y in ys]
         graphs.append(Graph(name, closures, loops_for(nbuf * epi_s, max_loops=512), nbuf))
+    half = nbytes // 4  # bf16 elements: read half the bytes, write the other half
+    srcs = [torch.empty(half, dtype=torch.bfloat16, device="cuda") for _ in range(nbuf)]
+    dsts = [torch.empty_like(t) for t in srcs]
+    graphs.append(Graph("copy", [(lambda a=a, b=b: b.copy_(a)) for a, b in zip(srcs, dsts, strict=True)],
+                        loops_for(nbuf * epi_s, max_loops=512), nbuf))
     row.update(_timed(graphs, samples))
-    del ys
+    del ys, srcs, dsts
+    if row.get("copy"):
+        row["copy_TBps_same_bytes"] = round(nbytes / (row["copy"] * 1e-6) / 1e12, 4)
+        for k in [k for k in row if k.startswith("epi") and isinstance(row[k], float)]:
+            row[f"{k}_frac_same_bytes_copy"] = round(row["copy"] / row[k], 4)
     # torch.mm and what follows it, over the layers' weights
     x = torch.randn(m, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
     y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     v = epilogue_variant(n, m, nkv)
-    kernel = op._kernel(v, torch.cuda.current_device())
+    kernel = op._loaded(v, torch.cuda.current_device())[0]
     args = op.launch_args(y, **p)
     grid = launch_grid(v, m, n, nkv)
     mm_s = 2 * m * n * HIDDEN / MMA_TFLOPS + (n * HIDDEN + m * HIDDEN + m * n) * 2 / (copy_tbps * 1e12) + 3e-6
@@ -132,16 +152,17 @@ def _write(doc: dict, path: str) -> None:
 
 
 def _table(doc: dict) -> str:
-    cols = ["N", "M", "build", "epi", "frac", "mm", "mm_epi", "ratio", "nopdl", "unfused", "compiled", "vpt1", "vpt2",
-            "vpt4", "vpt8"]
+    sweep = [_name(b) for b in SWEEP]
+    cols = ["N", "M", "build", "epi", "frac", "copy", "mm", "mm_epi", "ratio", "nopdl", "unfused", "compiled"] + [
+        n[4:] for n in sweep]
     lines = [f"qkv_epilogue bench: {doc['device']} commit {str(doc['commit'])[:12]} copy {doc['copy_TBps']:.2f} TB/s"
              " (us per launch, graph replay medians; frac = epilogue bytes / time / copy bandwidth)",
              "  ".join(f"{c:>8}" for c in cols)]
     for r in doc["rows"]:
         f = lambda k, fmt="{:.2f}", r=r: fmt.format(r[k]) if r.get(k) is not None else "-"  # noqa: E731
-        vals = [str(r["N"]), str(r["M"]), r["build"].split("=")[-1].rstrip("]"), f("epi"), f("epi_frac_copy_bw"),
-                f("mm"), f("mm_epi"), f("mm_epi_over_mm", "{:.3f}"), f("mm_epi_nopdl"), f("mm_unfused"),
-                f("mm_compiled"), f("epi_vpt1"), f("epi_vpt2"), f("epi_vpt4"), f("epi_vpt8")]
+        vals = [str(r["N"]), str(r["M"]), r["build"].split("[")[-1].rstrip("]"), f("epi"), f("epi_frac_copy_bw"),
+                f("copy"), f("mm"), f("mm_epi"), f("mm_epi_over_mm", "{:.3f}"), f("mm_epi_nopdl"), f("mm_unfused"),
+                f("mm_compiled")] + [f(n) for n in sweep]
         lines.append("  ".join(f"{v:>8}" for v in vals))
     return "\n".join(lines)
 
@@ -165,8 +186,8 @@ def main() -> int:
     log(f"copy bandwidth {copy_tbps:.2f} TB/s")
     for n in ns:
         op.prepare(n, ms, num_kv_heads=kv_of[n])
-        for vpt in EPI_VPT_CHOICES:
-            op._kernel(QkvEpilogueVariant(vpt), torch.cuda.current_device())
+        for b in SWEEP:
+            op._loaded(b, torch.cuda.current_device())[0]
     compiled, compile_error = None, None
     try:
         import torch.fx.experimental._config as fx_config

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Run HERE (CPU machine, build extra installed): every qkv_epilogue build (the planned ones and the rest of the
-# vecs_per_thread sweep) into the cache bench/epilogue_gpu.sh carries to the H200, with the commit they were built from.
+# vecs_per_thread x rounds sweep) into the cache bench/epilogue_gpu.sh carries to the H200, with the commit they were built from.
 # Usage: bash bench/epilogue_cache.sh [cache-dir]   (default .musekern-cache, an ignored folder)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE=${1:-.musekern-cache}
 labels=()
-for vpt in 1 2 4 8; do labels+=(--variant "qkv_epilogue[vecs_per_thread=$vpt]"); done
+for vpt in 1 2 4 8; do
+  labels+=(--variant "qkv_epilogue[vecs_per_thread=$vpt]")
+  for rounds in 2; do labels+=(--variant "qkv_epilogue[rounds=$rounds,vecs_per_thread=$vpt]"); done
+done
 .venv/bin/python -m musekern prepare --target h200 --cache-dir "$CACHE" -j 2 "${labels[@]}" >&2
 .venv/bin/python - "$CACHE" <<'PY'
 import json, sys

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from musekern.ops import qkv_epilogue as op
-from musekern.variants.qkv_epilogue import EPI_VPT_CHOICES, QkvEpilogueVariant
+from musekern.variants.qkv_epilogue import EPI_ROUNDS_CHOICES, EPI_VPT_CHOICES, QkvEpilogueVariant
 
 HD = 64
 SHAPES = [(2176, 1), (17408, 8), (256, 1), (1280, 2)]  # (N, nkv): TP8, TP1, the smallest layout, nq = 4 nkv
@@ -55,7 +55,8 @@ def main() -> int:
                 op.qkv_epilogue(y, pos, cs, slots, kc, vc, nkv, 1e-5)  # the checked call: the planned build
                 launches += 1
                 for vpt in EPI_VPT_CHOICES:
-                    op.launch(y, pos, cs, slots, kc, vc, nkv, 1e-5, variant=QkvEpilogueVariant(vpt))
+                    for rounds in EPI_ROUNDS_CHOICES:
+                        op.launch(y, pos, cs, slots, kc, vc, nkv, 1e-5, variant=QkvEpilogueVariant(vpt, rounds))
                     launches += 1
         torch.cuda.synchronize()
         print(f"sanitize: shape {i + 1}/{len(SHAPES)} N={n} done", file=sys.stderr)

@@ -33,6 +33,16 @@ def test_row_math():
     assert r["epilogue_frac_of_copy_bw"] == pytest.approx(5008 * 4096 / 6e-6 / 1e12 / COPY)
     checks = {c["name"]: c["pass"] for c in r["checks"]}
     assert checks == {"epilogue_frac": True, "gemm_epilogue_x_cublas": True}
+    assert r["epilogue_frac_of_same_bytes_copy"] is None  # no copy timed: no verdict on it
+
+
+# the epilogue against a copy of its own bytes in the same samples: copy time / epilogue time, >= 0.85 to pass
+@pytest.mark.parametrize("copy_us,ok", [(5.4, True), (5.1, True), (4.8, False)])
+def test_epilogue_against_a_copy_of_its_bytes(copy_us, ok):
+    r = all_m.row(8, 2176, 1, 1024, _us(epilogue=6.0, copy=copy_us), "gemm", COPY)
+    assert r["epilogue_frac_of_same_bytes_copy"] == pytest.approx(copy_us / 6.0)
+    checks = {c["name"]: c["pass"] for c in r["checks"]}
+    assert checks["epilogue_frac_same_bytes_copy"] is ok
 
 
 def test_a_missing_measurement_is_not_a_pass():

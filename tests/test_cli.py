@@ -35,7 +35,7 @@ def run(monkeypatch, tmp_path):
 
 def test_plan_table_and_json(run):
     r = run("plan", "--target", "h200")
-    assert "qkv_front" in r.stdout and "2176" in r.stdout and "26 distinct variants" in r.stdout
+    assert "qkv_front" in r.stdout and "2176" in r.stdout and "27 distinct variants" in r.stdout
     doc = json.loads(run("plan", "--target", "h200", "--json").stdout)
     tp8 = [row for row in doc["rows"] if row["tp"] == 8 and row["kernel"] == "qkv_front"]
     assert {(r["N"], r["k_split"], r["tiles"], r["fixed_rows"], r["tokens"]) for r in tp8} == {
@@ -96,10 +96,10 @@ def test_prepare_then_warm_rerun_does_nothing(run):
 @needs_dsl
 def test_doctor_reports_missing_then_ok(run, tmp_path):
     doc = json.loads(run("doctor", "--target", "h200", "--json", code=1).stdout)
-    assert doc["nvidia-cutlass-dsl"] == keys.dsl_version() and len(doc["missing"]) == 26 and not doc["ok"]
+    assert doc["nvidia-cutlass-dsl"] == keys.dsl_version() and len(doc["missing"]) == 27 and not doc["ok"]
     assert doc["cache_dir"] == str(tmp_path / "cache")
     r = run("doctor", "--target", "h200", code=1)
-    assert "26 planned variant(s) missing from the cache" in r.stdout
+    assert "27 planned variant(s) missing from the cache" in r.stdout
     assert all(m["variant"] in r.stdout for m in doc["missing"])  # every one, not "e.g." the first
     assert "fix: musekern prepare --target h200" in r.stderr  # fix commands go with the errors
 
@@ -170,9 +170,9 @@ TP8_LABEL = ("qkv_front[fixed_m=8,n=2176,num_kv_heads=1,splits=2,stages=6,tiles=
 
 
 @pytest.mark.parametrize("args,full,tp8", [
-    (["plan", "--target", "h200"], 26, 12),  # test_variants.py::test_default_plan counts the 26; TP 8: 12 of them
-    (["doctor", "--target", "h200"], 26, 12),
-    (["export", "--target", "h200"], 26, 12),
+    (["plan", "--target", "h200"], 27, 13),  # test_variants.py::test_default_plan counts the 27; TP 8: 13 of them
+    (["doctor", "--target", "h200"], 27, 13),
+    (["export", "--target", "h200"], 27, 13),
     (["explain", TP8_LABEL, "--target", "h200"], 1, 1),
 ])
 def test_tp_overrides_the_config_on_every_planning_command(run, args, full, tp8):
@@ -186,7 +186,7 @@ def test_prepare_takes_tp(run, monkeypatch):
     monkeypatch.setattr("musekern.build.prepare.dsl_version", lambda: None)  # stop before compiling anything
     monkeypatch.setattr("musekern.build.compile.dsl_version", lambda: None)
     r = run("prepare", "--target", "h200", "--tp", "8", code=1)
-    assert "musekern prepare: 12 variant(s) for h200" in r.stderr
+    assert "musekern prepare: 13 variant(s) for h200" in r.stderr
 
 
 def test_every_planning_command_has_tp():
@@ -198,12 +198,12 @@ def test_config_without_tp_sizes_warns_on_stderr_and_in_json(run):
     cfg = os.path.join(DATA, "qwen3_style.json")
     r = run("plan", "--model", cfg, "--target", "h200", "--json")
     doc = json.loads(r.stdout)  # stdout is the JSON document alone
-    assert doc["tp"] == [1] and doc["tp_source"] == "default" and len(doc["variants"]) == 9
+    assert doc["tp"] == [1] and doc["tp_source"] == "default" and len(doc["variants"]) == 10
     assert "names no tensor-parallel sizes" in doc["warnings"][0] and "--tp 1,2,4,8" in doc["warnings"][0]
     assert "musekern: warning:" in r.stderr and "names no tensor-parallel sizes" in r.stderr
     r = run("plan", "--model", cfg, "--target", "h200", "--tp", "1,2,4,8", "--json")
     doc = json.loads(r.stdout)
-    assert doc["warnings"] == [] and len(doc["variants"]) == 26 and "warning" not in r.stderr
+    assert doc["warnings"] == [] and len(doc["variants"]) == 27 and "warning" not in r.stderr
     doc = json.loads(run("doctor", "--model", cfg, "--target", "h200", "--json", code=1).stdout)
     assert doc["warnings"] and doc["tp_source"] == "default"
 
@@ -303,7 +303,7 @@ def test_json_stdout_is_one_document_and_logs_go_to_stderr(run, tmp_path):
     for args in (["plan", "--target", "h200"], ["ls"], ["stats"], ["verify"]):
         json.loads(run(*args, "--json").stdout)
     r = run("plan", "--target", "h200")
-    assert "26 distinct variants" in r.stdout.splitlines()[-1] and r.stderr == ""
+    assert "27 distinct variants" in r.stdout.splitlines()[-1] and r.stderr == ""
     r = run("ls")
     assert r.stdout.splitlines()[-1].startswith("0 entries in ") and r.stderr == ""  # summary with the result
 
@@ -337,11 +337,11 @@ def test_export_shard_is_what_prepare_shard_built(run, tmp_path):
         doc = json.loads(run("export", "--target", "h200", "--tp", "8", "--shard", f"{k}/2", "--cache-dir", cd,
                              "-o", str(out), "--json").stdout)
         assert sorted(doc["keys"]) == built[k] and doc["plan"].endswith(f"|shard {k}/2")
-    assert len(built[1]) + len(built[2]) == 12 and not set(built[1]) & set(built[2])
+    assert len(built[1]) + len(built[2]) == 13 and not set(built[1]) & set(built[2])
     # the whole plan is not in one shard's cache: the fix names the shard's own prepare
     r = run("export", "--target", "h200", "--tp", "8", "--cache-dir", str(tmp_path / "shard1"), "-o", "all.tar",
             code=1)
-    assert "--tp 8" in r.stderr and f"{len(built[2])} of the 12 variants of the plan" in r.stderr
+    assert "--tp 8" in r.stderr and f"{len(built[2])} of the 13 variants of the plan" in r.stderr
     merged = str(tmp_path / "merged")
     for k in (1, 2):
         run("import", str(tmp_path / f"shard{k}.tar"), "--cache-dir", merged)
@@ -350,9 +350,9 @@ def test_export_shard_is_what_prepare_shard_built(run, tmp_path):
     assert json.loads(run("doctor", "--target", "h200", "--tp", "8", "--cache-dir", merged, "--json").stdout)["ok"]
 
 
-# TP 8 alone (12 builds per target) and the full plan (26) in 2 and 3 shards: a round robin over entries lined
+# TP 8 alone (13 builds per target) and the full plan (27) in 2 and 3 shards: a round robin over entries lined
 # the two targets' builds up only when the builds per target were a multiple of the shard count.
-@pytest.mark.parametrize("tp,builds_total", [((8,), 12), ((1, 2, 4, 8), 26)])
+@pytest.mark.parametrize("tp,builds_total", [((8,), 13), ((1, 2, 4, 8), 27)])
 @pytest.mark.parametrize("n", [2, 3])
 def test_shards_split_the_builds_not_just_the_entries(tp, builds_total, n):
     """h100 and h200 share every sm_90a build: sharding the README's two-target plan must split the compiles."""

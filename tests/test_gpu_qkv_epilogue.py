@@ -16,6 +16,8 @@ from musekern.config import load_config
 from musekern.ops import qkv_epilogue as op
 from musekern.reference import fused_qknorm_rope_kv_insert, rope_cos_sin_table
 from musekern.variants.qkv_epilogue import (
+    EPI_ROUNDS_CHOICES,
+    EPI_ROUNDS_VECTORS,
     EPI_SMALL_VECTORS,
     EPI_VPT_CHOICES,
     QkvEpilogueVariant,
@@ -30,6 +32,7 @@ EPS = 1e-5
 SENTINEL = -7.0  # exact in bf16: a cache element that still holds it was never written
 ATOL = 1e-3
 MODEL = load_config()
+ALL_BUILDS = [QkvEpilogueVariant(v, r) for v in EPI_VPT_CHOICES for r in EPI_ROUNDS_CHOICES]
 SHARDS = {s.tp: s for s in MODEL.shards()}  # TP 8, 4, 2, 1: N = 2176, 4352, 8704, 17408 with nkv 1, 2, 4, 8
 
 
@@ -114,11 +117,12 @@ def check(p, y_in, record_property=None):
 
 
 def rule_edges():
-    """(tp, M) on both sides of the rule's edge between the small and the large build."""
+    """(tp, M) on both sides of the rule's edges: small -> large build, one round -> two."""
     out = []
     for tp, s in SHARDS.items():
-        edge = EPI_SMALL_VECTORS // epilogue_vectors(1, s.n, s.num_kv_heads)
-        out += [(tp, edge), (tp, edge + 1)]
+        for bound in (EPI_SMALL_VECTORS, EPI_ROUNDS_VECTORS):
+            edge = bound // epilogue_vectors(1, s.n, s.num_kv_heads)
+            out += [(tp, edge), (tp, edge + 1)]
     return out
 
 
@@ -128,7 +132,7 @@ def rule_edges():
 # (TP8: 144 threads a row in the small build, 16 rows = 9 CTAs exactly; 72 in the large one, 32 rows = 9 CTAs);
 # 128, 256, 1000 beyond one wave of the small build at TP1 (1152 threads a row: one wave of 132 SMs x 8 CTAs is 235
 # rows); 4096, 16384, 65536 many waves of the large build (5 CTAs a SM: TP8 2346 rows a wave, TP1 293);
-# rule_edges() both sides of the build switch per N. Both cache layouts alternate over M.
+# rule_edges() both sides of each build switch per N. Both cache layouts alternate over M.
 M_GRID = [1, 8, 16, 17, 24, 31, 32, 33, 48, 64, 65, 100, 128, 255, 256, 1000, 4096, 16384, 65536]
 CASES = [(tp, m) for tp in (8, 4, 2, 1) for m in M_GRID] + rule_edges()
 
@@ -144,19 +148,19 @@ def test_every_m_every_planned_n(record_property, tp, m):
     check(p, y_in, record_property)
 
 
-# vecs_per_thread changes only which thread does what: every build gives the bits of the planned one, and one build
-# gives the same bits on every run (no atomics, no timing dependence). TP8 (partial head groups at 4 and 8) and
-# TP1, a single row, a row count that ends mid-CTA in every build, and many waves.
+# vecs_per_thread and rounds change only which thread does what: every build gives the bits of the planned one, and
+# one build gives the same bits on every run (no atomics, no timing dependence). TP8 (partial head groups at 4 and 8)
+# and TP1, a single row, a row count that ends mid-CTA in every build, and many waves.
 @pytest.mark.parametrize("tp,m", [(8, 1), (8, 1000), (8, 4096), (4, 33), (1, 17), (1, 4096)])
 def test_every_build_gives_identical_bits(tp, m):
     p, backing = problem(m, tp, layout="flashinfer", seed=7 + m)
     y_in, kv_in = p["y"].clone(), backing.clone()
     results = []
-    for vpt in EPI_VPT_CHOICES:
+    for b in ALL_BUILDS:
         for _ in range(2):
             p["y"].copy_(y_in)
             backing.copy_(kv_in)
-            op.launch(**p, variant=QkvEpilogueVariant(vpt))
+            op.launch(**p, variant=b)
             results.append((p["y"].clone(), backing.clone()))
     torch.cuda.synchronize()
     check(p, y_in)  # the last launch is right

@@ -17,6 +17,7 @@ from musekern.variants.qkv_epilogue import (
     EPI_BLOCK,
     EPI_CTAS_PER_SM,
     EPI_LANES,
+    EPI_ROUNDS_CHOICES,
     EPI_VPT_CHOICES,
     QkvEpilogueVariant,
     head_counts,
@@ -28,23 +29,25 @@ torch = pytest.importorskip("torch")
 
 from musekern.reference import fused_qknorm_rope_kv_insert, rope_cos_sin_table  # noqa: E402
 
-ALL = [QkvEpilogueVariant(vpt) for vpt in EPI_VPT_CHOICES]
+ALL = [QkvEpilogueVariant(vpt, r) for vpt in EPI_VPT_CHOICES for r in EPI_ROUNDS_CHOICES]
 PARAM_NAMES = ["y", "positions", "cos_sin_cache", "slot_mapping", "key_cache", "value_cache", "M", "num_q_heads",
                "num_kv_heads", "ld_y", "max_pos", "block_size", "num_blocks", "k_block_stride", "v_block_stride", "eps"]
 EPS = 1e-5
 
 
 # ---------------------------------------------------------------- the intended math, on CPU
-def simulate(y, positions, cs, slots, kc, vc, nkv, eps, vpt):
-    """Runs the kernel's unit mapping (the formulas of kernels/qkv_epilogue.py), vectorized over the threads of the
-    grid, on CPU: returns the new y, and counts of how often each element of y and of the caches is written."""
+def simulate(y, positions, cs, slots, kc, vc, nkv, eps, v):
+    """Runs the kernel's unit mapping (the formulas of kernels/qkv_epilogue.py), vectorized over the units every
+    thread of the grid works on in its rounds, on CPU: returns the new y, and counts of how often each element of y
+    and of the caches is written."""
     m, n = y.shape
     nq, _ = head_counts(n, nkv)
     heads = nq + 2 * nkv
-    v = QkvEpilogueVariant(vpt)
+    vpt = v.vecs_per_thread
     ru = row_units(v, n, nkv)
     total = m * ru
-    w = torch.arange(launch_grid(v, m, n, nkv)[0] * EPI_BLOCK)
+    threads = launch_grid(v, m, n, nkv)[0] * EPI_BLOCK
+    w = (torch.arange(v.rounds)[:, None] * threads + torch.arange(threads)).reshape(-1)  # round k: thread t + k G
     live = w < total
     wc = w.clamp(max=total - 1)
     r, rem = wc // ru, wc % ru
@@ -111,14 +114,14 @@ def _case(m, n, nkv, layout, seed, num_blocks=5, block_size=4, max_pos=40):
 
 # Every build; TP8's and TP4's layouts (partial head groups at vpt 4 and 8), the smallest layout (N = 256, H = 3 <
 # vpt 4), rows that end mid-CTA; both cache layouts; padding, a slot past the cache, the last slot.
-@pytest.mark.parametrize("vpt", EPI_VPT_CHOICES)
+@pytest.mark.parametrize("v", ALL, ids=lambda v: v.label)
 @pytest.mark.parametrize("m,n,nkv,layout", [(1, 2176, 1, "vllm"), (7, 2176, 1, "flashinfer"), (33, 4352, 2, "vllm"),
                                             (5, 256, 1, "flashinfer"), (13, 1280, 2, "vllm")])
-def test_intended_math_matches_reference(vpt, m, n, nkv, layout):
-    y, pos, cs, slots, kc, vc = _case(m, n, nkv, layout, seed=vpt * 100 + m)
+def test_intended_math_matches_reference(v, m, n, nkv, layout):
+    y, pos, cs, slots, kc, vc = _case(m, n, nkv, layout, seed=v.vecs_per_thread * 100 + v.rounds * 10 + m)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     ref = fused_qknorm_rope_kv_insert(y, pos, cs, slots, kc_ref, vc_ref, nkv, EPS)
-    out, y_w, k_w, v_w = simulate(y, pos, cs, slots, kc, vc, nkv, EPS, vpt)
+    out, y_w, k_w, v_w = simulate(y, pos, cs, slots, kc, vc, nkv, EPS, v)
     nq, _ = head_counts(n, nkv)
     qk = (nq + nkv) * 64
     assert bool((y_w[:, :qk] == 1).all()) and bool((y_w[:, qk:] == 0).all()), "q, k once; v and gate never"
@@ -167,17 +170,21 @@ def _check_ptx(ck, v, arch):
     assert ck.cubin[:4] == b"\x7fELF" and cubin_arch(ck.cubin) == arch
     check_abi_against_ptx(ck.abi, ck.ptx, ck.symbol)
     ptx = ck.ptx[ck.ptx.index(".entry " + ck.symbol):]
-    vpt = v.vecs_per_thread
-    # y: vpt 16-byte loads; cos and sin: one 16-byte load each; position and slot: 8 bytes each. Stores: y, key
-    # cache and value cache for each head (16 bytes each, predicated per head type)
-    assert _count(r"^\s*(@%p\d+\s+)?ld\.global(\.\w+)*\.v4\.(b32|u32|f32)\s", ptx) == vpt + 2
-    assert _count(r"^\s*(@%p\d+\s+)?ld\.global(\.\w+)*\.(b64|u64|s64)\s", ptx) == 2
-    assert _count(r"^\s*(@%p\d+\s+)?ld\.global", ptx) == vpt + 4
-    assert _count(r"^\s*(@%p\d+\s+)?st\.global(\.\w+)*\.v4\.(b32|u32|f32)\s", ptx) == 3 * vpt
-    assert _count(r"^\s*(@%p\d+\s+)?st\.global", ptx) == 3 * vpt
-    assert _count(r"shfl\.sync\.bfly\.b32", ptx) == 3 * vpt  # offsets 1, 2, 4 per head
+    vpt, rounds = v.vecs_per_thread, v.rounds
+    # per round: y, vpt 16-byte loads; cos and sin, one 16-byte load each; position and slot, 8 bytes each. Stores:
+    # y, key cache and value cache for each head (16 bytes each, predicated per head type). Before the first round,
+    # an L2 prefetch of each later round's position, slot and y vectors.
+    assert _count(r"^\s*(@%p\d+\s+)?ld\.global(\.\w+)*\.v4\.(b32|u32|f32)\s", ptx) == (vpt + 2) * rounds
+    assert _count(r"^\s*(@%p\d+\s+)?ld\.global(\.\w+)*\.(b64|u64|s64)\s", ptx) == 2 * rounds
+    assert _count(r"^\s*(@%p\d+\s+)?ld\.global", ptx) == (vpt + 4) * rounds
+    assert _count(r"^\s*(@%p\d+\s+)?st\.global(\.\w+)*\.v4\.(b32|u32|f32)\s", ptx) == 3 * vpt * rounds
+    assert _count(r"^\s*(@%p\d+\s+)?st\.global", ptx) == 3 * vpt * rounds
+    assert _count(r"shfl\.sync\.bfly\.b32", ptx) == 3 * vpt * rounds  # offsets 1, 2, 4 per head
+    assert _count(r"^\s*prefetch\.global\.L2 ", ptx) == (vpt + 2) * (rounds - 1)
     assert _count(r"griddepcontrol\.wait", ptx) == 1 and _count(r"griddepcontrol\.launch_dependents", ptx) == 1
     assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+    if rounds > 1:  # the prefetches come before the first round's loads, after the wait
+        assert ptx.index("griddepcontrol.wait") < ptx.index("prefetch.global.L2") < ptx.index("ld.global")
     assert ".shared" not in ptx and "bar.sync" not in ptx and "atom." not in ptx and ".local" not in ptx
     assert f".reqntid {EPI_BLOCK}, 1, 1" in ptx
     assert "rsqrt.approx.f32" in ptx and "cvt.f32.bf16" in ptx
@@ -213,17 +220,18 @@ def test_sass(v, tmp_path):
         pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"local memory (spills or stack arrays): {usage}"
     regs = (usage["REG"] + 7) // 8 * 8
-    assert EPI_CTAS_PER_SM[v.vecs_per_thread] * EPI_BLOCK * regs <= 65536, f"{regs} registers"
+    assert EPI_CTAS_PER_SM[(v.vecs_per_thread, v.rounds)] * EPI_BLOCK * regs <= 65536, f"{regs} registers"
     sass = nvdump.dump(ck.cubin, tmp_path, "-sass")
     if "Could not find executable" in sass.stderr:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
     s = sass.stdout
-    vpt = v.vecs_per_thread
-    assert len(re.findall(r"\bLDG\.E\.128\b", s)) == vpt + 2
-    assert len(re.findall(r"\bSTG\.E\.128\b", s)) == 3 * vpt
+    vpt, rounds = v.vecs_per_thread, v.rounds
+    assert len(re.findall(r"\bLDG\.E\.128\b", s)) == (vpt + 2) * rounds
+    assert len(re.findall(r"\bSTG\.E\.128\b", s)) == 3 * vpt * rounds
+    assert len(re.findall(r"\bCCTL\.E\.PF2\b", s)) == (vpt + 2) * (rounds - 1)  # the L2 prefetches
     assert not re.search(r"\b(LDG|STG)\.E(\.(8|16|32|64))?\b(?!\.128)", s.replace("LDG.E.64", "")), \
         "a global access narrower than 16 bytes besides the position and slot loads"
-    assert len(re.findall(r"\bLDG\.E\.64\b", s)) == 2
+    assert len(re.findall(r"\bLDG\.E\.64\b", s)) == 2 * rounds
     assert not re.search(r"\b(STL|LDL)\b", s), "local-memory spill in SASS"
     assert not re.search(r"\b(ATOMG|REDG|RED\.E)\b", s), "global atomic in SASS"
     # every y load is issued before the first shuffle waits on one (bytes in flight: bench/NOTES.md qkv_epilogue)

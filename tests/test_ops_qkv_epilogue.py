@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 
 from musekern.ops import qkv_epilogue as op  # noqa: E402
 from musekern.reference import rope_cos_sin_table  # noqa: E402
-from musekern.variants.qkv_epilogue import EPI_VPT_LARGE, QkvEpilogueVariant, max_rows  # noqa: E402
+from musekern.variants.qkv_epilogue import EPI_HUGE, QkvEpilogueVariant, max_rows  # noqa: E402
 
 D = 64
 
@@ -101,7 +101,7 @@ def test_y_overlapping_a_cache_is_refused():
 
 
 def test_too_many_rows_is_refused_with_the_limit():
-    top = max_rows(QkvEpilogueVariant(EPI_VPT_LARGE), 2176, 1)
+    top = max_rows(QkvEpilogueVariant(*EPI_HUGE), 2176, 1)
     y = torch.empty(1, 2176, dtype=torch.bfloat16).expand(top + 1, 2176)  # one row of memory: only shapes are read
     r = reason(y=y, positions=torch.empty(1, dtype=torch.int64).expand(top + 1),
                slot_mapping=torch.empty(1, dtype=torch.int64).expand(top + 1))

@@ -127,11 +127,11 @@ def test_default_plan():
     entries = plan_model(load_config(), [H200])
     kinds = [(e.kernel, e.variant.params().get("n")) for e in entries]
     assert kinds.count(("qk_norm", None)) == 4  # with / without scale, large / small inputs
-    assert kinds.count(("qkv_epilogue", None)) == 2  # one build serves every N: small and large inputs
+    assert kinds.count(("qkv_epilogue", None)) == 3  # one build serves every N: small, large and huge inputs
     # tiles 1 (+ the M == 8 build), 2, and 4, 6, 8 (TP2: 4, 6; TP1: none)
     for n, builds in ((2176, 6), (4352, 6), (8704, 5), (17408, 3)):
         assert kinds.count(("qkv_front", n)) == builds
-    assert len(entries) == 26
+    assert len(entries) == 27
     tp_of = {e.variant.n: e.tps for e in entries if e.kernel == "qkv_front"}
     assert tp_of == {17408: (1,), 8704: (2,), 4352: (4,), 2176: (8,)}
 
@@ -178,7 +178,7 @@ def test_plan_is_deterministic_across_hash_seeds():
         outs.add(r.stdout)
     assert len(outs) == 1
     doc = json.loads(outs.pop())
-    assert len(doc["variants"]) == 52  # 26 a target (test_default_plan) on h200 and on h20
+    assert len(doc["variants"]) == 54  # 27 a target (test_default_plan) on h200 and on h20
 
 
 # each field of QkvFrontVariant that __post_init__ guards, with a value outside its domain (splits 4 / 8 and the

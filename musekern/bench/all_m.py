@@ -9,6 +9,9 @@ copy bandwidth of the same run) times, side by side:
 - gemm_epilogue:  torch.mm + the fused epilogue, at every M (so that both paths are timed where the rule chooses);
 - epilogue:       the fused epilogue alone, on a GEMM result (its bytes: `variants.qkv_epilogue.epilogue_bytes`), one y
                   per layer as the weights are (a y the size of the L2, 60 MB, must not stay there between launches);
+- copy:           M >= 1024: torch's device copy of as many bytes (read + written) as the epilogue moves, one buffer
+                  pair a layer: the streaming reference at the epilogue's own size, in the same samples (the 2 GiB
+                  copy is the device's ceiling; a copy of 5-10 MB in a graph reaches ~60-70% of it);
 - cublas:         torch.mm alone;  unfused: torch.mm + the plain-torch epilogue (bench/unfused.py);
 - compiled:       torch.mm + `torch.compile(reference.fused_qknorm_rope_kv_insert, dynamic=True)` (M >= 2).
 
@@ -22,7 +25,7 @@ from . import report
 ALL_M = (1, 16, 17, 32, 33, 48, 49, 64, 65, 128, 256, 1024, 4096, 16384)
 ALL_M_TPS = (8, 4, 1)  # N = 2176, 4352, 17408
 CLIFF_PAIRS = ((16, 17), (32, 33), (48, 49), (64, 65))  # where the path or the tile count changes
-GRAPHS = ("musekern", "front", "gemm_epilogue", "epilogue", "cublas", "unfused", "compiled")
+GRAPHS = ("musekern", "front", "gemm_epilogue", "epilogue", "copy", "cublas", "unfused", "compiled")
 TARGETS = {
     "epilogue_min_frac": 0.85, "epilogue_frac_from_m": 1024,  # the epilogue streams its bytes at M >= 1024
     "epilogue_max_us": 2.5, "epilogue_small_m": 64,  # and costs <= 2.5 us at M <= 64
@@ -45,12 +48,16 @@ def row(tp: int, n: int, nkv: int, m: int, us: dict, path: str, copy_tbps: float
     epi_bytes = epilogue_bytes(m, n, nkv)
     r = {"tp": tp, "N": n, "M": m, "path": path, "us": us, "bytes": moved_bytes(n, m),
          "epilogue_bytes": epi_bytes, "epilogue_frac_of_copy_bw": _frac(epi_bytes, us.get("epilogue"), copy_tbps),
+         "epilogue_frac_of_same_bytes_copy": report.ratio(us.get("copy"), us.get("epilogue")),
          "x_cublas": report.ratio(mus, cub), "speedup_vs_unfused": report.ratio(us.get("unfused"), mus),
          "speedup_vs_compiled": report.ratio(us.get("compiled"), mus),
          "gemm_epilogue_x_cublas": report.ratio(us.get("gemm_epilogue"), cub)}
     t, checks = TARGETS, []
     if m >= t["epilogue_frac_from_m"]:
         checks.append(report._check("epilogue_frac", r["epilogue_frac_of_copy_bw"], t["epilogue_min_frac"], True))
+        if r["epilogue_frac_of_same_bytes_copy"] is not None:
+            checks.append(report._check("epilogue_frac_same_bytes_copy", r["epilogue_frac_of_same_bytes_copy"],
+                                        t["epilogue_min_frac"], True))
         checks.append(report._check("gemm_epilogue_x_cublas", r["gemm_epilogue_x_cublas"],
                                     t["gemm_epilogue_max_x_cublas"], False))
     if m <= t["epilogue_small_m"]:
@@ -91,16 +98,19 @@ def format_all_m(doc: dict) -> str:
     if not rows:
         return ""
     hdr = (f"{'tp':>3s} {'M':>6s} {'path':6s} {'musekern':>9s} {'front':>8s} {'mm+epi':>8s} {'epi':>7s} "
-           f"{'epiBW':>5s} {'cuBLAS':>8s} {'unfused':>8s} {'compiled':>8s} {'xcuBLAS':>7s} {'xunfus':>6s}  status")
+           f"{'epiBW':>5s} {'vsCpy':>5s} {'cuBLAS':>8s} {'unfused':>8s} {'compiled':>8s} {'xcuBLAS':>7s} "
+           f"{'xunfus':>6s}  status")
     out = ["all M: us per layer (8 distinct layers, graph replay); path = what the planner picks; epiBW = the "
-           "fused epilogue's bytes / time / copy BW", hdr, "-" * len(hdr)]
+           "fused epilogue's bytes / time / copy BW (2 GiB); vsCpy = a copy of its bytes' time / its time", hdr,
+           "-" * len(hdr)]
     f = report._f
     for r in rows:
         u = r["us"]
         miss = report._misses(r.get("checks", []))
         out.append(f"{r['tp']:>3d} {r['M']:>6d} {r['path']:6s} {f(u.get('musekern'), '9.2f')} "
                    f"{f(u.get('front'), '8.2f')} {f(u.get('gemm_epilogue'), '8.2f')} {f(u.get('epilogue'), '7.2f')} "
-                   f"{f(r['epilogue_frac_of_copy_bw'], '5.2f')} {f(u.get('cublas'), '8.2f')} "
+                   f"{f(r['epilogue_frac_of_copy_bw'], '5.2f')} {f(r.get('epilogue_frac_of_same_bytes_copy'), '5.2f')} "
+                   f"{f(u.get('cublas'), '8.2f')} "
                    f"{f(u.get('unfused'), '8.2f')} {f(u.get('compiled'), '8.2f')} {f(r['x_cublas'], '7.2f')} "
                    f"{f(r['speedup_vs_unfused'], '6.2f')}  {r['status']}" + (f" ({miss})" if miss else "")
                    + (f"  ERROR {r['error'][:60]}" if r.get("error") else ""))
@@ -152,6 +162,7 @@ def measure_all_m(shard, m: int, copy_tbps: float, samples: int, compiled) -> di
 
     from ..ops import qkv_epilogue as epi
     from ..ops import qkv_front as ops
+    from ..variants.qkv_epilogue import epilogue_bytes
     from .timing import Graph, loops_for, time_graphs
     from .unfused import unfused_epilogue
 
@@ -165,8 +176,15 @@ def measure_all_m(shard, m: int, copy_tbps: float, samples: int, compiled) -> di
     seq = {"musekern": [lambda w=w: ops.launch(p["x"], w, *tok, nkv, eps, y) for w in W],
            "gemm_epilogue": [lambda w=w: ops.launch_gemm_epilogue(p["x"], w, *tok, nkv, eps, y) for w in W],
            "epilogue": [lambda y_=y_: epi.launch(y_, *tok, nkv, eps) for y_ in ys],
+           "copy": [],
            "cublas": [lambda w=w: torch.mm(p["x"], w.t(), out=y) for w in W],
            "unfused": [lambda w=w: unfused_epilogue(torch.mm(p["x"], w.t()), *tok, nkv, eps) for w in W]}
+    if m >= TARGETS["epilogue_frac_from_m"]:  # bf16 elements: half the epilogue's bytes read, half written
+        half = epilogue_bytes(m, n, nkv) // 4
+        bufs = [torch.empty(2, half, dtype=torch.bfloat16, device="cuda") for _ in W]
+        seq["copy"] = [lambda b=b: b[1].copy_(b[0]) for b in bufs]
+    else:
+        del seq["copy"]
     if fused:
         seq["front"] = [lambda w=w: ops.launch_front(p["x"], w, *tok, nkv, eps, y) for w in W]
     if compiled is not None and m >= 2:

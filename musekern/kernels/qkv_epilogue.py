@@ -11,10 +11,11 @@ Given y = bf16(x @ W^T) [M, N] (columns q | k | v | gate, 64 a head: nq, nkv, nk
 That is musekern.reference.fused_qknorm_rope_kv_insert (two tokens with the same valid slot in one call leave
 that slot holding, per 16-byte piece, one of their values: undefined, as in the reference).
 
-Work split (constants and the unit mapping: musekern/variants/qkv_epilogue.py): thread = unit (row r, lane j,
-head group g), units flattened row-major with j fastest; the thread carries vector j (y columns 8j..8j+7 of a
-head: RoPE pairs 4j..4j+3) of the vecs_per_thread heads g*vpt .. g*vpt+vpt-1 (only q, k, v heads; the gate heads
-are never read). Per thread, in three phases with no branch between the loads:
+Work split (constants and the unit mapping: musekern/variants/qkv_epilogue.py): unit = (row r, lane j, head
+group g), units flattened row-major with j fastest; a unit is vector j (y columns 8j..8j+7 of a head: RoPE pairs
+4j..4j+3) of the vecs_per_thread heads g*vpt .. g*vpt+vpt-1 (only q, k, v heads; the gate heads are never read).
+A thread works on `rounds` units, the grid's thread count apart; before the first it prefetches the later ones'
+position, slot and y vectors to the L2. Per unit, in three phases with no branch between the loads:
   1. its row's position and slot and its heads' y vectors (a head past the row's last v head loads the last v
      head instead: in bounds, never stored), all issued before any is used;
   2. the four cos and four sin floats of lane j's pairs (two 16-byte loads from the clamped position's row),
@@ -25,7 +26,7 @@ are never read). Per thread, in three phases with no branch between the loads:
      valid slot. A lane past the end works on the last unit (in bounds) and stores nothing; the 8 lanes of a
      group are all live or all past the end.
 The 8 lanes of a head write one contiguous 128-byte piece of y or of a cache row. No shared memory, no atomics:
-the result depends on nothing but the inputs, and not on vecs_per_thread.
+the result depends on nothing but the inputs, and not on vecs_per_thread or rounds.
 
 PDL: launched with programmatic stream serialization. Every thread executes griddepcontrol.wait before its first
 global read (y comes from the GEMM; positions, slots and the caches may come from earlier kernels), then
@@ -39,11 +40,15 @@ block_size * nkv * 64 < 2^31.
 """
 # (no `from __future__ import annotations`: @cute.jit reads real annotation objects)
 
+from typing import NamedTuple
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import make_ptr
+from cutlass.cutlass_dsl import dsl_user_op
 
 from ..store.abi import KernelAbi, LaunchSpec, pointer, scalar
 from ..variants.qkv_epilogue import (
@@ -63,8 +68,38 @@ _CS_VECS = 2 * EPI_HEAD_DIM // 2 // _CS_VEC  # 16-byte pieces of a cos|sin row: 
 _FAKE_ADDR = 1 << 20  # compile-time stand-in for the device pointers (16-byte aligned)
 
 
+@dsl_user_op
+def _prefetch_l2(addr: Int64, *, loc=None, ip=None):
+    """prefetch.global.L2 [addr]: the line comes into the L2; no register waits for it."""
+    llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l",
+                    has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+class _Tensors(NamedTuple):
+    """The global tensors of one launch and the two copy atoms (built once in the kernel)."""
+    y: object
+    cs: object
+    pos: object
+    slot: object
+    k: object
+    v: object
+    y_copy: object
+    cs_copy: object
+
+
+class _Unit(NamedTuple):
+    """One unit in flight: row r, lane j, first head h0, whether it stores, and its loads."""
+    live: object
+    r: object
+    j: object
+    h0: object
+    pos: object
+    slot: object
+    frags: list
+
+
 class QkvEpilogueKernel:
-    """One compiled qkv_epilogue. Static: vectors per thread. Runtime: everything else."""
+    """One compiled qkv_epilogue. Static: vectors per thread, rounds. Runtime: everything else."""
 
     def __init__(self, v: QkvEpilogueVariant):
         self.v = v
@@ -77,8 +112,9 @@ class QkvEpilogueKernel:
                  block_size: Int32, num_blocks: Int32, k_block_stride: Int64, v_block_stride: Int64, eps: Float32,
                  stream: cuda.CUstream):
         """The launch CuTe would do (the loader reproduces it from the manifest and variants' launch_grid)."""
-        total = m * ((nq + 2 * nkv + (self.vpt - 1)) // self.vpt * EPI_LANES)  # units (threads)
-        grid_x = (total + (EPI_BLOCK - 1)) // EPI_BLOCK
+        total = m * ((nq + 2 * nkv + (self.vpt - 1)) // self.vpt * EPI_LANES)  # units
+        per_cta = EPI_BLOCK * self.v.rounds  # units of one CTA
+        grid_x = (total + (per_cta - 1)) // per_cta
         self.kernel(y, positions, cos_sin, slots, kc, vc, m, nq, nkv, ld_y, max_pos, block_size, num_blocks,
                     k_block_stride, v_block_stride, eps).launch(grid=[grid_x, 1, 1], block=[EPI_BLOCK, 1, 1], smem=0,
                                                                 stream=stream, use_pdl=True)
@@ -110,49 +146,81 @@ class QkvEpilogueKernel:
         y_copy = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
         cs_copy = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
 
-        # this thread: row r, lane j (columns 8j..8j+7 of a head), heads h0 .. h0 + vpt - 1. A lane past the end
-        # works on the last unit (in bounds) and stores nothing; so do the heads past the row's last v head.
+        # this thread's units: w, w + stride, ... (stride = the grid's threads, from the grid rule), one round each.
+        # The later rounds' y vectors, positions and slots are first prefetched to the L2 (no register holds them),
+        # so their DRAM latency overlaps the earlier rounds' work.
+        per_cta = EPI_BLOCK * self.v.rounds
+        stride = (total + (per_cta - 1)) // per_cta * EPI_BLOCK
         w = bidx * EPI_BLOCK + tidx
+        t = _Tensors(mY, mCS, mPos, mSlot, mK, mV, y_copy, cs_copy)
+        for k in cutlass.range_constexpr(1, self.v.rounds):
+            self._prefetch(t, w + k * stride, total, row_units, heads)
+        for k in cutlass.range_constexpr(self.v.rounds):
+            unit = self._load(t, w + k * stride, total, row_units, heads)
+            self._finish(t, unit, heads, nq, nkv, max_pos, block_size, num_blocks, eps)
+
+    @cute.jit
+    def _coords(self, w, total, row_units):
+        """(live, row r, lane j, first head h0) of unit w; a unit past the end maps to the last unit."""
         live = w < total
         wc = Uint32(cutlass.min(w, total - 1))  # total >= 1: the grid is empty when M == 0
         ru = Uint32(row_units)
         r_u = wc // ru
         r = Int32(r_u)
         rem = Int32(wc - r_u * ru)
-        j = rem % EPI_LANES
-        h0 = (rem // EPI_LANES) * self.vpt
-        # phase 1: position, slot and every y vector, no branch between the loads
-        pos = mPos[r]
-        slot = mSlot[r]
+        return live, r, rem % EPI_LANES, (rem // EPI_LANES) * self.vpt
+
+    @cute.jit
+    def _prefetch(self, t, w, total, row_units, heads):
+        """prefetch.global.L2 of what unit w's _load will read: position, slot, its heads' y vectors."""
+        live, r, j, h0 = self._coords(w, total, row_units)
+        _prefetch_l2(t.pos.iterator.toint() + Int64(r) * 8)
+        _prefetch_l2(t.slot.iterator.toint() + Int64(r) * 8)
+        for u in cutlass.range_constexpr(self.vpt):
+            _prefetch_l2(t.y[r, cutlass.min(h0 + u, heads - 1) * EPI_LANES + j, None].iterator.toint())
+
+    @cute.jit
+    def _load(self, t, w, total, row_units, heads):
+        """Unit w's row, lane and heads, and its loads issued: position, slot and every y vector, no branch
+        between them. A unit past the end works on the last unit (in bounds) and stores nothing; so do the heads
+        past the row's last v head (they load the last v head)."""
+        live, r, j, h0 = self._coords(w, total, row_units)
+        pos = t.pos[r]
+        slot = t.slot[r]
         frags = []
         for u in cutlass.range_constexpr(self.vpt):
             f = cute.make_rmem_tensor(cute.make_layout(_VEC), BFloat16)
-            cute.copy(y_copy, mY[r, cutlass.min(h0 + u, heads - 1) * EPI_LANES + j, None], f)
+            cute.copy(t.y_copy, t.y[r, cutlass.min(h0 + u, heads - 1) * EPI_LANES + j, None], f)
             frags.append(f)
-        # phase 2: cos and sin of lane j's four pairs (the same for all of this thread's heads)
-        p32 = Int32(cutlass.min(cutlass.max(pos, Int64(0)), Int64(max_pos) - Int64(1)))
+        return _Unit(live, r, j, h0, pos, slot, frags)
+
+    @cute.jit
+    def _finish(self, t, unit, heads, nq, nkv, max_pos, block_size, num_blocks, eps):
+        """The unit's cos|sin loads (lane j's four pairs from the clamped position's row, shared by its heads),
+        then per head 1 / rms, RoPE and the 16-byte stores (y for q, k heads; the caches for a valid slot)."""
+        r, j, h0, frags = unit.r, unit.j, unit.h0, unit.frags
+        p32 = Int32(cutlass.min(cutlass.max(unit.pos, Int64(0)), Int64(max_pos) - Int64(1)))
         cos_f = cute.make_rmem_tensor(cute.make_layout(_CS_VEC), Float32)
         sin_f = cute.make_rmem_tensor(cute.make_layout(_CS_VEC), Float32)
-        cute.copy(cs_copy, mCS[p32, j, None], cos_f)
-        cute.copy(cs_copy, mCS[p32, _CS_VECS // 2 + j, None], sin_f)
+        cute.copy(t.cs_copy, t.cs[p32, j, None], cos_f)
+        cute.copy(t.cs_copy, t.cs[p32, _CS_VECS // 2 + j, None], sin_f)
         # slot -> (block, offset): the slot bound is < 2^31 (the op checks it), so a 32-bit division is exact
         limit = Int64(num_blocks) * Int64(block_size)
-        cached = live and slot >= Int64(0) and slot < limit
-        s32 = Int32(cutlass.min(cutlass.max(slot, Int64(0)), limit - Int64(1)))
+        cached = unit.live and unit.slot >= Int64(0) and unit.slot < limit
+        s32 = Int32(cutlass.min(cutlass.max(unit.slot, Int64(0)), limit - Int64(1)))
         blk = s32 // block_size
         slot_vec0 = (s32 - blk * block_size) * nkv * EPI_LANES + j  # lane j of kv head 0 in the slot
-        # phase 3: the heads' 1 / rms, then per head RoPE and the 16-byte stores
         rs = self._inv_rms(frags, eps)
         for u in cutlass.range_constexpr(self.vpt):
             o = self._roped(frags[u].load().to(Float32), rs[u], cos_f, sin_f)
             h = h0 + u
-            if live and h < nq + nkv:
-                cute.copy(y_copy, o, mY[r, h * EPI_LANES + j, None])
+            if unit.live and h < nq + nkv:
+                cute.copy(t.y_copy, o, t.y[r, h * EPI_LANES + j, None])
             if cached and h >= nq:
                 if h < nq + nkv:
-                    cute.copy(y_copy, o, mK[blk, slot_vec0 + (h - nq) * EPI_LANES, None])
+                    cute.copy(t.y_copy, o, t.k[blk, slot_vec0 + (h - nq) * EPI_LANES, None])
                 elif h < heads:
-                    cute.copy(y_copy, frags[u], mV[blk, slot_vec0 + (h - nq - nkv) * EPI_LANES, None])
+                    cute.copy(t.y_copy, frags[u], t.v[blk, slot_vec0 + (h - nq - nkv) * EPI_LANES, None])
 
     @cute.jit
     def _inv_rms(self, frags, eps):

@@ -22,7 +22,7 @@ from .qkv_front import supports_shape
 # row_units = EPI_LANES * ceil(H / vpt) units, flattened row-major with j fastest: the 8 lanes of one (row, head
 # group) are 8 consecutive, 8-aligned lanes that reduce each head's sum of squares with butterfly shuffles, and one
 # warp load reads 512 bytes of y: contiguous with vpt = 1, else 4 whole 128-byte heads vpt heads apart. Unit w of
-# the M * row_units is thread w % EPI_BLOCK of CTA w // EPI_BLOCK.
+# the M * row_units is thread w % EPI_BLOCK of CTA (w % G) // EPI_BLOCK in round w // G, G = grid * EPI_BLOCK.
 EPI_HEAD_DIM = 64  # columns per head (Muse Spark); 32 RoPE pairs
 EPI_VEC_ELEMS = 8  # bf16 elements per 16-byte vector: 4 RoPE pairs
 EPI_LANES = EPI_HEAD_DIM // EPI_VEC_ELEMS  # lanes (vectors) per head
@@ -30,21 +30,31 @@ EPI_BLOCK = 256  # threads per CTA (compiled with .reqntid)
 # Vectors (heads) per thread: all its y loads are issued before any is used, so a thread has 16 B x vpt of y in
 # flight; the cos|sin, position and slot loads are shared by its heads.
 EPI_VPT_CHOICES = (1, 2, 4, 8)
-# CTAs (of EPI_BLOCK threads) of each build an SM holds: ptxas gives them 32 / 48 / 77 / 127 registers a thread
-# (tests/test_kernels_qkv_epilogue.py checks the bound; capping them with .minnctapersm spills), so an SM has
-# 32 / 40 / 48 / 64 KiB of y loads in flight (2048 / 1280 / 768 / 512 threads x 16 B x vecs_per_thread).
-EPI_CTAS_PER_SM = {1: 8, 2: 5, 4: 3, 8: 2}
-# The rule (measured, bench/NOTES.md "qkv_epilogue"): inputs of at most EPI_SMALL_VECTORS 16-byte vectors (M * H * 8)
-# take one vector a thread, larger ones two. Two is the fastest build at every M >= 1024 of every shard (4-13% ahead
-# of 1, 4 and 8 at M = 65536) and within 0.1 us of the fastest at every M below; one is as fast on small inputs and
-# up to 0.16 us faster on some (TP4 M <= 64), where a call costs 1.2-1.3 us.
-EPI_VPT_SMALL = 1
-EPI_VPT_LARGE = 2
+# Rounds: a thread works on `rounds` units in turn, each the grid's thread count after the last. Before the first it
+# prefetches the later rounds' y vectors, positions and slots to the L2 (prefetch.global.L2: no register holds them),
+# so their DRAM latency passes during the earlier rounds' work.
+EPI_ROUNDS_CHOICES = (1, 2)  # 4 measured slower than 2 everywhere (bench/NOTES.md "qkv_epilogue")
+# CTAs (of EPI_BLOCK threads) of each build (vecs_per_thread, rounds) an SM holds: ptxas gives them 32 / 48 / 79 / 127
+# registers a thread with one round, 48 / 63 / 114 / 165 with two (tests/test_kernels_qkv_epilogue.py checks the
+# bound; capping them with .minnctapersm spills), so with one round an SM has 32 / 40 / 48 / 64 KiB of y loads in
+# flight (2048 / 1280 / 768 / 512 threads x 16 B x vecs_per_thread).
+EPI_CTAS_PER_SM = {(1, 1): 8, (2, 1): 5, (4, 1): 3, (8, 1): 2, (1, 2): 5, (2, 2): 4, (4, 2): 2, (8, 2): 1}
+# The rule (measured, bench/NOTES.md "qkv_epilogue"), by the 16-byte vectors of the input (M * H * 8):
+#   <= EPI_SMALL_VECTORS: one vector, one round: as fast as any on small inputs and up to 0.16 us faster on some
+#   (TP4 M <= 64), where a call costs 1.2-1.3 us;
+#   <= EPI_ROUNDS_VECTORS: two vectors, one round: the fastest at M = 1024 and 4096 of every shard but TP1's 4096;
+#   above: two vectors, two rounds (the second round's y prefetched to the L2): 1-5% ahead of one round from
+#   2.4M vectors (TP8 M = 16384) up, 5-11% behind it at 0.6-1.2M.
+EPI_SMALL = (1, 1)
+EPI_LARGE = (2, 1)
+EPI_HUGE = (2, 2)
 EPI_SMALL_VECTORS = 128 * EPI_BLOCK
-# The flattened unit index is an Int32 in the kernel (the last CTA's dead lanes run up to EPI_BLOCK - 1 past it).
-EPI_MAX_UNITS = 2**31 - 1 - EPI_BLOCK
-EPI_GRID_RULE = (f"grid = (ceil(M * {EPI_LANES} * ceil((nq + 2 * nkv) / vecs_per_thread) / {EPI_BLOCK}), 1, 1); "
-                 f"block = ({EPI_BLOCK}, 1, 1); M == 0 launches nothing")
+EPI_ROUNDS_VECTORS = 1 << 21
+# The flattened unit index is an Int32 in the kernel (the last CTA's dead lanes of the last round run up to
+# EPI_BLOCK * max rounds - 1 past it).
+EPI_MAX_UNITS = 2**31 - 1 - EPI_BLOCK * max(EPI_ROUNDS_CHOICES)
+EPI_GRID_RULE = (f"grid = (ceil(M * {EPI_LANES} * ceil((nq + 2 * nkv) / vecs_per_thread) / ({EPI_BLOCK} * rounds)), "
+                 f"1, 1); block = ({EPI_BLOCK}, 1, 1); M == 0 launches nothing")
 
 
 @dataclass(frozen=True)
@@ -52,16 +62,19 @@ class QkvEpilogueVariant(VariantMixin):
     """One compiled qkv_epilogue: serves every N, head layout, row stride, cache layout and M."""
     kernel: ClassVar[str] = "qkv_epilogue"
     vecs_per_thread: int  # EPI_VPT_CHOICES; never changes a bit
+    rounds: int = 1  # EPI_ROUNDS_CHOICES; never changes a bit
 
     def __post_init__(self):
         if self.vecs_per_thread not in EPI_VPT_CHOICES:
             raise ValueError(f"qkv_epilogue vecs_per_thread must be one of {EPI_VPT_CHOICES}, "
                              f"got {self.vecs_per_thread!r}")
+        if self.rounds not in EPI_ROUNDS_CHOICES:
+            raise ValueError(f"qkv_epilogue rounds must be one of {EPI_ROUNDS_CHOICES}, got {self.rounds!r}")
 
     @property
     def ctas_per_sm(self) -> int:
         """CTAs of this build one SM holds (register bound)."""
-        return EPI_CTAS_PER_SM[self.vecs_per_thread]
+        return EPI_CTAS_PER_SM[(self.vecs_per_thread, self.rounds)]
 
 
 def head_counts(n: int, num_kv_heads: int) -> tuple[int, int]:
@@ -89,26 +102,34 @@ def max_rows(v: QkvEpilogueVariant, n: int, num_kv_heads: int) -> int:
     return EPI_MAX_UNITS // row_units(v, n, num_kv_heads)
 
 
+# (the build, its inclusive upper bound in vectors) in rule order: the first tier whose bound the input fits
+_TIERS = ((EPI_SMALL, EPI_SMALL_VECTORS), (EPI_LARGE, EPI_ROUNDS_VECTORS), (EPI_HUGE, None))
+
+
 def epilogue_variant(n: int, m: int, num_kv_heads: int) -> QkvEpilogueVariant:
     """The build a call with N columns and M tokens takes (the rule above)."""
-    small = epilogue_vectors(m, n, num_kv_heads) <= EPI_SMALL_VECTORS
-    return QkvEpilogueVariant(EPI_VPT_SMALL if small else EPI_VPT_LARGE)
+    vectors = epilogue_vectors(m, n, num_kv_heads)
+    for build, bound in _TIERS:
+        if bound is None or vectors <= bound:
+            return QkvEpilogueVariant(*build)
+    raise AssertionError("unreachable: the last tier has no bound")
 
 
 def rows_served(v: QkvEpilogueVariant, n: int, num_kv_heads: int) -> tuple[int, int] | None:
     """(first, last) M that the rule sends to `v` for this N (last: one launch's limit), or None."""
-    last = max_rows(v, n, num_kv_heads)
-    small_rows = EPI_SMALL_VECTORS // epilogue_vectors(1, n, num_kv_heads)
-    if v.vecs_per_thread == EPI_VPT_SMALL:
-        return (1, last if EPI_VPT_SMALL == EPI_VPT_LARGE else min(small_rows, last))
-    if v.vecs_per_thread == EPI_VPT_LARGE:
-        return (small_rows + 1, last)
+    per_row = epilogue_vectors(1, n, num_kv_heads)
+    first = 1
+    for build, bound in _TIERS:
+        last = max_rows(v, n, num_kv_heads) if bound is None else min(bound // per_row, max_rows(v, n, num_kv_heads))
+        if (v.vecs_per_thread, v.rounds) == build:
+            return (first, last) if first <= last else None
+        first = last + 1
     return None
 
 
 def qkv_epilogue_variants() -> tuple[QkvEpilogueVariant, ...]:
-    """Every build the rule picks (the same for every shard), large inputs first."""
-    return tuple(QkvEpilogueVariant(vpt) for vpt in dict.fromkeys((EPI_VPT_LARGE, EPI_VPT_SMALL)))
+    """Every build the rule picks (the same for every shard), largest inputs first."""
+    return tuple(QkvEpilogueVariant(*build) for build, _ in reversed(_TIERS))
 
 
 def launch_grid(v: QkvEpilogueVariant, m: int, n: int, num_kv_heads: int) -> tuple[int, int, int]:
@@ -119,9 +140,10 @@ def launch_grid(v: QkvEpilogueVariant, m: int, n: int, num_kv_heads: int) -> tup
         raise ValueError(f"qkv_epilogue: M={m} must be >= 0")
     total = m * row_units(v, n, num_kv_heads)
     if total > EPI_MAX_UNITS:
-        raise ValueError(f"qkv_epilogue: M={m} rows of N={n} are {total} threads of {v.label}; at most "
+        raise ValueError(f"qkv_epilogue: M={m} rows of N={n} are {total} units of {v.label}; at most "
                          f"{EPI_MAX_UNITS} (M <= {max_rows(v, n, num_kv_heads)}) per launch (Int32 index)")
-    return ((total + EPI_BLOCK - 1) // EPI_BLOCK, 1, 1)
+    per_cta = EPI_BLOCK * v.rounds
+    return ((total + per_cta - 1) // per_cta, 1, 1)
 
 
 # ---------------------------------------------------------------- bytes the kernel must move

@@ -227,6 +227,38 @@ def test_compile_ptx(kmod, v):
     assert ".local" not in ptx
 
 
+# x multicast between the heads of a pair: the S = 4 8-tile TP8 build (a cluster of 8) and the S = 1 4-tile TP2 one
+# (a cluster of 2, partials in the CTA)
+XMC = [QkvFrontVariant(n=2176, num_kv_heads=1, tiles=8, stages=3, splits=4, fixed_m=0, trigger="exit", warp_split="wg",
+                       recv_in_ring=True, x_mcast=True),
+       QkvFrontVariant(n=8704, num_kv_heads=4, tiles=4, stages=4, splits=1, fixed_m=0, trigger="exit", warp_split="wg",
+                       x_mcast=True)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("v", XMC, ids=lambda v: v.label)
+def test_x_mcast_ptx_and_abi(kmod, v):
+    ck, _ = _compile(kmod, v)
+    ptx = ck.ptx
+    tt = padded_tokens(v)
+    # the launch: a cluster of both heads' S CTAs, x boxes of half the rows (each CTA of a pair loads one half)
+    assert ck.abi.launch.cluster == (2 * v.splits, 1, 1)
+    assert [t.box for t in ck.abi.tensormaps] == [(64, HEAD_COLS), (64, tt // 2)]
+    # W per CTA as before; x multicast to both heads of the pair, mask = bits rank and rank + S
+    boxes = 2 * v.stages + (2 if v.stages < K_TILES // v.splits else 0)
+    assert _count(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global", ptx) == boxes
+    assert _count(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global.*multicast::cluster", ptx) == boxes
+    assert re.search(rf"mov\.b16\s+%rs\d+, {1 | 1 << v.splits};", ptx)
+    # a stage's empty barrier counts both heads' consumer warps; each warp arrives locally and on the peer's
+    eight = re.search(r"mov\.b32\s+(%r\d+), 8;\s*\n\s*mbarrier\.init", ptx)[1]
+    assert _count(rf"mbarrier\.init\.shared(::cta)?\.b64\s+\[[^]]+\], {eight};", ptx) == v.stages
+    assert _count(r"mbarrier\.arrive\.shared::cluster", ptx) == 1
+    # whole-tile bytes land in each CTA per stage (its half and the peer's)
+    stage_tx = W_STAGE_BYTES + tt * K_TILE * 2
+    assert re.search(rf"mov\.b32\s+%r\d+, {stage_tx};\s*\n\s*mbarrier\.arrive\.expect_tx", ptx)
+    assert "barrier.cluster" in ptx
+
+
 def _nv_bin(name):
     import site
 

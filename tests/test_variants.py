@@ -212,7 +212,7 @@ def test_recv_in_ring_rule(n, nkv, m, rir):
                                              ("fixed_m", 16, "fixed_m"), ("n", 2175, "q|k|v|gate"),
                                              ("trigger_ahead", 26, "trigger_ahead"),
                                              ("trigger_ahead", -1, "trigger_ahead"),
-                                             ("recv_in_ring", True, "recv_in_ring")])
+                                             ("recv_in_ring", True, "recv_in_ring"), ("x_mcast", True, "x_mcast")])
 def test_qkv_front_variant_rejects_out_of_domain_fields(field, value, msg):
     import dataclasses
 

@@ -59,10 +59,12 @@ from ..variants.qkv_front import (
     TOKEN_TILE,
     W_STAGE_BYTES,
     QkvFrontVariant,
+    cluster_size,
     launch_grid,
     owned_tokens,
     padded_tokens,
     smem_bytes,
+    x_box_rows,
 )
 from .qkv_front_mma import BAR_AUX, BAR_PARTIALS, BAR_RED, CONSUMER_THREADS, FrontConsumers
 
@@ -74,17 +76,23 @@ AUX_WARP = CONSUMER_WARPS + 1  # warp 5
 BOX_COLS = 64  # a 128B-swizzle TMA box is 64 bf16 columns wide
 
 
-def ring_tma(mW, mX, stages: int, tt: int):
+def ring_tma(mW, mX, stages: int, tt: int, x_mcast: bool = False):
     """The ring's swizzled shared-memory layouts and the W / x TMA atoms (traced inside a @cute.jit): one
-    stage = W (64 rows x 128 k) and x (tt rows x 128 k), each two 64-column boxes with 128B swizzle.
+    stage = W (64 rows x 128 k) and x (tt rows x 128 k), each two 64-column boxes with 128B swizzle; with
+    `x_mcast` each CTA of a head pair loads half of the x rows and multicasts them to both.
     Shared with bench/probes/skeleton_probe.py, whose ring must be this one."""
     atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
     sW_layout = cute.tile_to_shape(atom, (HEAD_COLS, K_TILE, stages), order=(0, 1, 2))
     sX_layout = cute.tile_to_shape(atom, (tt, K_TILE, stages), order=(0, 1, 2))
     tma_w, mW_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW,
                                                 cute.slice_(sW_layout, (None, None, 0)), (HEAD_COLS, K_TILE))
-    tma_x, mX_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX,
-                                                cute.slice_(sX_layout, (None, None, 0)), (tt, K_TILE))
+    if x_mcast:
+        tma_x, mX_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), mX,
+                                                    cute.slice_(sX_layout, (None, None, 0)), (tt, K_TILE),
+                                                    num_multicast=2)
+    else:
+        tma_x, mX_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX,
+                                                    cute.slice_(sX_layout, (None, None, 0)), (tt, K_TILE))
     return sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma
 
 
@@ -130,6 +138,8 @@ class QkvFrontKernel(FrontConsumers):
         self.nq = v.num_q_heads
         self.stages = v.stages
         self.S = v.splits
+        self.pair = 2 if v.x_mcast else 1  # heads of a cluster: x multicast between the two of a pair
+        self.cluster = self.S * self.pair
         self.tt = padded_tokens(v)  # tokens the MMA computes
         self.owned = owned_tokens(v.tiles, v.splits)  # tokens per owner CTA (S divides TT)
         # every consumer warp owns the same number of tokens in the epilogue
@@ -153,7 +163,7 @@ class QkvFrontKernel(FrontConsumers):
             mX = cute.make_tensor(x_ptr, cute.make_layout((self.v.fixed_m, HIDDEN), stride=(HIDDEN, 1)))
         else:
             mX = cute.make_tensor(x_ptr, cute.make_layout((M, HIDDEN), stride=(HIDDEN, 1)))
-        sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma = ring_tma(mW, mX, self.stages, self.tt)
+        sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma = ring_tma(mW, mX, self.stages, self.tt, self.v.x_mcast)
         mma_op = warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
         if cutlass.const_expr(self.v.warp_split == "rows"):
             # 4 warps along M (16 W rows each); every warp covers all TT tokens (tiles n8 atoms)
@@ -166,7 +176,7 @@ class QkvFrontKernel(FrontConsumers):
         self.kernel(tma_w, mW_tma, tma_x, mX_tma, w_ptr, y_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, max_pos,
                     block_size, num_blocks, k_block_stride, v_block_stride, eps, tiled_mma, sW_layout,
                     sX_layout).launch(grid=list(launch_grid(self.v)), block=[THREADS, 1, 1],
-                                      cluster=[self.S, 1, 1], smem=self.smem, stream=stream, use_pdl=True)
+                                      cluster=[self.cluster, 1, 1], smem=self.smem, stream=stream, use_pdl=True)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -179,9 +189,14 @@ class QkvFrontKernel(FrontConsumers):
         bidx = cute.arch.block_idx()[0]
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         head = bidx // self.S
+        # clusters are S * pair consecutive CTAs: k-split rank r of pair member m is cluster rank r + S m
         rank = Int32(0)
-        if cutlass.const_expr(self.S > 1):
-            rank = cute.arch.block_idx_in_cluster()  # == bidx % S: clusters are S consecutive CTAs
+        member = Int32(0)
+        if cutlass.const_expr(self.cluster > 1):
+            crank = cute.arch.block_idx_in_cluster()
+            rank = crank % self.S
+            member = crank // self.S
+        peer = rank + self.S * (1 - member)  # x_mcast: the other head of the pair, same k-split rank
         M = cute.size(mX_tma, mode=[0])  # runtime M (or the static 8 of the M == 8 build)
 
         st = SmemAllocator().allocate(self.Smem)
@@ -197,13 +212,13 @@ class QkvFrontKernel(FrontConsumers):
         if tidx == 0:
             for s in cutlass.range_constexpr(self.stages):
                 cute.arch.mbarrier_init(full + s, 1)
-                cute.arch.mbarrier_init(empty + s, CONSUMER_WARPS)
+                cute.arch.mbarrier_init(empty + s, CONSUMER_WARPS * self.pair)  # x_mcast: both heads release
             cute.arch.mbarrier_init(recv_bar, 1)
             cute.arch.mbarrier_init_fence()
             if cutlass.const_expr(self.S > 1):
                 # arm the receive barrier before the cluster sync, i.e. before any peer can send
                 cute.arch.mbarrier_arrive_and_expect_tx(recv_bar, self.recv_tx)
-        if cutlass.const_expr(self.S > 1):
+        if cutlass.const_expr(self.cluster > 1):
             cute.arch.cluster_arrive_relaxed()
             cute.arch.cluster_wait()  # every CTA's barriers are initialised and armed
         else:
@@ -212,7 +227,7 @@ class QkvFrontKernel(FrontConsumers):
             cute.arch.griddepcontrol_launch_dependents()  # PDL: the next grid may start its W prefetch
 
         if warp_idx == PRODUCER_WARP:
-            self.producer(tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank)
+            self.producer(tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank, member)
             self.ring_idle()
         elif warp_idx == AUX_WARP:
             self.aux(st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, rank)
@@ -223,19 +238,19 @@ class QkvFrontKernel(FrontConsumers):
                 # ring (made here, not passed in: its ACCUMULATE field would become a kernel parameter)
                 wg_mma = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K,
                                                            OperandMajorMode.K, Float32, (1, 1, 1), (HEAD_COLS, self.tt))
-                acc = self.consumer_wg(wg_mma, sW, sX, full, empty, tidx)
+                acc = self.consumer_wg(wg_mma, sW, sX, full, empty, tidx, peer)
                 self.ring_idle()
-                self.send(wg_mma, acc, st, recv_bar, tidx, rank)
+                self.send(wg_mma, acc, st, recv_bar, tidx, rank, member)
             elif cutlass.const_expr(self.v.warp_split == "rows"):
-                acc = self.consumer(tiled_mma, sW, sX, full, empty, tidx)
-                self.send(tiled_mma, acc, st, recv_bar, tidx, rank)
+                acc = self.consumer(tiled_mma, sW, sX, full, empty, tidx, peer)
+                self.send(tiled_mma, acc, st, recv_bar, tidx, rank, member)
             else:
-                acc = self.consumer_k(tiled_mma, sW, sX, full, empty, warp_idx, tidx % 32)
-                self.reduce_send(tiled_mma, acc, st, recv_bar, warp_idx, tidx, rank)
+                acc = self.consumer_k(tiled_mma, sW, sX, full, empty, warp_idx, tidx % 32, peer)
+                self.reduce_send(tiled_mma, acc, st, recv_bar, warp_idx, tidx, rank, member)
             self.finish(st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
                         v_block_stride, eps, head, rank, warp_idx, tidx)
-        if cutlass.const_expr(self.S > 1):
-            # nobody leaves while a peer may still write into its shared memory
+        if cutlass.const_expr(self.cluster > 1):
+            # nobody leaves while a peer may still write into its shared memory or arrive on its barriers
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
 
@@ -252,24 +267,26 @@ class QkvFrontKernel(FrontConsumers):
         after their last MMA, producer after its last load, aux after staging): past it every ring of the cluster
         is idle and the partials may land in it. With S == 1 only this CTA's consumer warps take part."""
         if cutlass.const_expr(self.v.recv_in_ring):
-            if cutlass.const_expr(self.S > 1):
+            if cutlass.const_expr(self.cluster > 1):
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
             elif cute.arch.make_warp_uniform(cute.arch.warp_idx()) < CONSUMER_WARPS:
                 cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
 
     @cute.jit
-    def producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank):
+    def producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank, member):
         gW = cute.local_tile(mW_tma, (HEAD_COLS, K_TILE), (head, None))  # (64, 128, 64 k-tiles)
         gX = cute.local_tile(mX_tma, (self.tt, K_TILE), (0, None))  # (TT, 128, 64 k-tiles)
         tWsW, tWgW = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
                                            cute.group_modes(gW, 0, 2))
-        tXsX, tXgX = cpasync.tma_partition(tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+        # x_mcast: member m loads rows [m TT/2, (m+1) TT/2) of each x tile into both heads' rings
+        tXsX, tXgX = cpasync.tma_partition(tma_x, member, cute.make_layout(self.pair), cute.group_modes(sX, 0, 2),
                                            cute.group_modes(gX, 0, 2))
-        # The i-th k-tile this CTA streams: head h starts h tiles further on (cyclically), so the clusters do
-        # not all read the same x tile from the same L2 lines at the same moment (bench/NOTES.md "k_split");
-        # the order is fixed per head, so results stay bitwise reproducible.
-        rot = head % self.ntiles
+        # The i-th k-tile this CTA streams: head h starts h tiles further on (cyclically; both heads of an x_mcast
+        # pair from the pair's first), so the clusters do not all read the same x tile from the same L2 lines at
+        # the same moment (bench/NOTES.md "k_split"); the order is fixed per head, so results stay bitwise
+        # reproducible.
+        rot = (head - head % self.pair) % self.ntiles
         # Prefill: W only: weights are never written by the previous grid, so they may stream before
         # griddepcontrol.wait. The fresh ring takes k-tiles 0..stages-1 with no empty wait.
         for i in cutlass.range_constexpr(self.stages):
@@ -278,7 +295,7 @@ class QkvFrontKernel(FrontConsumers):
             cute.copy(tma_w, tWgW[None, self._k_tile(i, rank, rot)], tWsW[None, i], tma_bar_ptr=full + i)
         cute.arch.griddepcontrol_wait()  # x may be the previous kernel's output
         for i in cutlass.range_constexpr(self.stages):
-            cute.copy(tma_x, tXgX[None, self._k_tile(i, rank, rot)], tXsX[None, i], tma_bar_ptr=full + i)
+            self._load_x(tma_x, tXgX[None, self._k_tile(i, rank, rot)], tXsX[None, i], full + i, rank)
         for i in cutlass.range(self.stages, self.ntiles, unroll=1):
             s = i % self.stages
             # use u = i // stages of stage s: wait until the consumers released use u - 1
@@ -287,7 +304,7 @@ class QkvFrontKernel(FrontConsumers):
                 cute.arch.mbarrier_arrive_and_expect_tx(full + s, self.stage_tx)
             k = self._k_tile(i, rank, rot)
             cute.copy(tma_w, tWgW[None, k], tWsW[None, s], tma_bar_ptr=full + s)
-            cute.copy(tma_x, tXgX[None, k], tXsX[None, s], tma_bar_ptr=full + s)
+            self._load_x(tma_x, tXgX[None, k], tXsX[None, s], full + s, rank)
             if cutlass.const_expr(self.v.trigger == "late" and self.v.trigger_ahead > 0):
                 if i == self.ntiles - 1 - self.v.trigger_ahead:
                     # one ring turn before the last load: the next grid's launch and prefill then overlap
@@ -298,6 +315,16 @@ class QkvFrontKernel(FrontConsumers):
             # every load of this CTA is issued: the next grid may land while the ring drains
             # (one thread's trigger counts for the whole CTA, PTX ISA griddepcontrol)
             cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def _load_x(self, tma_x, src, dst, bar, rank):
+        """One stage's x (x_mcast: this member's half, into both heads' rings; each ring's full barrier counts
+        the whole tile)."""
+        if cutlass.const_expr(self.v.x_mcast):
+            mask = (1 << rank) | (1 << (rank + self.S))
+            cute.copy(tma_x, src, dst, tma_bar_ptr=bar, mcast_mask=cutlass.Int16(mask))
+        else:
+            cute.copy(tma_x, src, dst, tma_bar_ptr=bar)
 
     def _k_tile(self, i, rank, rot):
         """The i-th k-tile a CTA of rank `rank` streams (traced inline: plain Python on DSL values)."""
@@ -429,10 +456,10 @@ class QkvFrontKernel(FrontConsumers):
 # ---------------------------------------------------------------------- ABI and build
 def abi_for(v: QkvFrontVariant) -> KernelAbi:
     """The launch ABI (pure: no compile). Order = the kernel's argument order (NOTES.md §3)."""
-    tt = padded_tokens(v)
     params = [tensormap("tma_w", "CUtensorMap of weight bf16 [N, 8192], box 64x64, 128B swizzle")]
     # mW_tma: fully static shape (N, 8192) -> no parameter
-    params.append(tensormap("tma_x", f"CUtensorMap of x bf16 [M, 8192], box 64x{tt}, 128B swizzle (rows >= M: 0)"))
+    xb = x_box_rows(v)
+    params.append(tensormap("tma_x", f"CUtensorMap of x bf16 [M, 8192], box 64x{xb}, 128B swizzle (rows >= M: 0)"))
     if not v.fixed_m:
         params.append(coord_tensor("x_coord", ("M",), "TMA coordinate tensor of x: its dynamic row count M"))
     params += [
@@ -453,10 +480,10 @@ def abi_for(v: QkvFrontVariant) -> KernelAbi:
     ]
     return KernelAbi(
         params=tuple(params),
-        launch=LaunchSpec(block=(THREADS, 1, 1), cluster=(v.splits, 1, 1), dynamic_smem_bytes=smem_bytes(v),
+        launch=LaunchSpec(block=(THREADS, 1, 1), cluster=(cluster_size(v), 1, 1), dynamic_smem_bytes=smem_bytes(v),
                           pdl=True, grid=f"(heads * S, 1, 1) = ({v.heads} * {v.splits}, 1, 1)"),
         tensormaps=(TensorMapSpec("tma_w", "weight", "bf16", (BOX_COLS, HEAD_COLS)),
-                    TensorMapSpec("tma_x", "x", "bf16", (BOX_COLS, tt))))
+                    TensorMapSpec("tma_x", "x", "bf16", (BOX_COLS, xb))))
 
 
 def compile_args(v: QkvFrontVariant) -> tuple:

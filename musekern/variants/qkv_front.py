@@ -63,6 +63,11 @@ class QkvFrontVariant(VariantMixin):
     # the cluster has passed its last k-tile: a cluster barrier before the sends), which leaves its shared memory to
     # ring stages. Never changes a bit.
     recv_in_ring: bool = False
+    # Heads in pairs (a cluster of 2 S CTAs): the two CTAs of a pair with the same k-split rank read the same x
+    # tiles, each loads half of every x tile's rows and multicasts it into both rings (half the x reads from the
+    # L2); a stage is refilled once both heads released it. Both heads start at the pair's first k-tile, so the odd
+    # head's summation order differs from the unpaired build (still fixed).
+    x_mcast: bool = False
 
     def __post_init__(self):
         problems = []
@@ -90,6 +95,10 @@ class QkvFrontVariant(VariantMixin):
                             f">= {-(-red_bytes(self.tiles) // W_STAGE_BYTES)} stages, got {self.stages}")
         if self.recv_in_ring and self.warp_split != "wg":
             problems.append(f"recv_in_ring needs warp_split 'wg', got {self.warp_split!r}")
+        # (a q|k|v|gate layout has an even number of heads, and 2 x S <= 8 is a portable cluster)
+        if self.x_mcast and self.tiles % 2:
+            problems.append(f"x_mcast splits each x tile's rows between two CTAs in whole 8-row token tiles: "
+                            f"needs an even number of tiles, got {self.tiles}")
         if problems:
             raise ValueError(f"invalid qkv_front variant: {'; '.join(problems)}")
         last = K_TILES // self.splits - 1
@@ -139,8 +148,18 @@ assert red_bytes(2) <= MIN_RING_STAGES * W_STAGE_BYTES  # one or two tiles fit a
 
 
 def launch_grid(v: QkvFrontVariant) -> tuple[int, int, int]:
-    """heads * S CTAs along x; consecutive groups of S CTAs form one cluster (one head)."""
+    """heads * S CTAs along x; consecutive groups of S CTAs form one head, of `cluster_size(v)` one cluster."""
     return (v.heads * v.splits, 1, 1)
+
+
+def cluster_size(v: QkvFrontVariant) -> int:
+    """CTAs of a cluster: the S of one head, or of a head pair with x_mcast."""
+    return v.splits * (2 if v.x_mcast else 1)
+
+
+def x_box_rows(v: QkvFrontVariant) -> int:
+    """Rows of x one TMA box loads: the padded tokens, or half of them with x_mcast (each CTA of a pair one half)."""
+    return padded_tokens(v) // (2 if v.x_mcast else 1)
 
 
 def padded_tokens(v: QkvFrontVariant) -> int:

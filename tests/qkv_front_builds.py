@@ -115,6 +115,11 @@ def front_candidates(target) -> list:
             v = variant(n, m, nkv, target)
             if v.warp_split == "wg":
                 out.append((f"tp{tp}-m{m}-xmc", replace(v, x_mcast=True), m))
+        # the CTA alone on its SM (half the CTAs of the S = 4 / 136-CTA builds) with the deepest ring it holds
+        for m, split, stages in {8: ((32, 2, 7), (48, 2, 6), (64, 2, 6)), 4: ((64, 1, 6),)}.get(tp, ()):
+            v = variant(n, m, nkv, target)
+            out.append((f"tp{tp}-m{m}-s{split}-st{stages}", replace(v, splits=split, stages=stages, trigger="exit",
+                                                                   trigger_ahead=0, recv_in_ring=False), m))
         if tp in (8, 4):  # 136 CTAs double up on only 4 of 132 SMs: does a PDL trigger before exit pay there?
             for m in (48, 64) if tp == 8 else (64,):
                 v = variant(n, m, nkv, target)

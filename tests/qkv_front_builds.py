@@ -86,8 +86,8 @@ def front_builds(target) -> list:
 def front_candidates(target) -> list:
     """(name, variant, M) the bench times beside the plan: per shard the mma.sync 4-tile build (the plan before
     wgmma), a 2-tile wgmma build and each wgmma build with its receive buffer in the ring (a deeper ring at two
-    CTAs per SM); at TP8 the wgmma builds with S = 4 (136 CTAs: every SM streams, not 68); each wgmma build with x
-    multicast between the heads of a pair."""
+    CTAs per SM); at TP8 the wgmma builds with S = 4 (136 CTAs: every SM streams, not 68); each wgmma build with the
+    other x multicast choice (`x_mcast`)."""
     from musekern.variants import variant
     from musekern.variants.qkv_front_rules import ring_stages
 
@@ -110,16 +110,12 @@ def front_candidates(target) -> list:
                     out.append((f"tp8-m{m}-s4{'-rir' if rir else ''}",
                                 replace(v, splits=4, stages=st, trigger="exit", trigger_ahead=0, warp_split="wg",
                                         recv_in_ring=rir), m))
-        # x multicast between the heads of a pair (half the x bytes read from the L2, the same CTAs streaming W)
+        # x multicast between the heads of a pair (half the x bytes read from the L2, the same CTAs streaming W):
+        # each wgmma build with the other choice
         for m in (32, 48, 64) if tp > 1 else ():
             v = variant(n, m, nkv, target)
             if v.warp_split == "wg":
-                out.append((f"tp{tp}-m{m}-xmc", replace(v, x_mcast=True), m))
-        # the CTA alone on its SM (half the CTAs of the S = 4 / 136-CTA builds) with the deepest ring it holds
-        for m, split, stages in {8: ((32, 2, 7), (48, 2, 6), (64, 2, 6)), 4: ((64, 1, 6),)}.get(tp, ()):
-            v = variant(n, m, nkv, target)
-            out.append((f"tp{tp}-m{m}-s{split}-st{stages}", replace(v, splits=split, stages=stages, trigger="exit",
-                                                                   trigger_ahead=0, recv_in_ring=False), m))
+                out.append((f"tp{tp}-m{m}-{'no' if v.x_mcast else ''}xmc", replace(v, x_mcast=not v.x_mcast), m))
         if tp in (8, 4):  # 136 CTAs double up on only 4 of 132 SMs: does a PDL trigger before exit pay there?
             for m in (48, 64) if tp == 8 else (64,):
                 v = variant(n, m, nkv, target)

@@ -125,10 +125,12 @@ def test_abi_declaration(kmod, v):
     # every field the op passes is declared (minus the tensor-map params, filled by the loader)
     assert names - set(tm) <= ARGS_FIELDS
     assert ("M" in names) == (v.fixed_m == 0)
-    assert abi.launch.block == (THREADS, 1, 1) and abi.launch.cluster == (v.splits, 1, 1) and abi.launch.pdl
+    pair = 2 if v.x_mcast else 1  # x_mcast: a cluster of both heads' CTAs, each loading half of the x rows
+    assert abi.launch.block == (THREADS, 1, 1) and abi.launch.cluster == (v.splits * pair, 1, 1) and abi.launch.pdl
     assert abi.launch.dynamic_smem_bytes == smem_bytes(v)
     assert tm["tma_w"].tensor == "weight" and tm["tma_w"].box == (64, HEAD_COLS) and tm["tma_w"].swizzle == "128B"
-    assert tm["tma_x"].tensor == "x" and tm["tma_x"].box == (64, padded_tokens(v)) and tm["tma_x"].swizzle == "128B"
+    assert tm["tma_x"].tensor == "x" and tm["tma_x"].box == (64, padded_tokens(v) // pair)
+    assert tm["tma_x"].swizzle == "128B"
     assert tm["tma_x"].oob_fill == "none"  # rows >= M read as zeros
 
 
@@ -170,10 +172,12 @@ def test_compile_ptx(kmod, v):
     ptx = ck.ptx
     tt = padded_tokens(v)
     assert ".target sm_90a" in ptx and f".reqntid {THREADS}, 1, 1" in ptx
-    # TMA ring: prefill (stages x (2 W + 2 x boxes)) + the steady-state loop body (4 boxes)
+    # TMA ring: prefill (stages x (2 W + 2 x boxes)) + the steady-state loop body (4 boxes); x_mcast: the x boxes
+    # multicast (test_x_mcast_ptx_and_abi)
     pre = v.stages
+    per_box = 1 if v.x_mcast else 2
     assert _count(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\.mbarrier::complete_tx", ptx) == \
-        4 * pre + (4 if pre < K_TILES // v.splits else 0)
+        per_box * (2 * pre + (2 if pre < K_TILES // v.splits else 0))
     # before the producer's griddepcontrol.wait (the first in the text): the W boxes of the prefill only
     assert _count(r"cp\.async\.bulk\.tensor", ptx.split("griddepcontrol.wait")[0]) == 2 * pre
     stage_tx = W_STAGE_BYTES + tt * K_TILE * 2
@@ -217,7 +221,7 @@ def test_compile_ptx(kmod, v):
         assert re.search(rf"mov\.b32\s+%r\d+, {recv_tx};\s*\n\s*mbarrier\.arrive\.expect_tx", ptx)
         # after init, before exit, and (recv_in_ring) once per role (producer, aux, consumers) before the sends
         assert _count(r"barrier\.cluster\.wait", ptx) == 2 + 3 * v.recv_in_ring
-    else:
+    elif not v.x_mcast:
         assert n_st == 0 and "barrier.cluster" not in ptx  # S == 1: partials stay in the CTA
     # PDL: producer (before x), aux (before positions/slots/cos|sin), consumers (before stores)
     assert _count(r"griddepcontrol\.wait", ptx) == 3

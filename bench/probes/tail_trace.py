@@ -123,9 +123,9 @@ def _traced_class():
                  sX_layout)
 
         @cute.jit
-        def producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank):
+        def producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank, member):
             self._stamp(0, cute.arch.lane_idx() == 0)
-            base.producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank)
+            base.producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank, member)
             self._stamp(2, cute.arch.lane_idx() == 0)
 
         @cute.jit
@@ -135,27 +135,27 @@ def _traced_class():
             base.aux(self, st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, rank)
 
         @cute.jit
-        def consumer(self, tiled_mma, sW, sX, full, empty, tidx):
-            acc = base.consumer(self, tiled_mma, sW, sX, full, empty, tidx)
+        def consumer(self, tiled_mma, sW, sX, full, empty, tidx, peer):
+            acc = base.consumer(self, tiled_mma, sW, sX, full, empty, tidx, peer)
             self._stamp(3, tidx == 0)
             self._stamp(7, tidx == 96)
             return acc
 
         @cute.jit
-        def consumer_k(self, tiled_mma, sW, sX, full, empty, warp_idx, lane):
-            acc = base.consumer_k(self, tiled_mma, sW, sX, full, empty, warp_idx, lane)
+        def consumer_k(self, tiled_mma, sW, sX, full, empty, warp_idx, lane, peer):
+            acc = base.consumer_k(self, tiled_mma, sW, sX, full, empty, warp_idx, lane, peer)
             self._stamp(3, warp_idx == 0 and lane == 0)
             self._stamp(7, warp_idx == 3 and lane == 0)
             return acc
 
         @cute.jit
-        def send(self, tiled_mma, acc, st, recv_bar, tidx, rank):
-            base.send(self, tiled_mma, acc, st, recv_bar, tidx, rank)
+        def send(self, tiled_mma, acc, st, recv_bar, tidx, rank, member):
+            base.send(self, tiled_mma, acc, st, recv_bar, tidx, rank, member)
             self._stamp(4, tidx == 0)
 
         @cute.jit
-        def reduce_send(self, tiled_mma, acc, st, recv_bar, warp_idx, tidx, rank):
-            base.reduce_send(self, tiled_mma, acc, st, recv_bar, warp_idx, tidx, rank)
+        def reduce_send(self, tiled_mma, acc, st, recv_bar, warp_idx, tidx, rank, member):
+            base.reduce_send(self, tiled_mma, acc, st, recv_bar, warp_idx, tidx, rank, member)
             self._stamp(4, tidx == 0)
 
         @cute.jit

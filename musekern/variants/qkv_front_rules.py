@@ -32,6 +32,8 @@ SMEM_RESERVE_BYTES = 24 * 1024  # the deep ring's budget outside the ring (barri
 WG_FROM_TILES = 4  # builds of this many token tiles and more take wgmma (NOTES "warp_split")
 WGMMA_ARCHES = ("sm_90a",)  # wgmma is Hopper's (sm_100a has tcgen05 instead): elsewhere mma.sync, up to 4 tiles
 WIDE_TILES = 6  # from this many token tiles on, S = 4 where it fits one wave (NOTES "k_split")
+XMC_FROM_TILES = 8  # wgmma builds with a cluster multicast x between the heads of a pair from 8 tiles on, or from
+XMC_WIDE_TILES = 6  # 6 with S = 4 (NOTES "x_mcast")
 
 
 # NOTES "token tiles and fixed_rows": one build per 8-token tile count, M == 8 its own static-M build; above
@@ -136,7 +138,16 @@ def variant(n: int, m: int, num_kv_heads: int, target: Target) -> QkvFrontVarian
     stages = ring_stages(s, target, tiles, n, recv_in_ring=rir)
     return QkvFrontVariant(n, num_kv_heads, tiles, stages, s, fixed_rows(m), pdl_trigger(n, s, target, tiles),
                            warp_split=split, trigger_ahead=trigger_ahead(n, s, target, tiles, stages),
-                           recv_in_ring=rir)
+                           recv_in_ring=rir, x_mcast=x_mcast(s, tiles, split))
+
+
+# NOTES "x_mcast": the heads of a pair share each x tile (half the x reads from the L2) where x weighs most: 8 tiles
+# with a cluster (TP8 -2.5%, TP4 -0.5-1%), 6 tiles at S = 4 (TP8 -1%); slower with 4 tiles, at TP4 with 6, at TP2.
+def x_mcast(split: int, tiles: int, warp: str) -> bool:
+    """Does the build multicast x between the two heads of a pair?"""
+    if warp != "wg" or split < 2:
+        return False
+    return tiles >= XMC_FROM_TILES or (tiles >= XMC_WIDE_TILES and split >= 4)
 
 
 # NOTES "ring_stages": a wgmma build keeps its receive buffer in the ring where that buys a ring stage at two CTAs

@@ -3,15 +3,19 @@
 y = epilogue(bf16(x @ W^T)); see musekern/reference.py::qkv_front_reference for the exact math.
 
 Launch (musekern/variants/qkv_front.py is the single source of truth for every constant):
-  grid  = heads * S CTAs along x, cluster = (S, 1, 1): cluster h computes head h (64 columns of y),
-  block = 192 threads: warps 0-3 consumers (mma.sync), warp 4 TMA producer, warp 5 aux.
-CTA rank r of a cluster streams the k-tiles r, r+S, r+2S, ... (K_TILE = 128 columns each, 64/S
-tiles: S divides 64; head h starts h tiles further on, cyclically) of its head's 64 W rows and of x
-through a `stages`-deep shared-memory ring:
+  grid  = heads * S CTAs along x, S consecutive CTAs per head (64 columns of y); cluster = (S, 1, 1), or
+  (2 S, 1, 1) with x_mcast (a head pair), block = 192 threads: warps 0-3 consumers (mma.sync or wgmma),
+  warp 4 TMA producer, warp 5 aux.
+CTA rank r of a head streams the k-tiles r, r+S, r+2S, ... (K_TILE = 128 columns each, 64/S tiles: S
+divides 64; head h starts h tiles further on, cyclically; with x_mcast both heads of a pair start at
+the pair's first) of its head's 64 W rows and of x through a `stages`-deep shared-memory ring (with
+`recv_in_ring` the owner's receive buffer reuses it once the whole cluster is past its last k-tile):
   - W: two 64x64 bf16 TMA boxes per stage (128B swizzle) = 16 KiB;
   - x: two 64 x TT boxes per stage (TT = 8*tiles tokens), loaded by TMA too, from a tensor map
     whose row count is M: rows M..TT-1 are outside the tensor, so TMA zero-fills them (never an
-    out-of-bounds read) and still counts the full box bytes on the mbarrier.
+    out-of-bounds read) and still counts the full box bytes on the mbarrier. With x_mcast each CTA of
+    a head pair loads half of the rows (64 x TT/2 boxes) and multicasts them into both rings; a stage's
+    empty barrier then counts both heads' consumer warps (each warp arrives locally and on the peer).
 Consumer warp w computes W rows [16w, 16w+16) x TT tokens with mma.sync m16n8k16 (W rows = the
 MMA's M, tokens = N, K = 16 per step, FP32 accumulate), operands loaded by ldmatrix from the
 swizzled ring (variant warp_split "rows"). With warp_split "k" consumer warp w instead computes all
@@ -20,10 +24,10 @@ not once per warp; 4 x tiles independent accumulators) and the four warps' parti
 warp order in the idle W ring after the last k-tile. With warp_split "wg" (4 token tiles and more) the four
 consumer warps are warpgroup 0 and issue wgmma m64nTTk16 with both operands straight from the swizzled ring
 (musekern/kernels/qkv_front_mma.py has the consumer roles). After the last k-tile each consumer thread
-sends its FP32 partial of token t to
-the owner CTA, rank t % S, with st.async (DSMEM, completes on the owner's receive mbarrier);
-the owner sums the S partials in rank order 0..S-1 (bitwise deterministic: the order depends
-on neither the ring depth nor timing), rounds to bf16 and runs the epilogue for its tokens:
+sends its FP32 partial of token t to the owner CTA of its head, rank t % S, with st.async (DSMEM,
+completes on the owner's receive mbarrier); the owner sums the S partials in rank order 0..S-1
+(bitwise deterministic: the order depends on neither the ring depth nor timing), rounds to bf16 and
+runs the epilogue for its tokens:
 RMS norm (q, k heads), interleaved RoPE (q, k), y store, K/V cache insert (k, v heads).
 With S == 1 the partials go to the CTA's own shared memory with plain stores.
 

@@ -188,7 +188,8 @@ class FrontConsumers:
 
     @cute.jit
     def send(self, tiled_mma, acc, st, recv_bar, tidx, rank, member):
-        """warp_split "rows": every accumulator element is a whole partial of (column m, token n): deliver it."""
+        """warp_split "rows" and "wg": every accumulator element is a whole partial of (column m, token n) (no
+        cross-warp sum): deliver it."""
         thr_mma = tiled_mma.get_slice(tidx)
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((16 * CONSUMER_WARPS, self.tt)))
         recv = self.recv(st)

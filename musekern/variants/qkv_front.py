@@ -5,9 +5,10 @@ cutlass, no GPU). The kernel (`musekern/kernels/qkv_front.py`) imports them, so 
 the kernel cannot disagree on a tile size or a shared-memory budget; this file's bytes are part of the
 kernel's cache key (`store/keys.py`), the planning rules are not (`qkv_front_rules.py`).
 
-Structure: one cluster of S = `splits` CTAs per 64-column head; CTA r of a cluster streams the k-tiles
-r, r+S, r+2S, ... (K_TILE columns of K each, head h starting h tiles further on, cyclically) of its head's
-64 weight rows through a ring of `stages` shared-memory stages.
+Structure: S = `splits` CTAs per 64-column head, one cluster (with `x_mcast`, the 2 S CTAs of a head pair);
+CTA r of a head streams the k-tiles r, r+S, r+2S, ... (K_TILE columns of K each, head h starting h tiles further
+on, cyclically; both heads of a pair from the pair's first) of its head's 64 weight rows through a ring of
+`stages` shared-memory stages.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from .base import VariantMixin
 HIDDEN = 8192  # K of the projection (Muse Spark hidden size)
 HEAD_COLS = 64  # output columns per head = rows of W per cluster
 TOKEN_TILE = 8  # tokens per MMA N-tile (mma.sync m16n8k16 / wgmma m64nNk16: W rows are M, tokens are N)
-MAX_TOKENS = 16  # the M range the op takes today (musekern/ops/qkv_front.py); builds serve up to FRONT_MAX_TOKENS
+MAX_TOKENS = 16  # the decode builds (1-2 tiles, every shard); above it the front serves where the rules say, up to
+# FRONT_MAX_TOKENS (qkv_front_rules.front_serves), else cuBLAS + the fused epilogue
 FRONT_MAX_TOKENS = 64  # the largest M one build serves (8 token tiles)
 TILE_CHOICES = (1, 2, 4, 6, 8)  # 8-token tiles of a build: M is padded up to the next one the rules use
 SYNC_TILE_CHOICES = (1, 2, 4, 8)  # the tiles an mma.sync build ("rows", "k") takes: its x ldmatrix is x2 or x4
@@ -28,7 +30,7 @@ K_TILES = HIDDEN // K_TILE
 W_STAGE_BYTES = HEAD_COLS * K_TILE * 2  # 16 KiB of bf16 weights per stage
 X_TILE_STAGE_BYTES = TOKEN_TILE * K_TILE * 2  # 2 KiB of bf16 activations per token tile per stage
 MIN_RING_STAGES = 2
-SPLIT_CHOICES = (1, 2, 4)  # power-of-two clusters that are co-resident (k_split picks 1 or 2; 4 above M = 16)
+SPLIT_CHOICES = (1, 2, 4)  # power-of-two clusters that are co-resident (k_split picks 1 or 2; 4 from 6 tiles)
 # Where the front lets the next grid (PDL) launch: "early" right after init (its W prefill overlaps this whole
 # grid), "late" once this CTA's producer has issued its last load (trigger_ahead k-tiles before it, if > 0),
 # "exit" never explicitly (a CTA counts as triggered when it exits).

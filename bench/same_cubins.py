@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""Are the cubins this tree compiles the ones a cache holds? (CPU only; needs the build extra.)
+
+A change to a kernel's source file changes every key of that kernel (store/keys.py hashes the sources), also when
+it only edits comments; GPU results measured on the earlier cubins still hold if the bytes did not change. This
+compiles every planned h200 build and every build the GPU tests launch (tests/qkv_front_builds.py) and compares
+each cubin's sha256 with the manifest of the entry of the same label in CACHE (keys differ; labels do not).
+
+  python3 bench/same_cubins.py CACHE        exit 0 when every build is in CACHE with the same bytes
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+
+def cached_digests(cache: str) -> dict:
+    """label -> cubin sha256 of every entry in a cache (the manifest's digest)."""
+    out = {}
+    for path in glob.glob(os.path.join(cache, "v*", "entries", "*", "manifest.json")):
+        with open(path) as f:
+            doc = json.load(f)
+        out[doc["label"]] = doc["cubin_sha256"]
+    return out
+
+
+def compare(cache: str, builds) -> list[str]:
+    """One line per build whose sm_90a cubin compiled here is not the one CACHE holds under its label."""
+    from musekern.kernels import compile_variant
+
+    old = cached_digests(cache)
+    bad = []
+    for v in builds:
+        new = hashlib.sha256(compile_variant(v, "sm_90a").cubin).hexdigest()
+        if old.get(v.label) != new:
+            bad.append(f"{'missing' if v.label not in old else 'differs'}: {v.label}")
+    return bad
+
+
+def main(argv) -> int:
+    from qkv_front_builds import gpu_test_builds
+
+    from musekern.config import load_config
+    from musekern.targets import get_target
+    from musekern.variants import plan_model
+
+    if len(argv) != 1:
+        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
+        return 2
+    planned = [e.variant for e in plan_model(load_config(), [get_target("h200")])]
+    builds = planned + gpu_test_builds([v for v in planned if v.kernel == "qkv_front"])
+    bad = compare(argv[0], builds)
+    for line in bad:
+        print(line)
+    print(f"{len(builds) - len(bad)} of {len(builds)} builds: the same cubin as in {argv[0]}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -53,7 +53,7 @@ BLOCK_SIZE = 16
 ROTATE_BYTES = 256 << 20  # y bytes the epilogue-alone graphs rotate over: far above the 60 MB L2
 MMA_TFLOPS = 700e12  # for the graph-length estimate only
 # the builds swept: every vecs_per_thread of one round, and the rounds with one and two vectors a thread (more
-# vectors with rounds > 1 spill past 100 registers)
+# vectors with rounds > 1 take 114 / 165 registers: 2 / 1 CTAs an SM)
 SWEEP = tuple(QkvEpilogueVariant(v) for v in EPI_VPT_CHOICES) + tuple(
     QkvEpilogueVariant(v, r) for v in (1, 2) for r in EPI_ROUNDS_CHOICES if r > 1)
 

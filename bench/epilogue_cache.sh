@@ -8,7 +8,7 @@ CACHE=${1:-.musekern-cache}
 labels=()
 for vpt in 1 2 4 8; do
   labels+=(--variant "qkv_epilogue[vecs_per_thread=$vpt]")
-  for rounds in 2; do labels+=(--variant "qkv_epilogue[rounds=$rounds,vecs_per_thread=$vpt]"); done
+  labels+=(--variant "qkv_epilogue[rounds=2,vecs_per_thread=$vpt]")
 done
 .venv/bin/python -m musekern prepare --target h200 --cache-dir "$CACHE" -j 2 "${labels[@]}" >&2
 .venv/bin/python - "$CACHE" <<'PY'

@@ -105,7 +105,7 @@ def test_too_many_rows_is_refused_with_the_limit():
     y = torch.empty(1, 2176, dtype=torch.bfloat16).expand(top + 1, 2176)  # one row of memory: only shapes are read
     r = reason(y=y, positions=torch.empty(1, dtype=torch.int64).expand(top + 1),
                slot_mapping=torch.empty(1, dtype=torch.int64).expand(top + 1))
-    assert r == f"M={top + 1} rows of N=2176 exceed one launch's {top} (Int32 thread index); split the call"
+    assert r == f"M={top + 1} rows of N=2176 exceed one launch's {top} (Int32 unit index); split the call"
 
 
 @pytest.mark.parametrize("over,exc", [(dict(y=_Y.float()), TypeError), (dict(num_kv_heads="1"), TypeError),

@@ -206,6 +206,20 @@ def test_recv_in_ring_rule(n, nkv, m, rir):
         assert v.stages > ring_stages(v.splits, H200, v.tiles, n)
 
 
+# x multicast between head pairs: the wgmma builds with a cluster from 8 tiles (TP8, TP4) and from 6 at S = 4 (TP8);
+# never one tile or two (mma.sync), 4 tiles, TP4 at 6, a build without a cluster (TP2, TP1), nor on the B200 (no
+# wgmma) (bench/NOTES.md "x_mcast")
+@pytest.mark.parametrize("n,nkv,m,target,xmc", [
+    (2176, 1, 16, "h200", False), (2176, 1, 32, "h200", False), (2176, 1, 48, "h200", True),
+    (2176, 1, 64, "h200", True), (4352, 2, 32, "h200", False), (4352, 2, 48, "h200", False),
+    (4352, 2, 64, "h200", True), (8704, 4, 48, "h200", False), (8704, 4, 64, "h200", False),
+    (17408, 8, 64, "h200", False), (2176, 1, 32, "b200", False)])
+def test_x_mcast_rule(n, nkv, m, target, xmc):
+    v = variant(n, m, nkv, get_target(target))
+    assert v.x_mcast == xmc
+    assert not xmc or (v.warp_split == "wg" and v.splits >= 2 and v.tiles >= 6)
+
+
 @pytest.mark.parametrize("field,value,msg", [("warp_split", "cols", "warp_split"), ("trigger", "wait", "trigger"),
                                              ("stages", 33, "stages"), ("stages", 1, "stages"),
                                              ("splits", 3, "splits"), ("tiles", 3, "tiles"), ("tiles", 6, "tiles"),

@@ -11,7 +11,7 @@ copy bandwidth of the same run) times, side by side:
                   per layer as the weights are (a y the size of the L2, 60 MB, must not stay there between launches);
 - copy:           M >= 1024: torch's device copy of as many bytes (read + written) as the epilogue moves, one buffer
                   pair a layer: the streaming reference at the epilogue's own size, in the same samples (a copy of
-                  5-10 MB in a graph reaches ~55-70% of the 2 GiB copy's bandwidth);
+                  5-10 MB in a graph reaches ~55-60% of the 2 GiB copy's bandwidth, of 20-40 MB ~70-80%);
 Before each M >= 1024 row the runner measures the 2 GiB device copy again (eager, as the run's first one), so the
 epilogue's fraction of copy bandwidth also compares two numbers of the same minutes (the H200 streams ~10% slower at
 a bench's end than at its start: `copy_TBps`, `copy_TBps_end`). (A 2 GiB copy captured in a graph runs at ~2.7 TB/s,
@@ -191,7 +191,7 @@ def measure_all_m(shard, m: int, copy_tbps: float, samples: int, compiled) -> di
     seq = {"musekern": [lambda w=w: ops.launch(p["x"], w, *tok, nkv, eps, y) for w in W],
            "gemm_epilogue": [lambda w=w: ops.launch_gemm_epilogue(p["x"], w, *tok, nkv, eps, y) for w in W],
            "epilogue": [lambda y_=y_: epi.launch(y_, *tok, nkv, eps) for y_ in ys],
-           "copy": [],
+           "copy": [],  # (its place in the order; filled or dropped below, by M)
            "cublas": [lambda w=w: torch.mm(p["x"], w.t(), out=y) for w in W],
            "unfused": [lambda w=w: unfused_epilogue(torch.mm(p["x"], w.t()), *tok, nkv, eps) for w in W]}
     if m >= TARGETS["epilogue_frac_from_m"]:  # bf16 elements: half the epilogue's bytes read, half written

@@ -35,7 +35,7 @@ PDL-aware successor (attention) may land its CTAs and prologue while this grid s
 grid before reading y or the caches, as every PDL dependent must.
 
 Input contract (the op checks it): y, key_cache, value_cache, cos_sin_cache 16-byte aligned; ld_y and the block
-strides multiples of 8 elements; M * row_units <= EPI_MAX_UNITS (the Int32 thread index); num_blocks * block_size and
+strides multiples of 8 elements; M * row_units <= EPI_MAX_UNITS (the Int32 unit index); num_blocks * block_size and
 block_size * nkv * 64 < 2^31.
 """
 # (no `from __future__ import annotations`: @cute.jit reads real annotation objects)
@@ -130,7 +130,7 @@ class QkvEpilogueKernel:
         cute.arch.griddepcontrol_launch_dependents()
 
         heads = nq + 2 * nkv  # q, k, v heads of a row (the gate heads are never touched)
-        row_units = (heads + (self.vpt - 1)) // self.vpt * EPI_LANES  # threads per row
+        row_units = (heads + (self.vpt - 1)) // self.vpt * EPI_LANES  # units per row
         total = m * row_units
         mY = cute.make_tensor(y, cute.make_layout((m, heads * EPI_LANES, _VEC),
                                                   stride=(cute.assume(Int64(ld_y), divby=_VEC), _VEC, 1)))
@@ -173,9 +173,9 @@ class QkvEpilogueKernel:
     @cute.jit
     def _prefetch(self, t, w, total, row_units, heads):
         """prefetch.global.L2 of what unit w's _load will read: position, slot, its heads' y vectors."""
-        live, r, j, h0 = self._coords(w, total, row_units)
-        _prefetch_l2(t.pos.iterator.toint() + Int64(r) * 8)
-        _prefetch_l2(t.slot.iterator.toint() + Int64(r) * 8)
+        _, r, j, h0 = self._coords(w, total, row_units)  # (a unit past the end prefetches the last unit's lines)
+        _prefetch_l2(t.pos.iterator.toint() + Int64(r) * (Int64.width // 8))
+        _prefetch_l2(t.slot.iterator.toint() + Int64(r) * (Int64.width // 8))
         for u in cutlass.range_constexpr(self.vpt):
             _prefetch_l2(t.y[r, cutlass.min(h0 + u, heads - 1) * EPI_LANES + j, None].iterator.toint())
 

@@ -119,7 +119,7 @@ def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool):
         sW: cute.struct.Align[cute.struct.MemRange[BFloat16, HEAD_COLS * K_TILE * stages], 1024]
         sX: cute.struct.Align[cute.struct.MemRange[BFloat16, tt * K_TILE * stages], 1024]
         full: cute.struct.MemRange[Int64, stages]  # TMA -> consumers: count 1 + W and x bytes
-        empty: cute.struct.MemRange[Int64, stages]  # consumers -> producer: count 4 (one lane a warp)
+        empty: cute.struct.MemRange[Int64, stages]  # consumers -> producer: count 4 x pair (one lane a warp)
         recv_bar: cute.struct.MemRange[Int64, 1]  # partials landed (st.async complete_tx bytes)
         slots: cute.struct.MemRange[Int64, owned]  # staged slot of each owned token
         # cos|sin rows of the owned tokens (sized by them: with one tile at S = 2 this is what lets a 6-stage
@@ -269,7 +269,7 @@ class QkvFrontKernel(FrontConsumers):
     def ring_idle(self):
         """`recv_in_ring`: every thread of the cluster passes here once its role is done with the ring (consumers
         after their last MMA, producer after its last load, aux after staging): past it every ring of the cluster
-        is idle and the partials may land in it. With S == 1 only this CTA's consumer warps take part."""
+        is idle and the partials may land in it. Without a cluster only this CTA's consumer warps take part."""
         if cutlass.const_expr(self.v.recv_in_ring):
             if cutlass.const_expr(self.cluster > 1):
                 cute.arch.cluster_arrive()

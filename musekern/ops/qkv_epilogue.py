@@ -45,7 +45,7 @@ def _layout_reason(y, positions, cos_sin_cache, slot_mapping, key_cache, value_c
         return r
     limit = max_rows(epilogue_variant(n, m, num_kv_heads), n, num_kv_heads)
     if m > limit:
-        return f"M={m} rows of N={n} exceed one launch's {limit} (Int32 thread index); split the call"
+        return f"M={m} rows of N={n} exceed one launch's {limit} (Int32 unit index); split the call"
     if m > 0:
         if y.stride(1) != 1:
             return f"y's last dim must be contiguous (stride 1), got strides {tuple(y.stride())}"

@@ -33,7 +33,7 @@ EPI_VPT_CHOICES = (1, 2, 4, 8)
 # Rounds: a thread works on `rounds` units in turn, each the grid's thread count after the last. Before the first it
 # prefetches the later rounds' y vectors, positions and slots to the L2 (prefetch.global.L2: no register holds them),
 # so their DRAM latency passes during the earlier rounds' work.
-EPI_ROUNDS_CHOICES = (1, 2)  # 4 measured slower than 2 everywhere (bench/NOTES.md "qkv_epilogue")
+EPI_ROUNDS_CHOICES = (1, 2)  # 4 rounds of two vectors measured slower than 2 everywhere (NOTES "qkv_epilogue")
 # CTAs (of EPI_BLOCK threads) of each build (vecs_per_thread, rounds) an SM holds: ptxas gives them 32 / 48 / 79 / 127
 # registers a thread with one round, 48 / 63 / 114 / 165 with two (tests/test_kernels_qkv_epilogue.py checks the
 # bound; capping them with .minnctapersm spills), so with one round an SM has 32 / 40 / 48 / 64 KiB of y loads in
@@ -42,9 +42,10 @@ EPI_CTAS_PER_SM = {(1, 1): 8, (2, 1): 5, (4, 1): 3, (8, 1): 2, (1, 2): 5, (2, 2)
 # The rule (measured, bench/NOTES.md "qkv_epilogue"), by the 16-byte vectors of the input (M * H * 8):
 #   <= EPI_SMALL_VECTORS: one vector, one round: as fast as any on small inputs and up to 0.16 us faster on some
 #   (TP4 M <= 64), where a call costs 1.2-1.3 us;
-#   <= EPI_ROUNDS_VECTORS: two vectors, one round: the fastest at M = 1024 and 4096 of every shard but TP1's 4096;
-#   above: two vectors, two rounds (the second round's y prefetched to the L2): 1-5% ahead of one round from
-#   2.4M vectors (TP8 M = 16384) up, 5-11% behind it at 0.6-1.2M.
+#   <= EPI_ROUNDS_VECTORS: two vectors, one round: the fastest (or within 2%) at M = 1024 and 4096 of every shard but
+#   TP1's 4096;
+#   above: two vectors, two rounds (the second round's y prefetched to the L2): 2-6% ahead of one round from
+#   2.4M vectors (TP8 M = 16384) up, 5-11% behind it at 0.6-1.2M, 22-32% at 0.15-0.3M.
 EPI_SMALL = (1, 1)
 EPI_LARGE = (2, 1)
 EPI_HUGE = (2, 2)
@@ -109,10 +110,8 @@ _TIERS = ((EPI_SMALL, EPI_SMALL_VECTORS), (EPI_LARGE, EPI_ROUNDS_VECTORS), (EPI_
 def epilogue_variant(n: int, m: int, num_kv_heads: int) -> QkvEpilogueVariant:
     """The build a call with N columns and M tokens takes (the rule above)."""
     vectors = epilogue_vectors(m, n, num_kv_heads)
-    for build, bound in _TIERS:
-        if bound is None or vectors <= bound:
-            return QkvEpilogueVariant(*build)
-    raise AssertionError("unreachable: the last tier has no bound")
+    build = next(b for b, bound in _TIERS if bound is None or vectors <= bound)  # the last tier has no bound
+    return QkvEpilogueVariant(*build)
 
 
 def rows_served(v: QkvEpilogueVariant, n: int, num_kv_heads: int) -> tuple[int, int] | None:

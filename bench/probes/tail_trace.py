@@ -123,49 +123,49 @@ def _traced_class():
                  sX_layout)
 
         @cute.jit
-        def producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank, member):
+        def producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, place):
             self._stamp(0, cute.arch.lane_idx() == 0)
-            base.producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank, member)
+            base.producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, place)
             self._stamp(2, cute.arch.lane_idx() == 0)
 
         @cute.jit
-        def aux(self, st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, rank):
+        def aux(self, st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, place):
             cute.arch.griddepcontrol_wait()
             self._stamp(1, cute.arch.lane_idx() == 0)
-            base.aux(self, st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, rank)
+            base.aux(self, st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, place)
 
         @cute.jit
-        def consumer(self, tiled_mma, sW, sX, full, empty, tidx, peer):
-            acc = base.consumer(self, tiled_mma, sW, sX, full, empty, tidx, peer)
+        def consumer(self, tiled_mma, sW, sX, full, empty, tidx, place):
+            acc = base.consumer(self, tiled_mma, sW, sX, full, empty, tidx, place)
             self._stamp(3, tidx == 0)
             self._stamp(7, tidx == 96)
             return acc
 
         @cute.jit
-        def consumer_k(self, tiled_mma, sW, sX, full, empty, warp_idx, lane, peer):
-            acc = base.consumer_k(self, tiled_mma, sW, sX, full, empty, warp_idx, lane, peer)
+        def consumer_k(self, tiled_mma, sW, sX, full, empty, warp_idx, lane, place):
+            acc = base.consumer_k(self, tiled_mma, sW, sX, full, empty, warp_idx, lane, place)
             self._stamp(3, warp_idx == 0 and lane == 0)
             self._stamp(7, warp_idx == 3 and lane == 0)
             return acc
 
         @cute.jit
-        def send(self, tiled_mma, acc, st, recv_bar, tidx, rank, member):
-            base.send(self, tiled_mma, acc, st, recv_bar, tidx, rank, member)
+        def send(self, tiled_mma, acc, st, recv_bar, tidx, place):
+            base.send(self, tiled_mma, acc, st, recv_bar, tidx, place)
             self._stamp(4, tidx == 0)
 
         @cute.jit
-        def reduce_send(self, tiled_mma, acc, st, recv_bar, warp_idx, tidx, rank, member):
-            base.reduce_send(self, tiled_mma, acc, st, recv_bar, warp_idx, tidx, rank, member)
+        def reduce_send(self, tiled_mma, acc, st, recv_bar, warp_idx, tidx, place):
+            base.reduce_send(self, tiled_mma, acc, st, recv_bar, warp_idx, tidx, place)
             self._stamp(4, tidx == 0)
 
         @cute.jit
         def finish(self, st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
-                   v_block_stride, eps, head, rank, warp_idx, tidx):
+                   v_block_stride, eps, place, warp_idx, tidx):
             if cutlass.const_expr(self.S > 1):
                 cute.arch.mbarrier_wait(recv_bar, 0)  # what finish waits for first (a second wait returns at once)
             self._stamp(5, tidx == 0)
             base.finish(self, st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
-                        v_block_stride, eps, head, rank, warp_idx, tidx)
+                        v_block_stride, eps, place, warp_idx, tidx)
             self._stamp(6, tidx == 0)
 
     return TracedFront

@@ -70,7 +70,7 @@ from ..variants.qkv_front import (
     smem_bytes,
     x_box_rows,
 )
-from .qkv_front_mma import BAR_AUX, BAR_PARTIALS, BAR_RED, CONSUMER_THREADS, FrontConsumers
+from .qkv_front_mma import BAR_AUX, BAR_PARTIALS, BAR_RED, CONSUMER_THREADS, CtaPlace, FrontConsumers
 
 # sm_90a: the target. sm_100a: compiles (mma.sync, TMA, clusters, st.async and griddepcontrol all exist
 # on Blackwell) but is checked on CPU only, never run.
@@ -200,7 +200,7 @@ class QkvFrontKernel(FrontConsumers):
             crank = cute.arch.block_idx_in_cluster()
             rank = crank % self.S
             member = crank // self.S
-        peer = rank + self.S * (1 - member)  # x_mcast: the other head of the pair, same k-split rank
+        place = CtaPlace(head, rank, member, rank + self.S * (1 - member))
         M = cute.size(mX_tma, mode=[0])  # runtime M (or the static 8 of the M == 8 build)
 
         st = SmemAllocator().allocate(self.Smem)
@@ -231,10 +231,10 @@ class QkvFrontKernel(FrontConsumers):
             cute.arch.griddepcontrol_launch_dependents()  # PDL: the next grid may start its W prefetch
 
         if warp_idx == PRODUCER_WARP:
-            self.producer(tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank, member)
+            self.producer(tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, place)
             self.ring_idle()
         elif warp_idx == AUX_WARP:
-            self.aux(st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, rank)
+            self.aux(st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, place)
             self.ring_idle()
         else:
             if cutlass.const_expr(self.v.warp_split == "wg"):
@@ -242,17 +242,17 @@ class QkvFrontKernel(FrontConsumers):
                 # ring (made here, not passed in: its ACCUMULATE field would become a kernel parameter)
                 wg_mma = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K,
                                                            OperandMajorMode.K, Float32, (1, 1, 1), (HEAD_COLS, self.tt))
-                acc = self.consumer_wg(wg_mma, sW, sX, full, empty, tidx, peer)
+                acc = self.consumer_wg(wg_mma, sW, sX, full, empty, tidx, place)
                 self.ring_idle()
-                self.send(wg_mma, acc, st, recv_bar, tidx, rank, member)
+                self.send(wg_mma, acc, st, recv_bar, tidx, place)
             elif cutlass.const_expr(self.v.warp_split == "rows"):
-                acc = self.consumer(tiled_mma, sW, sX, full, empty, tidx, peer)
-                self.send(tiled_mma, acc, st, recv_bar, tidx, rank, member)
+                acc = self.consumer(tiled_mma, sW, sX, full, empty, tidx, place)
+                self.send(tiled_mma, acc, st, recv_bar, tidx, place)
             else:
-                acc = self.consumer_k(tiled_mma, sW, sX, full, empty, warp_idx, tidx % 32, peer)
-                self.reduce_send(tiled_mma, acc, st, recv_bar, warp_idx, tidx, rank, member)
+                acc = self.consumer_k(tiled_mma, sW, sX, full, empty, warp_idx, tidx % 32, place)
+                self.reduce_send(tiled_mma, acc, st, recv_bar, warp_idx, tidx, place)
             self.finish(st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
-                        v_block_stride, eps, head, rank, warp_idx, tidx)
+                        v_block_stride, eps, place, warp_idx, tidx)
         if cutlass.const_expr(self.cluster > 1):
             # nobody leaves while a peer may still write into its shared memory or arrive on its barriers
             cute.arch.cluster_arrive()
@@ -278,13 +278,14 @@ class QkvFrontKernel(FrontConsumers):
                 cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
 
     @cute.jit
-    def producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, head, rank, member):
+    def producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, place):
+        head, rank = place.head, place.rank
         gW = cute.local_tile(mW_tma, (HEAD_COLS, K_TILE), (head, None))  # (64, 128, 64 k-tiles)
         gX = cute.local_tile(mX_tma, (self.tt, K_TILE), (0, None))  # (TT, 128, 64 k-tiles)
         tWsW, tWgW = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
                                            cute.group_modes(gW, 0, 2))
         # x_mcast: member m loads rows [m TT/2, (m+1) TT/2) of each x tile into both heads' rings
-        tXsX, tXgX = cpasync.tma_partition(tma_x, member, cute.make_layout(self.pair), cute.group_modes(sX, 0, 2),
+        tXsX, tXgX = cpasync.tma_partition(tma_x, place.member, cute.make_layout(self.pair), cute.group_modes(sX, 0, 2),
                                            cute.group_modes(gX, 0, 2))
         # The i-th k-tile this CTA streams: head h starts h tiles further on (cyclically; both heads of an x_mcast
         # pair from the pair's first), so the clusters do not all read the same x tile from the same L2 lines at
@@ -336,8 +337,9 @@ class QkvFrontKernel(FrontConsumers):
 
     @cute.jit
     def finish(self, st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
-               v_block_stride, eps, head, rank, warp_idx, tidx):
+               v_block_stride, eps, place, warp_idx, tidx):
         """Owner epilogue: warp w owns tokens w, w + 4, ...; lane l holds columns (2l, 2l+1) = RoPE pair l."""
+        head, rank = place.head, place.rank
         lane = tidx % 32
         recv = self.recv(st)
         cs = st.cs.get_tensor(cute.make_layout(self.owned * 64))
@@ -426,12 +428,13 @@ class QkvFrontKernel(FrontConsumers):
                     dst[1] = yb
 
     @cute.jit
-    def aux(self, st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, rank):
+    def aux(self, st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, place):
         """Stage the owned tokens' slots and cos|sin rows (clamped position) in smem, in two rounds of independent
         loads: lane l reads the position and slot of owned tokens l, l + 32 (indices clamped to M - 1: never a
         read beyond M), then every lane reads its two columns of every owned token's row, the position broadcast
         by a shuffle. (One token after another, two dependent global loads each, took ~0.9 us a token under the
         weight stream and set the pace above 16 owned tokens: bench/NOTES.md "Every M: which path".)"""
+        rank = place.rank
         cute.arch.griddepcontrol_wait()  # positions/slots/cos|sin may be written by the previous grid
         lane = cute.arch.lane_idx()
         cs = st.cs.get_tensor(cute.make_layout(self.owned * 64))

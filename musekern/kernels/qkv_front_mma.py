@@ -7,6 +7,8 @@ the idle W ring), "wg" issues wgmma m64nTTk16 straight from the swizzled ring as
 """
 # (no `from __future__ import annotations`: @cute.jit reads real annotation objects)
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
@@ -38,11 +40,20 @@ def operand_copies(tiled_mma, tt: int, idx):
     return cp_a, cp_b, cp_a.get_slice(idx), cp_b.get_slice(idx)
 
 
+class CtaPlace(NamedTuple):
+    """Where a CTA stands (device values, fixed for the launch): its head, its k-split rank r (0..S-1), its member m
+    of a head pair (0 without x_mcast; its cluster rank is r + S m) and that pair's other CTA of rank r (x_mcast)."""
+    head: object
+    rank: object
+    member: object
+    peer: object
+
+
 class FrontConsumers:
     """The consumer warps' roles of `QkvFrontKernel` (mixin)."""
 
     @cute.jit
-    def consumer(self, tiled_mma, sW, sX, full, empty, tidx, peer):
+    def consumer(self, tiled_mma, sW, sX, full, empty, tidx, place):
         thr_mma = tiled_mma.get_slice(tidx)
         tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sW[None, None, 0]))
         tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sX[None, None, 0]))
@@ -71,11 +82,11 @@ class FrontConsumers:
                 for kk in cutlass.range_constexpr(ksteps):
                     cute.gemm(tiled_mma, acc, tCrA[None, None, kk], tCrB[None, None, kk], acc)
             cute.arch.sync_warp()  # every lane's ldmatrix of stage s is done
-            self.release(empty + s, peer)
+            self.release(empty + s, place)
         return acc
 
     @cute.jit
-    def consumer_wg(self, tiled_mma, sW, sX, full, empty, tidx, peer):
+    def consumer_wg(self, tiled_mma, sW, sX, full, empty, tidx, place):
         """warp_split "wg": warpgroup 0 issues a k-tile's 8 wgmma m64nTTk16 (W rows x tokens, k order fixed) as one
         group and releases the stage as soon as the group completes: the MMAs (<= 0.15 us a k-tile) are short
         against the stream, so a stage is never held while the next one is waited for (with a group kept in flight
@@ -95,11 +106,11 @@ class FrontConsumers:
                 cute.gemm(tiled_mma, acc, tCrA[None, None, kk, s], tCrB[None, None, kk, s], acc)
             warpgroup.commit_group()
             warpgroup.wait_group(0)  # k-tile i's MMAs have read their stage
-            self.release(empty + s, peer)
+            self.release(empty + s, place)
         return acc
 
     @cute.jit
-    def consumer_k(self, tiled_mma, sW, sX, full, empty, warp_idx, lane, peer):
+    def consumer_k(self, tiled_mma, sW, sX, full, empty, warp_idx, lane, place):
         """warp_split "k": this warp's two k16 steps (columns 32w..32w+31) of every stage, all 64 rows.
 
         Per stage a warp loads 4 A tiles and 1 B tile per k16 step (x is read once per CTA, not once per
@@ -120,22 +131,22 @@ class FrontConsumers:
         if cutlass.const_expr(self.v.tiles > 2):
             # 4 tiles: 64 accumulators a thread leave no room for a second register set (two CTAs per SM)
             for i in cutlass.range(self.ntiles, unroll=1):
-                self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[0], rB[0], full, empty, warp_idx, i, peer)
+                self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[0], rB[0], full, empty, warp_idx, i, place)
                 self._mma_k(tiled_mma, acc, rA[0], rB[0])
         else:
-            self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[0], rB[0], full, empty, warp_idx, Int32(0), peer)
+            self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[0], rB[0], full, empty, warp_idx, Int32(0), place)
             for p in cutlass.range(self.ntiles // 2, unroll=1):
                 i = 2 * p + 1
-                self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[1], rB[1], full, empty, warp_idx, i, peer)
+                self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[1], rB[1], full, empty, warp_idx, i, place)
                 self._mma_k(tiled_mma, acc, rA[0], rB[0])
                 if i + 1 < self.ntiles:
                     self._load_k(cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA[0], rB[0], full, empty, warp_idx, i + 1,
-                                     peer)
+                                     place)
                 self._mma_k(tiled_mma, acc, rA[1], rB[1])
         return acc
 
     @cute.jit
-    def _load_k(self, cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA, rB, full, empty, warp_idx, i, peer):
+    def _load_k(self, cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA, rB, full, empty, warp_idx, i, place):
         """Wait for k-tile i, load this warp's operands of it, release its stage to the producer."""
         s = i % self.stages
         cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
@@ -146,16 +157,16 @@ class FrontConsumers:
             cute.copy(cp_a, tAsW[None, None, kk, s], tArA[None, None, j])
             cute.copy(cp_b, tBsX[None, None, kk, s], tBrB[None, None, j])
         cute.arch.sync_warp()  # every lane's ldmatrix of stage s is done: the producer may refill it
-        self.release(empty + s, peer)
+        self.release(empty + s, place)
 
     @cute.jit
-    def release(self, bar, peer):
+    def release(self, bar, place):
         """This warp is done with a stage: one lane arrives on its empty barrier, and (x_mcast) on the pair's
         other head's, whose producer multicasts into this ring too."""
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive(bar)
             if cutlass.const_expr(self.v.x_mcast):
-                cute.arch.mbarrier_arrive(bar, peer)
+                cute.arch.mbarrier_arrive(bar, place.peer)
 
     @cute.jit
     def _mma_k(self, tiled_mma, acc, rA, rB):
@@ -163,7 +174,7 @@ class FrontConsumers:
             cute.gemm(tiled_mma, acc, rA[None, None, j], rB[None, None, j], acc)
 
     @cute.jit
-    def reduce_send(self, tiled_mma, acc, st, recv_bar, warp_idx, tidx, rank, member):
+    def reduce_send(self, tiled_mma, acc, st, recv_bar, warp_idx, tidx, place):
         """warp_split "k": sum the 4 warps' partials in warp order 0..3 (in the idle W ring), then each of the
         128 consumer threads sends TT/2 of the CTA's 64 x TT sums to their owners (as `send` does)."""
         red = cute.make_tensor(cute.recast_ptr(st.sW.data_ptr(), dtype=Float32),
@@ -184,10 +195,10 @@ class FrontConsumers:
             total = red[n * RED_STRIDE + m]
             for w in cutlass.range_constexpr(1, CONSUMER_WARPS):  # fixed warp order: deterministic
                 total = total + red[(w * self.tt + n) * RED_STRIDE + m]
-            self._deliver(recv, recv_bar, rank, member, n, m, total)
+            self._deliver(recv, recv_bar, place, n, m, total)
 
     @cute.jit
-    def send(self, tiled_mma, acc, st, recv_bar, tidx, rank, member):
+    def send(self, tiled_mma, acc, st, recv_bar, tidx, place):
         """warp_split "rows" and "wg": every accumulator element is a whole partial of (column m, token n) (no
         cross-warp sum): deliver it."""
         thr_mma = tiled_mma.get_slice(tidx)
@@ -195,17 +206,17 @@ class FrontConsumers:
         recv = self.recv(st)
         for i in cutlass.range_constexpr(cute.size(acc)):
             m, n = tCcC[i]
-            self._deliver(recv, recv_bar, rank, member, n, m, acc[i])
+            self._deliver(recv, recv_bar, place, n, m, acc[i])
 
     @cute.jit
-    def _deliver(self, recv, recv_bar, rank, member, n, m, value):
+    def _deliver(self, recv, recv_bar, place, n, m, value):
         """This CTA's partial of (column m, token n) to the owner, rank n % S of this head (cluster rank
         n % S + S member), at recv[rank][n // S][m]: st.async into the owner's shared memory (completes on its
         receive barrier), or a plain store with S == 1."""
         if cutlass.const_expr(self.S > 1):
-            off = (rank * self.owned + n // self.S) * HEAD_COLS + m
+            off = (place.rank * self.owned + n // self.S) * HEAD_COLS + m
             if cutlass.const_expr(self.v.x_mcast):
-                owner = n % self.S + self.S * member
+                owner = n % self.S + self.S * place.member
                 cute.arch.store_async_dsmem(recv.iterator + off, f32_bits(value), recv_bar, owner)
             else:
                 cute.arch.store_async_dsmem(recv.iterator + off, f32_bits(value), recv_bar, n % self.S)

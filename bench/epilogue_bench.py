@@ -32,7 +32,7 @@ import time
 import torch
 
 from musekern.bench.report import commit_info
-from musekern.bench.timing import Graph, copy_bandwidth, log, loops_for, time_graphs
+from musekern.bench.timing import Graph, copy_bandwidth, copy_closures, log, loops_for, time_graphs
 from musekern.bench.unfused import unfused_epilogue
 from musekern.config import load_config
 from musekern.ops import qkv_epilogue as op
@@ -97,13 +97,9 @@ def measure(n: int, nkv: int, m: int, weights: list, copy_tbps: float, compiled,
         name = "epi" if b is None else _name(b)
         closures = [(lambda y=y, b=b: op.launch(y, **p, variant=b)) for y in ys]
         graphs.append(Graph(name, closures, loops_for(nbuf * epi_s, max_loops=512), nbuf))
-    half = nbytes // 4  # bf16 elements: read half the bytes, write the other half
-    srcs = [torch.empty(half, dtype=torch.bfloat16, device="cuda") for _ in range(nbuf)]
-    dsts = [torch.empty_like(t) for t in srcs]
-    graphs.append(Graph("copy", [(lambda a=a, b=b: b.copy_(a)) for a, b in zip(srcs, dsts, strict=True)],
-                        loops_for(nbuf * epi_s, max_loops=512), nbuf))
+    graphs.append(Graph("copy", copy_closures(nbytes, nbuf), loops_for(nbuf * epi_s, max_loops=512), nbuf))
     row.update(_timed(graphs, samples))
-    del ys, srcs, dsts
+    del ys
     if row.get("copy"):
         row["copy_TBps_same_bytes"] = round(nbytes / (row["copy"] * 1e-6) / 1e12, 4)
         for k in [k for k in row if k.startswith("epi") and isinstance(row[k], float)]:

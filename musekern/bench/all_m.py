@@ -178,7 +178,7 @@ def measure_all_m(shard, m: int, copy_tbps: float, samples: int, compiled) -> di
     from ..ops import qkv_epilogue as epi
     from ..ops import qkv_front as ops
     from ..variants.qkv_epilogue import epilogue_bytes
-    from .timing import Graph, loops_for, time_graphs
+    from .timing import Graph, copy_closures, loops_for, time_graphs
     from .unfused import unfused_epilogue
 
     n, nkv, eps, W = shard.n, shard.num_kv_heads, shard.eps, shard.weights
@@ -191,15 +191,10 @@ def measure_all_m(shard, m: int, copy_tbps: float, samples: int, compiled) -> di
     seq = {"musekern": [lambda w=w: ops.launch(p["x"], w, *tok, nkv, eps, y) for w in W],
            "gemm_epilogue": [lambda w=w: ops.launch_gemm_epilogue(p["x"], w, *tok, nkv, eps, y) for w in W],
            "epilogue": [lambda y_=y_: epi.launch(y_, *tok, nkv, eps) for y_ in ys],
-           "copy": [],  # (its place in the order; filled or dropped below, by M)
            "cublas": [lambda w=w: torch.mm(p["x"], w.t(), out=y) for w in W],
            "unfused": [lambda w=w: unfused_epilogue(torch.mm(p["x"], w.t()), *tok, nkv, eps) for w in W]}
-    if m >= TARGETS["epilogue_frac_from_m"]:  # bf16 elements: half the epilogue's bytes read, half written
-        half = epilogue_bytes(m, n, nkv) // 4
-        bufs = [torch.empty(2, half, dtype=torch.bfloat16, device="cuda") for _ in W]
-        seq["copy"] = [lambda b=b: b[1].copy_(b[0]) for b in bufs]
-    else:
-        del seq["copy"]
+    if m >= TARGETS["epilogue_frac_from_m"]:
+        seq["copy"] = copy_closures(epilogue_bytes(m, n, nkv), len(W))
     if fused:
         seq["front"] = [lambda w=w: ops.launch_front(p["x"], w, *tok, nkv, eps, y) for w in W]
     if compiled is not None and m >= 2:

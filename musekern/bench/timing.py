@@ -111,6 +111,13 @@ def time_graphs(graphs: list[Graph], samples: int, reps: int = 2) -> dict[str, d
                      "loops": g.loops, "edges": g.edges} for g in graphs}
 
 
+def copy_closures(nbytes: int, count: int) -> list:
+    """`count` device copies, each over its own buffer pair, that move `nbytes` (half read, half written): a graph of
+    them is the streaming reference for a kernel that moves as many bytes (its buffers rotated as the copies are)."""
+    pairs = [torch.empty(2, nbytes // 4, dtype=torch.bfloat16, device="cuda") for _ in range(count)]
+    return [lambda b=b: b[1].copy_(b[0]) for b in pairs]
+
+
 def copy_bandwidth(samples: int = 5, nbytes: int = 2 << 30) -> float:
     """TB/s of a 2 GiB device-to-device copy, bytes read + written (the roofline's ceiling)."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()

@@ -9,9 +9,7 @@ Launch (musekern/variants/qkv_front.py is the single source of truth for every c
 CTA rank r of a head streams the k-tiles r, r+S, r+2S, ... (K_TILE = 128 columns each, 64/S tiles: S
 divides 64; head h starts h tiles further on, cyclically; with x_mcast both heads of a pair start at
 the pair's first) of its head's 64 W rows and of x through a `stages`-deep shared-memory ring (with
-`recv_in_ring` the owner's receive buffer reuses it once the whole cluster is past its last k-tile; with
-`x_stages` x has a ring of its own, that deep, and a k-tile's x is loaded x_stages k-tiles ahead, its W `stages`
-ahead, both landing on the W stage's full barrier):
+`recv_in_ring` the owner's receive buffer reuses it once the whole cluster is past its last k-tile):
   - W: two 64x64 bf16 TMA boxes per stage (128B swizzle) = 16 KiB;
   - x: two 64 x TT boxes per stage (TT = 8*tiles tokens), loaded by TMA too, from a tensor map
     whose row count is M: rows M..TT-1 are outside the tensor, so TMA zero-fills them (never an
@@ -71,7 +69,6 @@ from ..variants.qkv_front import (
     padded_tokens,
     smem_bytes,
     x_box_rows,
-    x_ring_stages,
 )
 from .qkv_front_mma import BAR_AUX, BAR_PARTIALS, BAR_RED, CONSUMER_THREADS, CtaPlace, FrontConsumers
 
@@ -83,14 +80,14 @@ AUX_WARP = CONSUMER_WARPS + 1  # warp 5
 BOX_COLS = 64  # a 128B-swizzle TMA box is 64 bf16 columns wide
 
 
-def ring_tma(mW, mX, stages: int, tt: int, x_mcast: bool = False, x_stages: int = 0):
+def ring_tma(mW, mX, stages: int, tt: int, x_mcast: bool = False):
     """The ring's swizzled shared-memory layouts and the W / x TMA atoms (traced inside a @cute.jit): one
-    stage = W (64 rows x 128 k) and x (tt rows x 128 k), each two 64-column boxes with 128B swizzle (x in
-    `x_stages` stages of its own if > 0); with `x_mcast` each CTA of a head pair loads half of the x rows and
-    multicasts them to both. Shared with bench/probes/skeleton_probe.py, whose ring must be this one."""
+    stage = W (64 rows x 128 k) and x (tt rows x 128 k), each two 64-column boxes with 128B swizzle; with
+    `x_mcast` each CTA of a head pair loads half of the x rows and multicasts them to both.
+    Shared with bench/probes/skeleton_probe.py, whose ring must be this one."""
     atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
     sW_layout = cute.tile_to_shape(atom, (HEAD_COLS, K_TILE, stages), order=(0, 1, 2))
-    sX_layout = cute.tile_to_shape(atom, (tt, K_TILE, x_stages or stages), order=(0, 1, 2))
+    sX_layout = cute.tile_to_shape(atom, (tt, K_TILE, stages), order=(0, 1, 2))
     tma_w, mW_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW,
                                                 cute.slice_(sW_layout, (None, None, 0)), (HEAD_COLS, K_TILE))
     if x_mcast:
@@ -103,12 +100,12 @@ def ring_tma(mW, mX, stages: int, tt: int, x_mcast: bool = False, x_stages: int 
     return sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma
 
 
-def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool, xs: int):
+def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool):
     if recv_in_ring:
         @cute.struct
         class SmemRingRecv:  # the receive buffer is the W ring's first tt x 64 fp32 (`QkvFrontKernel.recv`)
             sW: cute.struct.Align[cute.struct.MemRange[BFloat16, HEAD_COLS * K_TILE * stages], 1024]
-            sX: cute.struct.Align[cute.struct.MemRange[BFloat16, tt * K_TILE * xs], 1024]
+            sX: cute.struct.Align[cute.struct.MemRange[BFloat16, tt * K_TILE * stages], 1024]
             full: cute.struct.MemRange[Int64, stages]
             empty: cute.struct.MemRange[Int64, stages]
             recv_bar: cute.struct.MemRange[Int64, 1]
@@ -120,7 +117,7 @@ def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool, xs: i
     class Smem:
         # ring first: offset 0 of the 1024-aligned dynamic smem, what the 128B swizzle expects
         sW: cute.struct.Align[cute.struct.MemRange[BFloat16, HEAD_COLS * K_TILE * stages], 1024]
-        sX: cute.struct.Align[cute.struct.MemRange[BFloat16, tt * K_TILE * xs], 1024]
+        sX: cute.struct.Align[cute.struct.MemRange[BFloat16, tt * K_TILE * stages], 1024]
         full: cute.struct.MemRange[Int64, stages]  # TMA -> consumers: count 1 + W and x bytes
         empty: cute.struct.MemRange[Int64, stages]  # consumers -> producer: count 4 x pair (one lane a warp)
         recv_bar: cute.struct.MemRange[Int64, 1]  # partials landed (st.async complete_tx bytes)
@@ -144,7 +141,6 @@ class QkvFrontKernel(FrontConsumers):
         self.nkv = v.num_kv_heads
         self.nq = v.num_q_heads
         self.stages = v.stages
-        self.xs = x_ring_stages(v)  # x ring depth: the W ring's, or its own (x_stages)
         self.S = v.splits
         self.pair = 2 if v.x_mcast else 1  # heads of a cluster: x multicast between the two of a pair
         self.cluster = self.S * self.pair
@@ -156,7 +152,7 @@ class QkvFrontKernel(FrontConsumers):
         assert self.stages <= self.ntiles
         self.stage_tx = W_STAGE_BYTES + self.tt * K_TILE * 2  # bytes landing per stage
         self.recv_tx = self.S * self.owned * HEAD_COLS * 4  # bytes of partials an owner receives
-        self.Smem = make_smem_struct(self.stages, self.tt, self.owned, v.recv_in_ring, self.xs)
+        self.Smem = make_smem_struct(self.stages, self.tt, self.owned, v.recv_in_ring)
         assert not v.recv_in_ring or self.tt * HEAD_COLS * 4 <= self.stages * W_STAGE_BYTES
         self.smem = smem_bytes(v)
 
@@ -171,8 +167,7 @@ class QkvFrontKernel(FrontConsumers):
             mX = cute.make_tensor(x_ptr, cute.make_layout((self.v.fixed_m, HIDDEN), stride=(HIDDEN, 1)))
         else:
             mX = cute.make_tensor(x_ptr, cute.make_layout((M, HIDDEN), stride=(HIDDEN, 1)))
-        sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma = ring_tma(mW, mX, self.stages, self.tt, self.v.x_mcast,
-                                                                          self.v.x_stages)
+        sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma = ring_tma(mW, mX, self.stages, self.tt, self.v.x_mcast)
         mma_op = warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
         if cutlass.const_expr(self.v.warp_split == "rows"):
             # 4 warps along M (16 W rows each); every warp covers all TT tokens (tiles n8 atoms)
@@ -210,7 +205,7 @@ class QkvFrontKernel(FrontConsumers):
 
         st = SmemAllocator().allocate(self.Smem)
         sW = st.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)  # (64, 128, stages), swizzled
-        sX = st.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)  # (TT, 128, x ring stages), swizzled
+        sX = st.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)  # (TT, 128, stages), swizzled
         full = st.full.data_ptr()
         empty = st.empty.data_ptr()
         recv_bar = st.recv_bar.data_ptr()
@@ -304,7 +299,7 @@ class QkvFrontKernel(FrontConsumers):
                 cute.arch.mbarrier_arrive_and_expect_tx(full + i, self.stage_tx)  # W + x bytes
             cute.copy(tma_w, tWgW[None, self._k_tile(i, rank, rot)], tWsW[None, i], tma_bar_ptr=full + i)
         cute.arch.griddepcontrol_wait()  # x may be the previous kernel's output
-        for i in cutlass.range_constexpr(self.xs):
+        for i in cutlass.range_constexpr(self.stages):
             self._load_x(tma_x, tXgX[None, self._k_tile(i, rank, rot)], tXsX[None, i], full + i, rank)
         for i in cutlass.range(self.stages, self.ntiles, unroll=1):
             s = i % self.stages
@@ -314,21 +309,13 @@ class QkvFrontKernel(FrontConsumers):
                 cute.arch.mbarrier_arrive_and_expect_tx(full + s, self.stage_tx)
             k = self._k_tile(i, rank, rot)
             cute.copy(tma_w, tWgW[None, k], tWsW[None, s], tma_bar_ptr=full + s)
-            if cutlass.const_expr(self.xs == self.stages):
-                self._load_x(tma_x, tXgX[None, k], tXsX[None, s], full + s, rank)
-            else:
-                self._load_x_ahead(tma_x, tXgX, tXsX, full, i, rank, rot)
+            self._load_x(tma_x, tXgX[None, k], tXsX[None, s], full + s, rank)
             if cutlass.const_expr(self.v.trigger == "late" and self.v.trigger_ahead > 0):
                 if i == self.ntiles - 1 - self.v.trigger_ahead:
                     # one ring turn before the last load: the next grid's launch and prefill then overlap
                     # this grid's last loads instead of following them (bench/NOTES.md "pdl_trigger and
                     # trigger_ahead")
                     cute.arch.griddepcontrol_launch_dependents()
-        for i in cutlass.range_constexpr(self.ntiles, self.ntiles + self.stages - self.xs):
-            # x_stages: the last k-tiles' x, each once the consumers released the k-tile `stages` before this
-            # (unrolled: at most stages - 1 loads)
-            cute.arch.mbarrier_wait(empty + i % self.stages, ((i // self.stages) - 1) % 2)
-            self._load_x_ahead(tma_x, tXgX, tXsX, full, i, rank, rot)
         if cutlass.const_expr(self.v.trigger == "late" and self.v.trigger_ahead == 0):
             # every load of this CTA is issued: the next grid may land while the ring drains
             # (one thread's trigger counts for the whole CTA, PTX ISA griddepcontrol)
@@ -343,15 +330,6 @@ class QkvFrontKernel(FrontConsumers):
             cute.copy(tma_x, src, dst, tma_bar_ptr=bar, mcast_mask=cutlass.Int16(mask))
         else:
             cute.copy(tma_x, src, dst, tma_bar_ptr=bar)
-
-    @cute.jit
-    def _load_x_ahead(self, tma_x, tXgX, tXsX, full, i, rank, rot):
-        """x_stages: at the producer's step i (the consumers released k-tile i - stages) the x of k-tile j = i - stages
-        + x_stages into x stage j % x_stages, whose previous k-tile j - x_stages is that released one. It lands on
-        k-tile j's full barrier (stage j % stages), armed for W and x bytes when W of k-tile j was issued."""
-        j = i - self.stages + self.xs
-        self._load_x(tma_x, tXgX[None, self._k_tile(j, rank, rot)], tXsX[None, j % self.xs], full + j % self.stages,
-                     rank)
 
     def _k_tile(self, i, rank, rot):
         """The i-th k-tile a CTA of rank `rank` streams (traced inline: plain Python on DSL values)."""

@@ -1,7 +1,7 @@
 """qkv_front's consumer roles: the MMA over the ring and the delivery of each CTA's partials to their owners.
 
 A mixin of `QkvFrontKernel` (musekern/kernels/qkv_front.py, whose docstring has the whole kernel): the methods read
-the kernel's static fields (`v`, `tt`, `stages`, `xs`, `ntiles`, `S`, `owned`). Per `warp_split` (musekern/variants/
+the kernel's static fields (`v`, `tt`, `stages`, `ntiles`, `S`, `owned`). Per `warp_split` (musekern/variants/
 qkv_front.py): "rows" and "k" issue mma.sync m16n8k16 from ldmatrix fragments ("k" sums its four warps' partials in
 the idle W ring), "wg" issues wgmma m64nTTk16 straight from the swizzled ring as one warpgroup.
 """
@@ -102,9 +102,8 @@ class FrontConsumers:
             s = i % self.stages
             cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
             warpgroup.fence()
-            sx = i % self.xs  # x's stage: the W ring's, or its own ring's (x_stages)
             for kk in cutlass.range_constexpr(ksteps):
-                cute.gemm(tiled_mma, acc, tCrA[None, None, kk, s], tCrB[None, None, kk, sx], acc)
+                cute.gemm(tiled_mma, acc, tCrA[None, None, kk, s], tCrB[None, None, kk, s], acc)
             warpgroup.commit_group()
             warpgroup.wait_group(0)  # k-tile i's MMAs have read their stage
             self.release(empty + s, place)

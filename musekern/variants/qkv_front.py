@@ -70,11 +70,6 @@ class QkvFrontVariant(VariantMixin):
     # L2); a stage is refilled once both heads released it. Both heads start at the pair's first k-tile, so the odd
     # head's summation order differs from the unpaired build (still fixed).
     x_mcast: bool = False
-    # warp_split "wg" only: x gets a ring of its own, this many stages (0: x shares the W ring's `stages`). A k-tile's x
-    # is loaded x_stages k-tiles before its MMAs, its W `stages` before: x, out of the L2, sits in shared memory for
-    # less of the stream, and the bytes that frees hold more W stages (what an SM takes in from the HBM in flight).
-    # Never changes a bit.
-    x_stages: int = 0
 
     def __post_init__(self):
         problems = []
@@ -106,9 +101,6 @@ class QkvFrontVariant(VariantMixin):
         if self.x_mcast and self.tiles % 2:
             problems.append(f"x_mcast splits each x tile's rows between two CTAs in whole 8-row token tiles: "
                             f"needs an even number of tiles, got {self.tiles}")
-        if self.x_stages and (self.warp_split != "wg" or not 1 <= self.x_stages < self.stages):
-            problems.append(f"x_stages (an x ring of its own) needs warp_split 'wg' and 1..stages-1 = "
-                            f"1..{self.stages - 1} stages, got {self.x_stages} with warp_split {self.warp_split!r}")
         if problems:
             raise ValueError(f"invalid qkv_front variant: {'; '.join(problems)}")
         last = K_TILES // self.splits - 1
@@ -189,26 +181,21 @@ def stage_bytes(tiles: int) -> int:
 
 def smem_bytes(v: QkvFrontVariant) -> int:
     """Dynamic shared memory of one CTA; must equal the kernel's `Smem.size_in_bytes()`."""
-    return ring_smem_bytes(v.stages, v.tiles, v.splits, v.recv_in_ring, v.x_stages)
+    return ring_smem_bytes(v.stages, v.tiles, v.splits, v.recv_in_ring)
 
 
-def x_ring_stages(v: QkvFrontVariant) -> int:
-    """Stages of the x ring: its own `x_stages`, or the W ring's."""
-    return v.x_stages or v.stages
-
-
-def ring_smem_bytes(stages: int, tiles: int, splits: int, recv_in_ring: bool = False, x_stages: int = 0) -> int:
-    """`smem_bytes` of a variant with this ring depth, tile count, S, receive-buffer place and x ring depth (nothing
-    else changes it).
+def ring_smem_bytes(stages: int, tiles: int, splits: int, recv_in_ring: bool = False) -> int:
+    """`smem_bytes` of a variant with this ring depth, tile count, S and receive-buffer place (nothing else changes
+    it).
 
     Layout (the kernel's @cute.struct, in order): W ring (stages x 16 KiB, 1024-aligned for the 128B swizzle),
-    x ring ((x_stages or stages) x TT x 256 B, 1024-aligned), full/empty/recv mbarriers (8 B each), a staged slot
-    (int64) and cos|sin row (64 fp32) per owned token (TT / S), the owner's receive buffer for the S partials (TT x 64
+    x ring (stages x TT x 256 B, 1024-aligned), full/empty/recv mbarriers (8 B each), a staged slot (int64)
+    and cos|sin row (64 fp32) per owned token (TT / S), the owner's receive buffer for the S partials (TT x 64
     fp32, S x TT/S tokens; none with `recv_in_ring`); padded to the struct's 1024-byte alignment.
     """
     tt = tiles * TOKEN_TILE
     owned = owned_tokens(tiles, splits)
-    ring = stages * W_STAGE_BYTES + (x_stages or stages) * tt * K_TILE * 2
+    ring = stages * (tt * K_TILE * 2 + W_STAGE_BYTES)
     small = 8 * (2 * stages + 1) + 8 * owned
     small = (small + 15) // 16 * 16 + 4 * owned * 64 + (0 if recv_in_ring else 4 * tt * HEAD_COLS)
     return (ring + small + 1023) // 1024 * 1024

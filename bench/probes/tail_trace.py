@@ -14,7 +14,9 @@ clock64):
   2 producer: last load issued (and "late" triggered)    6 warp 0: epilogue done (its stores issued)
   3 consumer warp 0: last k-tile consumed                7 consumer warp 3: last k-tile consumed
 
-and in slots 16 / 17 the kernel's entry (thread 0, before the barriers' init and the cluster sync).
+and in slots 16 / 17 the kernel's entry (thread 0, before the barriers' init and the cluster sync), in slot 18 the
+SM the CTA ran on (%smid): the wgmma builds' 136 CTAs leave 4 or more of the 132 SMs with two CTAs of the grid, and
+the per-SM columns compare those CTAs with the ones alone on their SM.
 
 Modes: chain (the fronts back to back, PDL), after-norm (per layer the bench's PDL RMSNorm predecessor, then
 the front; the predecessor is rebuilt with three globaltimer stamps: its CTA started and triggered, its
@@ -32,7 +34,7 @@ import statistics
 import sys
 
 LAYERS = 8
-SLOTS = 18  # per CTA: 8 globaltimer stamps, the same 8 as clock64, then the kernel's entry (globaltimer, clock64)
+SLOTS = 19  # per CTA: 8 globaltimer stamps, the same 8 as clock64, the kernel's entry (globaltimer, clock64), %smid
 STAMPS = ("prod_start", "wait_ret", "prod_end", "cons_done", "sent", "recv", "epi_done", "cons3_done")
 # (name, variant label overrides of the planned TP8 / TP4 builds, M)
 # (the planned TP8 builds fire trigger_ahead = stages k-tiles before the last load; "deep" is round 19's 11-stage
@@ -43,13 +45,19 @@ CASES = [("tp8-m1-plan", dict(n=2176, m=1), {}), ("tp8-m1-last", dict(n=2176, m=
          ("tp8-m1-deep11", dict(n=2176, m=1), {"stages": 11, "trigger_ahead": 11}),
          ("tp8-m1-deep8", dict(n=2176, m=1), {"stages": 11, "trigger_ahead": 8}),
          ("tp2-m1-plan", dict(n=8704, m=1), {}), ("tp2-m9-plan", dict(n=8704, m=9), {}),
-         ("tp1-m1-plan", dict(n=17408, m=1), {}), ("tp1-m9-plan", dict(n=17408, m=9), {})]
+         ("tp1-m1-plan", dict(n=17408, m=1), {}), ("tp1-m9-plan", dict(n=17408, m=9), {}),
+         # above 16 tokens (round 39): the tile steps at TP4 and TP8 (M = TT - 7: 7 rows of y left for the stamps)
+         ("tp4-m9-plan", dict(n=4352, m=9), {}), ("tp4-m25-plan", dict(n=4352, m=25), {}),
+         ("tp4-m41-plan", dict(n=4352, m=41), {}), ("tp4-m57-plan", dict(n=4352, m=57), {}),
+         ("tp8-m25-plan", dict(n=2176, m=25), {}), ("tp8-m41-plan", dict(n=2176, m=41), {}),
+         ("tp8-m57-plan", dict(n=2176, m=57), {})]
 KV = {2176: 1, 4352: 2, 8704: 4, 17408: 8}
 
 
 def trace_row(v) -> int:
-    """First y row the launch leaves unwritten: the M the probe runs with (1 with one tile, 9 with two)."""
-    return 1 if v.tiles == 1 else 9
+    """First y row the launch leaves unwritten: the M the probe runs with (1 with one tile, 9 with two, 7 rows short of
+    the padded tokens above: room for 136 CTAs' stamps at N >= 2176)."""
+    return 1 if v.tiles == 1 else 9 if v.tiles == 2 else v.tiles * 8 - 7
 
 
 def _variant(n, m, overrides):
@@ -92,6 +100,12 @@ def _traced_class():
         return Int64(llvm.inline_asm(Int64.mlir_type, [], f"mov.u64 $0, {reg};", "=l", has_side_effects=True,
                                      asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
+    @dsl_user_op
+    def _smid(*, loc=None, ip=None):
+        return cutlass.Int32(llvm.inline_asm(cutlass.Int32.mlir_type, [], "mov.u32 $0, %smid;", "=r",
+                                             has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc,
+                                             ip=ip))
+
     base = QkvFrontKernel
     body = _jit_copy(base.kernel)
 
@@ -107,6 +121,13 @@ def _traced_class():
                 tr[base_slot + gt_slot] = _read("%globaltimer")
                 tr[base_slot + clk_slot] = _read("%clock64")
 
+        @cute.jit
+        def _stamp_sm(self, cond):
+            tr = self._tr
+            slot = cute.arch.block_idx()[0] * SLOTS + 18
+            if cond:
+                tr[slot] = Int64(_smid())
+
         @cute.kernel
         def kernel(self, tma_w: cute.CopyAtom, mW_tma: cute.Tensor, tma_x: cute.CopyAtom, mX_tma: cute.Tensor,
                    w_ptr: cute.Pointer, y_ptr: cute.Pointer, pos_ptr: cute.Pointer, cs_ptr: cute.Pointer,
@@ -118,6 +139,7 @@ def _traced_class():
             self._tr = cute.make_tensor(cute.recast_ptr(y_ptr + trace_row(self.v) * self.n, dtype=Int64),
                                         cute.make_layout(self.heads * self.S * SLOTS))
             self._stamp_slots(16, 17, cute.arch.thread_idx()[0] == 0)  # before the barriers' init, the cluster sync
+            self._stamp_sm(cute.arch.thread_idx()[0] == 0)
             body(self, tma_w, mW_tma, tma_x, mX_tma, w_ptr, y_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr,
                  max_pos, block_size, num_blocks, k_block_stride, v_block_stride, eps, tiled_mma, sW_layout,
                  sX_layout)
@@ -137,6 +159,13 @@ def _traced_class():
         @cute.jit
         def consumer(self, tiled_mma, sW, sX, full, empty, tidx, place):
             acc = base.consumer(self, tiled_mma, sW, sX, full, empty, tidx, place)
+            self._stamp(3, tidx == 0)
+            self._stamp(7, tidx == 96)
+            return acc
+
+        @cute.jit
+        def consumer_wg(self, tiled_mma, sW, sX, full, empty, tidx, place):
+            acc = base.consumer_wg(self, tiled_mma, sW, sX, full, empty, tidx, place)
             self._stamp(3, tidx == 0)
             self._stamp(7, tidx == 96)
             return acc
@@ -284,6 +313,18 @@ def _layer_summary(st):
     # the prologue: kernel entry -> producer start (barrier init, cluster sync)
     out["cyc_entry_to_start_med"] = float((c[:, 0] - st[:, 17].double()).median())
     out["cyc_entry_to_start_max"] = float((c[:, 0] - st[:, 17].double()).max())
+    # per SM (slot 18): CTAs that share their SM with another CTA of this grid against those alone on theirs
+    sm = st[:, 18].tolist()
+    shared = [sm.count(x) > 1 for x in sm]
+    out["ctas_sharing_sm"] = sum(shared)
+    for tag, sel in (("shared", [i for i, f in enumerate(shared) if f]), ("alone", [i for i, f in enumerate(shared)
+                                                                                  if not f])):
+        if sel:
+            out[f"cons_done_med_{tag}"] = round(float(g[sel, 3].median() - t0), 1)
+            out[f"cons_done_max_{tag}"] = round(float(g[sel, 3].max() - t0), 1)
+            out[f"cyc_start_to_cons_med_{tag}"] = float((c[sel, 3] - c[sel, 0]).median())
+    last = int(g[:, 6].argmax())
+    out["last_epi_cta_shares_sm"] = shared[last]
     out["_abs"] = {"t0": float(t0), "epi_done_max": float(g[:, 6].max()), "wait_ret_min": float(g[:, 1].min()),
                    "wait_ret_max": float(g[:, 1].max()), "prod_start_min": float(g[:, 0].min()),
                    "prod_end_max": float(g[:, 2].max()), "cons_done_max": float(g[:, 3].max()),
@@ -359,6 +400,7 @@ def run(outdir: str, out_json: str) -> int:
               open(out_json, "w"), indent=1)
     _table(results)
     _cta_table(results)
+    _sm_table(results)
     return 0
 
 
@@ -414,6 +456,26 @@ def _cta_table(results):
                   f"{_med([x['cyc_cons_to_epi_med'] for x in L]):13.0f} "
                   f"{_med([x['cyc_entry_to_start_med'] for x in L]):13.0f} / "
                   f"{_med([x['cyc_entry_to_start_max'] for x in L]):10.0f}")
+
+
+def _sm_table(results):
+    """CTAs that share their SM with another CTA of the grid against those alone on theirs: when their last k-tile
+    is consumed (ns from the layer's first producer start, median / max over the group, medians over layers), their
+    stream in cycles, and in how many layers the CTA whose epilogue ends last shares its SM."""
+    print(f"{'case':16} {'mode':13} {'shared':>6} {'cons med sh/al':>15} {'cons max sh/al':>15} "
+          f"{'start->cons cyc sh/al':>22} {'last shares':>11}")
+    for c in results:
+        for mode in MODES:
+            L = c[mode]["layers"]
+
+            def m(key, L=L):
+                xs = [x[key] for x in L if key in x]
+                return f"{_med(xs):.0f}" if xs else "-"
+            print(f"{c['name']:16} {mode:13} {m('ctas_sharing_sm'):>6} "
+                  f"{m('cons_done_med_shared') + ' / ' + m('cons_done_med_alone'):>15} "
+                  f"{m('cons_done_max_shared') + ' / ' + m('cons_done_max_alone'):>15} "
+                  f"{m('cyc_start_to_cons_med_shared') + ' / ' + m('cyc_start_to_cons_med_alone'):>22} "
+                  f"{sum(x['last_epi_cta_shares_sm'] for x in L):>6} of {len(L)}")
 
 
 def main(argv) -> int:

@@ -244,7 +244,10 @@ class QkvFrontKernel(FrontConsumers):
                                                            OperandMajorMode.K, Float32, (1, 1, 1), (HEAD_COLS, self.tt))
                 acc = self.consumer_wg(wg_mma, sW, sX, full, empty, tidx, place)
                 self.ring_idle()
-                self.send(wg_mma, acc, st, recv_bar, tidx, place)
+                if cutlass.const_expr(self.S > 1):
+                    self.send_wg(wg_mma, acc, st, recv_bar, tidx, place)
+                else:
+                    self.send(wg_mma, acc, st, recv_bar, tidx, place)
             elif cutlass.const_expr(self.v.warp_split == "rows"):
                 acc = self.consumer(tiled_mma, sW, sX, full, empty, tidx, place)
                 self.send(tiled_mma, acc, st, recv_bar, tidx, place)

@@ -70,6 +70,7 @@ from ..variants.qkv_front import (
     smem_bytes,
     x_box_rows,
 )
+from .qkv_front_epi import FrontOctetEpilogue
 from .qkv_front_mma import BAR_AUX, BAR_PARTIALS, BAR_RED, CONSUMER_THREADS, CtaPlace, FrontConsumers
 
 # sm_90a: the target. sm_100a: compiles (mma.sync, TMA, clusters, st.async and griddepcontrol all exist
@@ -129,7 +130,7 @@ def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool):
     return Smem
 
 
-class QkvFrontKernel(FrontConsumers):
+class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
     """One compiled qkv_front variant. Static: N, KV heads, tiles, ring depth, S, fixed M."""
 
     def __init__(self, v: QkvFrontVariant):
@@ -244,10 +245,7 @@ class QkvFrontKernel(FrontConsumers):
                                                            OperandMajorMode.K, Float32, (1, 1, 1), (HEAD_COLS, self.tt))
                 acc = self.consumer_wg(wg_mma, sW, sX, full, empty, tidx, place)
                 self.ring_idle()
-                if cutlass.const_expr(self.S > 1):
-                    self.send_wg(wg_mma, acc, st, recv_bar, tidx, place)
-                else:
-                    self.send(wg_mma, acc, st, recv_bar, tidx, place)
+                self.send(wg_mma, acc, st, recv_bar, tidx, place)
             elif cutlass.const_expr(self.v.warp_split == "rows"):
                 acc = self.consumer(tiled_mma, sW, sX, full, empty, tidx, place)
                 self.send(tiled_mma, acc, st, recv_bar, tidx, place)
@@ -341,8 +339,9 @@ class QkvFrontKernel(FrontConsumers):
     @cute.jit
     def finish(self, st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
                v_block_stride, eps, place, warp_idx, tidx):
-        """Owner epilogue: warp w owns tokens w, w + 4, ...; lane l holds columns (2l, 2l+1) = RoPE pair l."""
-        head, rank = place.head, place.rank
+        """Owner epilogue: wait for the partials and the staged slots and cos|sin rows, then per warp split (the
+        wgmma builds: `finish_octets`; the mma.sync builds: `_finish_pairs`) RMS norm, RoPE and the stores."""
+        head = place.head
         lane = tidx % 32
         recv = self.recv(st)
         cs = st.cs.get_tensor(cute.make_layout(self.owned * 64))
@@ -359,6 +358,20 @@ class QkvFrontKernel(FrontConsumers):
         kv_head = head - self.nq
         if is_v:
             kv_head = head - self.nq - self.nkv
+        if cutlass.const_expr(self.v.warp_split == "wg"):
+            # eight lanes a token, 16-byte vectors (musekern/kernels/qkv_front_epi.py)
+            self.finish_octets(recv, cs, slots, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
+                               v_block_stride, eps, place, warp_idx, lane, is_qk, is_k, is_v, kv_head)
+        else:
+            self._finish_pairs(recv, cs, slots, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
+                               v_block_stride, eps, place, warp_idx, lane, is_qk, is_k, is_v, kv_head)
+
+    @cute.jit
+    def _finish_pairs(self, recv, cs, slots, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
+                      v_block_stride, eps, place, warp_idx, lane, is_qk, is_k, is_v, kv_head):
+        """The mma.sync builds' epilogue: warp w owns tokens w, w + 4, ...; lane l holds columns (2l, 2l+1) = RoPE
+        pair l."""
+        head, rank = place.head, place.rank
         mY = cute.make_tensor(y_ptr, cute.make_layout((self.tt, self.n), stride=(self.n, 1)))
         # Every warp owns `rounds` tokens: all their math first (padded tokens t >= M too: their partials are the
         # zero-filled x rows; nothing of them is stored), then the stores. The rounds' shuffle reductions are

@@ -209,50 +209,6 @@ class FrontConsumers:
             self._deliver(recv, recv_bar, place, n, m, acc[i])
 
     @cute.jit
-    def send_wg(self, tiled_mma, acc, st, recv_bar, tidx, place):
-        """warp_split "wg" with S > 1: deliver the partials 16 bytes at a time. Thread (warp w, lane l) holds rows
-        r = 16w + l/4 and r + 8 (half h) of tokens 8i + 2(l%4) + {0, 1} (the wgmma accumulator); the four lanes with the
-        same l%4 and l/16 (k = (l/4)%4 = 0..3) hold rows 16w + 8h + 4(l/16) + k of the same tokens. Per half and per
-        four tokens c = 0..3 (two n8 blocks) they transpose their 4 x 4 values (two butterfly rounds, lanes k^1 then
-        k^2), after which lane k holds the four rows of token c = k: one st.async.v4 where `send` issues four."""
-        thr_mma = tiled_mma.get_slice(tidx)
-        tCcC = thr_mma.partition_C(cute.make_identity_tensor((HEAD_COLS, self.tt)))
-        recv = self.recv(st)
-        recv4 = cute.make_tensor(recv.iterator, cute.make_layout((4, self.tt * HEAD_COLS // 4), stride=(1, 4)))
-        k = (tidx // 4) % 4
-        odd = (k & 1) == 1  # lane k^1 holds the rows k^1
-        high = (k & 2) == 2  # lane k^2 holds the rows k^2, k^3
-        for h in cutlass.range_constexpr(2):
-            for g in cutlass.range_constexpr(self.tt // 16):
-                # accumulator element b + 2 h + 4 i is token 8i + 2(l%4) + b of row half h: token c of the group is
-                # b = c % 2 of n8 block i = 2 g + c // 2
-                x = [acc[(c % 2) + 2 * h + 4 * (2 * g + c // 2)] for c in range(4)]
-                m0, n0 = tCcC[2 * h + 8 * g]
-                # round 1 (lane k^1): keep the tokens of my parity (k % 2, k % 2 + 2), swap the others
-                a0 = cutlass.select_(odd, x[1], x[0])  # token k % 2, row k
-                a2 = cutlass.select_(odd, x[3], x[2])  # token k % 2 + 2, row k
-                b0 = cute.arch.shuffle_sync_bfly(Float32(cutlass.select_(odd, x[0], x[1])), offset=4)  # row k^1
-                b2 = cute.arch.shuffle_sync_bfly(Float32(cutlass.select_(odd, x[2], x[3])), offset=4)
-                # round 2 (lane k^2): keep token k (k % 2 + 2 (k // 2)), send the other
-                va = cutlass.select_(high, a2, a0)  # token k: rows k, k^1
-                vb = cutlass.select_(high, b2, b0)
-                ua = cute.arch.shuffle_sync_bfly(Float32(cutlass.select_(high, a0, a2)), offset=8)  # rows k^2, k^3
-                ub = cute.arch.shuffle_sync_bfly(Float32(cutlass.select_(high, b0, b2)), offset=8)
-                # row r of token k is held as row k ^ (k ^ r): 0 -> va, 1 -> vb, 2 -> ua, 3 -> ub
-                rows = []
-                for r in cutlass.range_constexpr(4):
-                    d = k ^ r
-                    lo = cutlass.select_((d & 2) == 2, ua, va)
-                    hi = cutlass.select_((d & 2) == 2, ub, vb)
-                    rows.append(f32_bits(cutlass.select_((d & 1) == 1, hi, lo)))
-                n = n0 + (k & 1) + 8 * (k >> 1)
-                quad = ((place.rank * self.owned + n // self.S) * HEAD_COLS + m0 - k) // 4
-                owner = n % self.S
-                if cutlass.const_expr(self.v.x_mcast):
-                    owner = owner + self.S * place.member
-                cute.arch.store_async_dsmem(recv4[None, quad].iterator, tuple(rows), recv_bar, owner)
-
-    @cute.jit
     def _deliver(self, recv, recv_bar, place, n, m, value):
         """This CTA's partial of (column m, token n) to the owner, rank n % S of this head (cluster rank
         n % S + S member), at recv[rank][n // S][m]: st.async into the owner's shared memory (completes on its

@@ -193,6 +193,15 @@ def test_compile_ptx(kmod, v):
         assert _count(r"wgmma\.commit_group\.sync\.aligned", ptx) == 1
         assert _count(r"wgmma\.wait_group\.sync\.aligned\s+0", ptx) == 1
         per_thread_sends = tt * HEAD_COLS // 128  # one st.async per accumulator element
+        # the owner epilogue (qkv_front_epi.py) with 16 owned tokens or more: per group of four tokens a warp, 16-byte
+        # loads of the S partials (two a token) and of cos | sin, three shuffle rounds, 16-byte stores of y, k and v;
+        # else a lane per RoPE pair: five shuffle rounds a token, no 16-byte access
+        owned = tt // v.splits
+        rounds = -(-owned // 16)
+        octets = owned >= 16
+        assert _count(r"ld\.shared\.v4\.b32", ptx) == (rounds * (2 * v.splits + 2) if octets else 0)
+        assert _count(r"st\.global\.v4\.b32", ptx) == (3 * rounds if octets else 0)
+        assert _count(r"shfl\.sync\.bfly\.b32", ptx) == (3 * rounds if octets else 5 * (owned // 4))
         # the ring is idle before the partials land in it: a cluster barrier, or (S == 1) the consumer warps' one
         assert _count(r"bar\.sync\s+3, 128", ptx) == (1 if v.recv_in_ring and v.splits == 1 else 0)
     elif v.warp_split == "rows":

@@ -28,7 +28,8 @@ sends its FP32 partial of token t to the owner CTA of its head, rank t % S, with
 completes on the owner's receive mbarrier); the owner sums the S partials in rank order 0..S-1
 (bitwise deterministic: the order depends on neither the ring depth nor timing), rounds to bf16 and
 runs the epilogue for its tokens:
-RMS norm (q, k heads), interleaved RoPE (q, k), y store, K/V cache insert (k, v heads).
+RMS norm (q, k heads), interleaved RoPE (q, k), y store, K/V cache insert (k, v heads): a lane per RoPE pair, or in the
+wgmma builds with 16 owned tokens or more eight lanes a token with 16-byte accesses (musekern/kernels/qkv_front_epi.py).
 With S == 1 the partials go to the CTA's own shared memory with plain stores.
 
 PDL: before griddepcontrol.wait the kernel reads only W (the producer prefills the ring with W
@@ -70,7 +71,7 @@ from ..variants.qkv_front import (
     smem_bytes,
     x_box_rows,
 )
-from .qkv_front_epi import FrontOctetEpilogue
+from .qkv_front_epi import OCTET_MIN_OWNED, FrontOctetEpilogue
 from .qkv_front_mma import BAR_AUX, BAR_PARTIALS, BAR_RED, CONSUMER_THREADS, CtaPlace, FrontConsumers
 
 # sm_90a: the target. sm_100a: compiles (mma.sync, TMA, clusters, st.async and griddepcontrol all exist
@@ -339,8 +340,8 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
     @cute.jit
     def finish(self, st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
                v_block_stride, eps, place, warp_idx, tidx):
-        """Owner epilogue: wait for the partials and the staged slots and cos|sin rows, then per warp split (the
-        wgmma builds: `finish_octets`; the mma.sync builds: `_finish_pairs`) RMS norm, RoPE and the stores."""
+        """Owner epilogue: wait for the partials and the staged slots and cos|sin rows, then RMS norm, RoPE and the
+        stores (the wgmma builds with 16 owned tokens or more: `finish_octets`; the others: `_finish_pairs`)."""
         head = place.head
         lane = tidx % 32
         recv = self.recv(st)
@@ -358,8 +359,9 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
         kv_head = head - self.nq
         if is_v:
             kv_head = head - self.nq - self.nkv
-        if cutlass.const_expr(self.v.warp_split == "wg"):
-            # eight lanes a token, 16-byte vectors (musekern/kernels/qkv_front_epi.py)
+        if cutlass.const_expr(self.v.warp_split == "wg" and self.owned >= OCTET_MIN_OWNED):
+            # eight lanes a token, 16-byte vectors, where every warp takes a group of four tokens
+            # (musekern/kernels/qkv_front_epi.py)
             self.finish_octets(recv, cs, slots, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
                                v_block_stride, eps, place, warp_idx, lane, is_qk, is_k, is_v, kv_head)
         else:

@@ -1,4 +1,4 @@
-"""qkv_front's owner epilogue for the wgmma builds: eight lanes a token, eight columns a lane, 16-byte accesses.
+"""qkv_front's owner epilogue for the wgmma builds with 16 owned tokens or more: eight lanes a token, 16-byte accesses.
 
 A mixin of `QkvFrontKernel` (musekern/kernels/qkv_front.py, whose docstring has the whole kernel): the method reads
 the kernel's static fields (`n`, `tt`, `S`, `owned`, `nkv`). The owner's tokens are taken four at a time by a warp:
@@ -18,6 +18,9 @@ from ..variants.qkv_front import CONSUMER_WARPS, HEAD_COLS
 OCT = 8  # columns a lane (16 bytes of bf16), lanes a token
 QUAD = 4  # fp32 a 16-byte vector
 TOKENS_A_WARP = 32 // OCT
+# Taken where every consumer warp gets a group of four tokens (bench/NOTES.md "The owner epilogue"): with 12 owned
+# tokens (TP8, 6 tiles, S = 4) a warp idles and the one-pair-a-lane epilogue measured 0.8% faster.
+OCTET_MIN_OWNED = CONSUMER_WARPS * TOKENS_A_WARP
 
 
 class FrontOctetEpilogue:

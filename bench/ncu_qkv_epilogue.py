@@ -1,0 +1,44 @@
+#!/usr/bin/env python3
+"""A few eager launches of the planned qkv_epilogue build and of a device copy of as many bytes, for Nsight Compute
+(DRAM and L2 throughput, stall reasons): what keeps the epilogue below the copy at large M.
+
+  ncu --clock-control none --kernel-name regex:"qkv_epilogue|vectorized_elementwise" --launch-count 24 \\
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --csv \\
+      python3 bench/ncu_qkv_epilogue.py 17408 16384      (N, then the M values; 3 launches of each kernel per M,
+      after the bf16 conversion of y, an elementwise kernel too)
+"""
+import sys
+
+import torch
+
+from musekern.config import load_config
+from musekern.ops.qkv_epilogue import qkv_epilogue
+from musekern.reference import rope_cos_sin_table
+from musekern.variants.qkv_epilogue import epilogue_bytes
+
+
+def main(argv) -> int:
+    n, ms = int(argv[0]), [int(a) for a in argv[1:]]
+    model = load_config()
+    shard = next(s for s in model.shards() if s.n == n)
+    nkv = shard.num_kv_heads
+    cs = rope_cos_sin_table(4096, model.rope_theta, "cuda")
+    for m in ms:
+        y = torch.randn(m, n, device="cuda").to(torch.bfloat16)
+        pos = torch.randint(0, 4096, (m,), device="cuda")
+        blocks = -(-m // 16)
+        slots = torch.randperm(blocks * 16, device="cuda")[:m]
+        kv = torch.zeros(2, blocks, 16, nkv, 64, dtype=torch.bfloat16, device="cuda")
+        half = epilogue_bytes(m, n, nkv) // 4  # bf16 elements read (= written) by a copy of the epilogue's bytes
+        src = torch.empty(half, dtype=torch.bfloat16, device="cuda")
+        dst = torch.empty_like(src)
+        for _ in range(3):
+            qkv_epilogue(y, pos, cs, slots, kv[0], kv[1], nkv, model.rms_norm_eps)
+        for _ in range(3):  # an elementwise kernel (copy_ of contiguous tensors is a cudaMemcpy, no kernel to profile)
+            torch.mul(src, 1.0, out=dst)
+        torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -38,9 +38,8 @@ from musekern.config import load_config
 from musekern.ops import qkv_epilogue as op
 from musekern.reference import fused_qknorm_rope_kv_insert, rope_cos_sin_table
 from musekern.variants.qkv_epilogue import (
-    EPI_ROUNDS_CHOICES,
-    EPI_VPT_CHOICES,
     QkvEpilogueVariant,
+    all_builds,
     epilogue_bytes,
     epilogue_variant,
     launch_grid,
@@ -52,14 +51,13 @@ MAX_POS = 8192
 BLOCK_SIZE = 16
 ROTATE_BYTES = 256 << 20  # y bytes the epilogue-alone graphs rotate over: far above the 60 MB L2
 MMA_TFLOPS = 700e12  # for the graph-length estimate only
-# the builds swept: every vecs_per_thread of one round, and the rounds with one and two vectors a thread (more
-# vectors with rounds > 1 take 114 / 165 registers: 2 / 1 CTAs an SM)
-SWEEP = tuple(QkvEpilogueVariant(v) for v in EPI_VPT_CHOICES) + tuple(
-    QkvEpilogueVariant(v, r) for v in (1, 2) for r in EPI_ROUNDS_CHOICES if r > 1)
+# the builds swept: every vecs_per_thread of one round, the rounds with one and two vectors a thread (more vectors
+# with rounds > 1 take 114 / 165 registers: 2 / 1 CTAs an SM), and the staged builds
+SWEEP = tuple(b for b in all_builds() if b.vecs_per_thread <= 2 or b.rounds == 1)
 
 
 def _name(b: QkvEpilogueVariant) -> str:
-    return f"epi_{b.vecs_per_thread}x{b.rounds}"
+    return f"epi_{b.vecs_per_thread}x{b.rounds}{'s' if b.staged else ''}"
 
 
 def _problem(n: int, nkv: int, m: int, g: torch.Generator) -> dict:

@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
 # Run HERE (CPU machine, build extra installed): every qkv_epilogue build (the planned ones and the rest of the
-# vecs_per_thread x rounds sweep) into the cache bench/epilogue_gpu.sh carries to the H200, with the commit they were built from.
+# vecs_per_thread x rounds sweep and the staged builds: musekern.variants.qkv_epilogue.all_builds) into the cache bench/epilogue_gpu.sh carries to the H200, with the commit they were built from.
 # Usage: bash bench/epilogue_cache.sh [cache-dir]   (default .musekern-cache, an ignored folder)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE=${1:-.musekern-cache}
 labels=()
-for vpt in 1 2 4 8; do
-  labels+=(--variant "qkv_epilogue[vecs_per_thread=$vpt]")
-  labels+=(--variant "qkv_epilogue[rounds=2,vecs_per_thread=$vpt]")
-done
+while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python -c "
+from musekern.variants.qkv_epilogue import all_builds
+print('\\n'.join(b.label for b in all_builds()))")
 .venv/bin/python -m musekern prepare --target h200 --cache-dir "$CACHE" -j 2 "${labels[@]}" >&2
 .venv/bin/python - "$CACHE" <<'PY'
 import json, sys

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from musekern.ops import qkv_epilogue as op
-from musekern.variants.qkv_epilogue import EPI_ROUNDS_CHOICES, EPI_VPT_CHOICES, QkvEpilogueVariant
+from musekern.variants.qkv_epilogue import all_builds
 
 HD = 64
 SHAPES = [(2176, 1), (17408, 8), (256, 1), (1280, 2)]  # (N, nkv): TP8, TP1, the smallest layout, nq = 4 nkv
@@ -54,9 +54,8 @@ def main() -> int:
                 y = exact_y(m, n, 64 if layout == "flashinfer" else 0)
                 op.qkv_epilogue(y, pos, cs, slots, kc, vc, nkv, 1e-5)  # the checked call: the planned build
                 launches += 1
-                for vpt in EPI_VPT_CHOICES:
-                    for rounds in EPI_ROUNDS_CHOICES:
-                        op.launch(y, pos, cs, slots, kc, vc, nkv, 1e-5, variant=QkvEpilogueVariant(vpt, rounds))
+                for build in all_builds():
+                    op.launch(y, pos, cs, slots, kc, vc, nkv, 1e-5, variant=build)
                     launches += 1
         torch.cuda.synchronize()
         print(f"sanitize: shape {i + 1}/{len(SHAPES)} N={n} done", file=sys.stderr)

@@ -16,11 +16,9 @@ from musekern.config import load_config
 from musekern.ops import qkv_epilogue as op
 from musekern.reference import fused_qknorm_rope_kv_insert, rope_cos_sin_table
 from musekern.variants.qkv_epilogue import (
-    EPI_ROUNDS_CHOICES,
     EPI_ROUNDS_VECTORS,
     EPI_SMALL_VECTORS,
-    EPI_VPT_CHOICES,
-    QkvEpilogueVariant,
+    all_builds,
     epilogue_variant,
     epilogue_vectors,
 )
@@ -32,7 +30,7 @@ EPS = 1e-5
 SENTINEL = -7.0  # exact in bf16: a cache element that still holds it was never written
 ATOL = 1e-3
 MODEL = load_config()
-ALL_BUILDS = [QkvEpilogueVariant(v, r) for v in EPI_VPT_CHOICES for r in EPI_ROUNDS_CHOICES]
+ALL_BUILDS = list(all_builds())
 SHARDS = {s.tp: s for s in MODEL.shards()}  # TP 8, 4, 2, 1: N = 2176, 4352, 8704, 17408 with nkv 1, 2, 4, 8
 
 

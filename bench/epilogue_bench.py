@@ -51,13 +51,13 @@ MAX_POS = 8192
 BLOCK_SIZE = 16
 ROTATE_BYTES = 256 << 20  # y bytes the epilogue-alone graphs rotate over: far above the 60 MB L2
 MMA_TFLOPS = 700e12  # for the graph-length estimate only
-# the builds swept: every vecs_per_thread of one round, the rounds with one and two vectors a thread (more vectors
-# with rounds > 1 take 114 / 165 registers: 2 / 1 CTAs an SM), and the staged builds
+# the builds swept: every vecs_per_thread of one round, and the rounds with one and two vectors a thread (more
+# vectors with rounds > 1 take 114 / 165 registers: 2 / 1 CTAs an SM)
 SWEEP = tuple(b for b in all_builds() if b.vecs_per_thread <= 2 or b.rounds == 1)
 
 
 def _name(b: QkvEpilogueVariant) -> str:
-    return f"epi_{b.vecs_per_thread}x{b.rounds}{'s' if b.staged else ''}"
+    return f"epi_{b.vecs_per_thread}x{b.rounds}"
 
 
 def _problem(n: int, nkv: int, m: int, g: torch.Generator) -> dict:

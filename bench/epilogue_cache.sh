@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run HERE (CPU machine, build extra installed): every qkv_epilogue build (the planned ones and the rest of the
-# vecs_per_thread x rounds sweep and the staged builds: musekern.variants.qkv_epilogue.all_builds) into the cache bench/epilogue_gpu.sh carries to the H200, with the commit they were built from.
+# vecs_per_thread x rounds sweep: musekern.variants.qkv_epilogue.all_builds) into the cache bench/epilogue_gpu.sh carries to the H200, with the commit they were built from.
 # Usage: bash bench/epilogue_cache.sh [cache-dir]   (default .musekern-cache, an ignored folder)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -47,7 +47,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_ptr
 from cutlass.cutlass_dsl import dsl_user_op
 
@@ -59,7 +58,6 @@ from ..variants.qkv_epilogue import (
     EPI_LANES,
     EPI_VEC_ELEMS,
     QkvEpilogueVariant,
-    staged_smem_bytes,
 )
 
 SUPPORTED_ARCHES = ("sm_90a", "sm_100a")  # plain loads/stores, shuffles and griddepcontrol: sm_90 and later
@@ -118,9 +116,8 @@ class QkvEpilogueKernel:
         per_cta = EPI_BLOCK * self.v.rounds  # units of one CTA
         grid_x = (total + (per_cta - 1)) // per_cta
         self.kernel(y, positions, cos_sin, slots, kc, vc, m, nq, nkv, ld_y, max_pos, block_size, num_blocks,
-                    k_block_stride, v_block_stride, eps).launch(grid=[grid_x, 1, 1], block=[EPI_BLOCK, 1, 1],
-                                                                smem=staged_smem_bytes(self.v), stream=stream,
-                                                                use_pdl=True)
+                    k_block_stride, v_block_stride, eps).launch(grid=[grid_x, 1, 1], block=[EPI_BLOCK, 1, 1], smem=0,
+                                                                stream=stream, use_pdl=True)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -156,52 +153,11 @@ class QkvEpilogueKernel:
         stride = (total + (per_cta - 1)) // per_cta * EPI_BLOCK
         w = bidx * EPI_BLOCK + tidx
         t = _Tensors(mY, mCS, mPos, mSlot, mK, mV, y_copy, cs_copy)
-        if cutlass.const_expr(self.v.staged):
-            self._staged_rounds(t, w, stride, tidx, total, row_units, heads, nq, nkv, max_pos, block_size, num_blocks,
-                                eps)
-        else:
-            for k in cutlass.range_constexpr(1, self.v.rounds):
-                self._prefetch(t, w + k * stride, total, row_units, heads)
-            for k in cutlass.range_constexpr(self.v.rounds):
-                unit = self._load(t, w + k * stride, total, row_units, heads)
-                self._finish(t, unit, heads, nq, nkv, max_pos, block_size, num_blocks, eps)
-
-    @cute.jit
-    def _staged_rounds(self, t, w, stride, tidx, total, row_units, heads, nq, nkv, max_pos, block_size, num_blocks,
-                       eps):
-        """`staged`: every round's y vectors, position and slot are first copied into this thread's shared-memory
-        slots with cp.async (one commit group a round: no register holds them in flight); then round k waits for
-        its own group only and works from shared memory (its coordinates computed again: nothing is held across
-        rounds)."""
-        base = cute.arch.get_dyn_smem(BFloat16, alignment=16)
-        sY = cute.make_tensor(base, cute.make_layout((self.v.rounds * self.vpt, EPI_BLOCK, _VEC),
-                                                     stride=(EPI_BLOCK * _VEC, _VEC, 1)))
-        sPS = cute.make_tensor(cute.recast_ptr(base + self.v.rounds * self.vpt * EPI_BLOCK * _VEC, dtype=Int64),
-                               cute.make_layout((self.v.rounds, EPI_BLOCK, 2), stride=(EPI_BLOCK * 2, 2, 1)))
-        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16,
-                                  num_bits_per_copy=128)
-        g2s8 = cute.make_copy_atom(cpasync.CopyG2SOp(), Int64, num_bits_per_copy=64)
+        for k in cutlass.range_constexpr(1, self.v.rounds):
+            self._prefetch(t, w + k * stride, total, row_units, heads)
         for k in cutlass.range_constexpr(self.v.rounds):
-            _, r, j, h0 = self._coords(w + k * stride, total, row_units)
-            for u in cutlass.range_constexpr(self.vpt):
-                cute.copy(g2s, t.y[r, cutlass.min(h0 + u, heads - 1) * EPI_LANES + j, None],
-                          sY[k * self.vpt + u, tidx, None])
-            one = cute.make_layout(1)
-            cute.copy(g2s8, cute.make_tensor(t.pos.iterator + r, one),
-                      cute.make_tensor(sPS.iterator + (k * EPI_BLOCK + tidx) * 2, one))
-            cute.copy(g2s8, cute.make_tensor(t.slot.iterator + r, one),
-                      cute.make_tensor(sPS.iterator + (k * EPI_BLOCK + tidx) * 2 + 1, one))
-            cute.arch.cp_async_commit_group()
-        for k in cutlass.range_constexpr(self.v.rounds):
-            cute.arch.cp_async_wait_group(self.v.rounds - 1 - k)  # this round's group has landed
-            live, r, j, h0 = self._coords(w + k * stride, total, row_units)
-            frags = []
-            for u in cutlass.range_constexpr(self.vpt):
-                f = cute.make_rmem_tensor(cute.make_layout(_VEC), BFloat16)
-                cute.autovec_copy(sY[k * self.vpt + u, tidx, None], f)
-                frags.append(f)
-            self._finish(t, _Unit(live, r, j, h0, sPS[k, tidx, 0], sPS[k, tidx, 1], frags), heads, nq, nkv, max_pos,
-                         block_size, num_blocks, eps)
+            unit = self._load(t, w + k * stride, total, row_units, heads)
+            self._finish(t, unit, heads, nq, nkv, max_pos, block_size, num_blocks, eps)
 
     @cute.jit
     def _coords(self, w, total, row_units):
@@ -322,7 +278,7 @@ def abi_for(v: QkvEpilogueVariant) -> KernelAbi:
             scalar("v_block_stride", "i64", "value_cache.stride(0) in elements, a multiple of 8"),
             scalar("eps", "f32", "added to the mean of squares"),
         ),
-        launch=LaunchSpec(block=(EPI_BLOCK, 1, 1), cluster=(1, 1, 1), dynamic_smem_bytes=staged_smem_bytes(v), pdl=True,
+        launch=LaunchSpec(block=(EPI_BLOCK, 1, 1), cluster=(1, 1, 1), dynamic_smem_bytes=0, pdl=True,
                           grid=EPI_GRID_RULE),
     )
 

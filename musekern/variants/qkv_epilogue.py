@@ -34,9 +34,6 @@ EPI_VPT_CHOICES = (1, 2, 4, 8)
 # prefetches the later rounds' y vectors, positions and slots to the L2 (prefetch.global.L2: no register holds them),
 # so their DRAM latency passes during the earlier rounds' work.
 EPI_ROUNDS_CHOICES = (1, 2)  # 4 rounds of two vectors measured slower than 2 everywhere (NOTES "qkv_epilogue")
-# Staged (`staged`): every round's y vectors are copied into shared memory with cp.async before the first round (one
-# commit group a round, waited for round by round): the loads in flight are held by shared memory, not registers.
-EPI_STAGED_ROUNDS_CHOICES = (1, 2, 4)
 # CTAs (of EPI_BLOCK threads) of each build (vecs_per_thread, rounds) an SM holds: ptxas gives them 32 / 48 / 79 / 127
 # registers a thread with one round, 48 / 63 / 114 / 165 with two (tests/test_kernels_qkv_epilogue.py checks the
 # bound; capping them with .minnctapersm spills), so with one round an SM has 32 / 40 / 48 / 64 KiB of y loads in
@@ -56,7 +53,7 @@ EPI_SMALL_VECTORS = 128 * EPI_BLOCK
 EPI_ROUNDS_VECTORS = 1 << 21
 # The flattened unit index is an Int32 in the kernel (the last CTA's dead lanes of the last round run up to
 # EPI_BLOCK * max rounds - 1 past it).
-EPI_MAX_UNITS = 2**31 - 1 - EPI_BLOCK * max(EPI_ROUNDS_CHOICES + EPI_STAGED_ROUNDS_CHOICES)
+EPI_MAX_UNITS = 2**31 - 1 - EPI_BLOCK * max(EPI_ROUNDS_CHOICES)
 EPI_GRID_RULE = (f"grid = (ceil(M * {EPI_LANES} * ceil((nq + 2 * nkv) / vecs_per_thread) / ({EPI_BLOCK} * rounds)), "
                  f"1, 1); block = ({EPI_BLOCK}, 1, 1); M == 0 launches nothing")
 
@@ -66,17 +63,14 @@ class QkvEpilogueVariant(VariantMixin):
     """One compiled qkv_epilogue: serves every N, head layout, row stride, cache layout and M."""
     kernel: ClassVar[str] = "qkv_epilogue"
     vecs_per_thread: int  # EPI_VPT_CHOICES; never changes a bit
-    rounds: int = 1  # EPI_ROUNDS_CHOICES (EPI_STAGED_ROUNDS_CHOICES when staged); never changes a bit
-    staged: bool = False  # y through shared memory with cp.async (EPI_STAGED_ROUNDS_CHOICES); never changes a bit
+    rounds: int = 1  # EPI_ROUNDS_CHOICES; never changes a bit
 
     def __post_init__(self):
         if self.vecs_per_thread not in EPI_VPT_CHOICES:
             raise ValueError(f"qkv_epilogue vecs_per_thread must be one of {EPI_VPT_CHOICES}, "
                              f"got {self.vecs_per_thread!r}")
-        choices = EPI_STAGED_ROUNDS_CHOICES if self.staged else EPI_ROUNDS_CHOICES
-        if self.rounds not in choices:
-            raise ValueError(f"qkv_epilogue rounds must be one of {choices}{' (staged)' if self.staged else ''}, "
-                             f"got {self.rounds!r}")
+        if self.rounds not in EPI_ROUNDS_CHOICES:
+            raise ValueError(f"qkv_epilogue rounds must be one of {EPI_ROUNDS_CHOICES}, got {self.rounds!r}")
 
     @property
     def ctas_per_sm(self) -> int:
@@ -85,16 +79,9 @@ class QkvEpilogueVariant(VariantMixin):
 
 
 def all_builds() -> tuple[QkvEpilogueVariant, ...]:
-    """Every build the GPU tests, the sanitizer and the bench's sweep launch: each vecs_per_thread with its register
-    rounds, and the staged builds of one and two vectors a thread (more take too many registers for the rounds)."""
-    return (tuple(QkvEpilogueVariant(v, r) for v in EPI_VPT_CHOICES for r in EPI_ROUNDS_CHOICES)
-            + tuple(QkvEpilogueVariant(v, r, staged=True) for v in (1, 2) for r in EPI_STAGED_ROUNDS_CHOICES))
-
-
-def staged_smem_bytes(v: QkvEpilogueVariant) -> int:
-    """Dynamic shared memory of a launch: a staged build's 16-byte slot per vector, and its position and slot, of every
-    round and thread."""
-    return v.rounds * EPI_BLOCK * (v.vecs_per_thread * EPI_VEC_ELEMS * 2 + POS_SLOT_BYTES) if v.staged else 0
+    """Every build the GPU tests, the sanitizer, bench/epilogue_cache.sh and the bench's sweep take: each
+    vecs_per_thread with each rounds."""
+    return tuple(QkvEpilogueVariant(v, r) for v in EPI_VPT_CHOICES for r in EPI_ROUNDS_CHOICES)
 
 
 def head_counts(n: int, num_kv_heads: int) -> tuple[int, int]:

@@ -15,7 +15,8 @@ clock64):
   3 consumer warp 0: last k-tile consumed                7 consumer warp 3: last k-tile consumed
 
 and in slots 16 / 17 the kernel's entry (thread 0, before the barriers' init and the cluster sync), in slot 18 the
-SM the CTA ran on (%smid): the wgmma builds' 136 CTAs leave 4 or more of the 132 SMs with two CTAs of the grid, and
+SM the CTA ran on (%smid), in slots 19 / 20 consumer thread 0 past `ring_idle` (with `recv_in_ring` the cluster
+barrier before the sends): the wgmma builds' 136 CTAs leave 4 or more of the 132 SMs with two CTAs of the grid, and
 the per-SM columns compare those CTAs with the ones alone on their SM.
 
 Modes: chain (the fronts back to back, PDL), after-norm (per layer the bench's PDL RMSNorm predecessor, then
@@ -34,7 +35,8 @@ import statistics
 import sys
 
 LAYERS = 8
-SLOTS = 19  # per CTA: 8 globaltimer stamps, the same 8 as clock64, the kernel's entry (globaltimer, clock64), %smid
+SLOTS = 21  # per CTA: 8 globaltimer stamps, the same 8 as clock64, the kernel's entry (globaltimer, clock64), %smid,
+# consumer thread 0 past ring_idle (globaltimer, clock64: the receive buffer's cluster barrier with recv_in_ring)
 STAMPS = ("prod_start", "wait_ret", "prod_end", "cons_done", "sent", "recv", "epi_done", "cons3_done")
 # (name, variant label overrides of the planned TP8 / TP4 builds, M)
 # (the planned TP8 builds fire trigger_ahead = stages k-tiles before the last load; "deep" is round 19's 11-stage
@@ -149,6 +151,11 @@ def _traced_class():
             self._stamp(0, cute.arch.lane_idx() == 0)
             base.producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, place)
             self._stamp(2, cute.arch.lane_idx() == 0)
+
+        @cute.jit
+        def ring_idle(self):
+            base.ring_idle(self)
+            self._stamp_slots(19, 20, cute.arch.thread_idx()[0] == 0)
 
         @cute.jit
         def aux(self, st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, place):
@@ -323,6 +330,8 @@ def _layer_summary(st):
             out[f"cons_done_med_{tag}"] = round(float(g[sel, 3].median() - t0), 1)
             out[f"cons_done_max_{tag}"] = round(float(g[sel, 3].max() - t0), 1)
             out[f"cyc_start_to_cons_med_{tag}"] = float((c[sel, 3] - c[sel, 0]).median())
+    out["cyc_cons_to_idle_med"] = float((st[:, 20].double() - c[:, 3]).median())  # the ring_idle barrier
+    out["cyc_idle_to_sent_med"] = float((c[:, 4] - st[:, 20].double()).median())  # the sends
     last = int(g[:, 6].argmax())
     out["last_epi_cta_shares_sm"] = shared[last]
     out["_abs"] = {"t0": float(t0), "epi_done_max": float(g[:, 6].max()), "wait_ret_min": float(g[:, 1].min()),
@@ -383,7 +392,8 @@ def run(outdir: str, out_json: str) -> int:
                 layers.append(_layer_summary(st))
                 if j == LAYERS // 2:  # one middle layer per CTA, ns from the previous layer's last epilogue
                     e = layers[j - 1]["_abs"]["epi_done_max"]
-                    raw = [[round(float(t) - e) for t in row[:8].tolist() + [row[16].item()]] for row in st]
+                    raw = [[round(float(t) - e) for t in row[:8].tolist() + [row[16].item(), row[19].item()]]
+                           for row in st]
             # across the PDL boundary: from layer i's last epilogue to layer i+1's first wait return / start
             gaps = [_gap(a, b) for a, b in zip(layers, layers[1:], strict=False)]
             if norm:  # the predecessor between them (its CTA 0), from the same last epilogue
@@ -463,7 +473,7 @@ def _sm_table(results):
     is consumed (ns from the layer's first producer start, median / max over the group, medians over layers), their
     stream in cycles, and in how many layers the CTA whose epilogue ends last shares its SM."""
     print(f"{'case':16} {'mode':13} {'shared':>6} {'cons med sh/al':>15} {'cons max sh/al':>15} "
-          f"{'start->cons cyc sh/al':>22} {'last shares':>11}")
+          f"{'start->cons cyc sh/al':>22} {'last shares':>11} {'c->idle':>7} {'idle->sent':>10}")
     for c in results:
         for mode in MODES:
             L = c[mode]["layers"]
@@ -475,7 +485,8 @@ def _sm_table(results):
                   f"{m('cons_done_med_shared') + ' / ' + m('cons_done_med_alone'):>15} "
                   f"{m('cons_done_max_shared') + ' / ' + m('cons_done_max_alone'):>15} "
                   f"{m('cyc_start_to_cons_med_shared') + ' / ' + m('cyc_start_to_cons_med_alone'):>22} "
-                  f"{sum(x['last_epi_cta_shares_sm'] for x in L):>6} of {len(L)}")
+                  f"{sum(x['last_epi_cta_shares_sm'] for x in L):>6} of {len(L)} {m('cyc_cons_to_idle_med'):>7} "
+                  f"{m('cyc_idle_to_sent_med'):>10}")
 
 
 def main(argv) -> int:

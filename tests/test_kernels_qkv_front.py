@@ -202,11 +202,8 @@ def test_compile_ptx(kmod, v):
         assert _count(r"ld\.shared\.v4\.b32", ptx) == (rounds * (2 * v.splits + 2) if octets else 0)
         assert _count(r"st\.global\.v4\.b32", ptx) == (3 * rounds if octets else 0)
         assert _count(r"shfl\.sync\.bfly\.b32", ptx) == (3 * rounds if octets else 5 * (owned // 4))
-        # the ring is idle before the partials land in it: the consumer warps' barrier, then (S > 1) a remote arrive
-        # on each other CTA of the head's `ready` barrier (release.cluster)
-        assert _count(r"bar\.sync\s+3, 128", ptx) == (1 if v.recv_in_ring else 0)
-        ready = v.recv_in_ring and v.splits > 1
-        assert _count(r"mbarrier\.arrive\.release\.cluster\.shared::cluster", ptx) == (v.splits if ready else 0)
+        # the ring is idle before the partials land in it: a cluster barrier, or (S == 1) the consumer warps' one
+        assert _count(r"bar\.sync\s+3, 128", ptx) == (1 if v.recv_in_ring and v.splits == 1 else 0)
         # with S > 1 a CTA's own tokens' partials are plain stores, ordered by the consumer warps' barrier 1
         assert _count(r"bar\.sync\s+1, 128", ptx) == 1
     elif v.warp_split == "rows":
@@ -234,8 +231,8 @@ def test_compile_ptx(kmod, v):
         # what st.async brings an owner: the S partials of its TT / S tokens, less its own (plain stores) in "wg"
         recv_tx = (v.splits - (v.warp_split == "wg")) * (tt // v.splits) * HEAD_COLS * 4
         assert re.search(rf"mov\.b32\s+%r\d+, {recv_tx};\s*\n\s*mbarrier\.arrive\.expect_tx", ptx)
-        # after init and before exit; (recv_in_ring, mma.sync) once per role (producer, aux, consumers) before the sends
-        assert _count(r"barrier\.cluster\.wait", ptx) == 2 + 3 * (v.recv_in_ring and v.warp_split != "wg")
+        # after init, before exit, and (recv_in_ring) once per role (producer, aux, consumers) before the sends
+        assert _count(r"barrier\.cluster\.wait", ptx) == 2 + 3 * v.recv_in_ring
     elif not v.x_mcast:
         assert n_st == 0 and "barrier.cluster" not in ptx  # S == 1: partials stay in the CTA
     # PDL: producer (before x), aux (before positions/slots/cos|sin), consumers (before stores)

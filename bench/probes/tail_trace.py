@@ -153,8 +153,8 @@ def _traced_class():
             self._stamp(2, cute.arch.lane_idx() == 0)
 
         @cute.jit
-        def ring_idle(self, st, place):
-            base.ring_idle(self, st, place)
+        def ring_idle(self):
+            base.ring_idle(self)
             self._stamp_slots(19, 20, cute.arch.thread_idx()[0] == 0)
 
         @cute.jit

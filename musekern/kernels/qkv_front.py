@@ -47,7 +47,6 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
-from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 from cutlass.cute.runtime import make_ptr
 from cutlass.memory import SmemAllocator
@@ -112,7 +111,6 @@ def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool):
             full: cute.struct.MemRange[Int64, stages]
             empty: cute.struct.MemRange[Int64, stages]
             recv_bar: cute.struct.MemRange[Int64, 1]
-            ready: cute.struct.MemRange[Int64, 1]  # S > 1: the other owners of this head have their ring idle
             slots: cute.struct.MemRange[Int64, owned]
             cs: cute.struct.Align[cute.struct.MemRange[Float32, owned * 64], 16]
         return SmemRingRecv
@@ -159,9 +157,6 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
         # ranks' (bench/NOTES.md "The partials' exchange")
         self.local_partials = v.warp_split == "wg" and self.S > 1
         self.recv_tx = (self.S - self.local_partials) * self.owned * HEAD_COLS * 4  # bytes an owner gets by st.async
-        # recv_in_ring with S > 1: an owner tells the other CTAs of its head that its ring is idle (a remote arrive on
-        # their `ready` barrier) instead of a cluster barrier of every thread of both heads
-        self.peer_ready = v.recv_in_ring and self.S > 1
         self.Smem = make_smem_struct(self.stages, self.tt, self.owned, v.recv_in_ring)
         assert not v.recv_in_ring or self.tt * HEAD_COLS * 4 <= self.stages * W_STAGE_BYTES
         self.smem = smem_bytes(v)
@@ -228,8 +223,6 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
                 cute.arch.mbarrier_init(full + s, 1)
                 cute.arch.mbarrier_init(empty + s, CONSUMER_WARPS * self.pair)  # x_mcast: both heads release
             cute.arch.mbarrier_init(recv_bar, 1)
-            if cutlass.const_expr(self.peer_ready):
-                cute.arch.mbarrier_init(st.ready.data_ptr(), self.S - 1)
             cute.arch.mbarrier_init_fence()
             if cutlass.const_expr(self.S > 1):
                 # arm the receive barrier before the cluster sync, i.e. before any peer can send
@@ -244,10 +237,10 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
 
         if warp_idx == PRODUCER_WARP:
             self.producer(tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, place)
-            self.ring_idle(st, place)
+            self.ring_idle()
         elif warp_idx == AUX_WARP:
             self.aux(st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, place)
-            self.ring_idle(st, place)
+            self.ring_idle()
         else:
             if cutlass.const_expr(self.v.warp_split == "wg"):
                 # the 4 consumer warps = warpgroup 0: wgmma m64nTTk16, A (W) and B (x) K-major from the swizzled
@@ -255,7 +248,7 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
                 wg_mma = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K,
                                                            OperandMajorMode.K, Float32, (1, 1, 1), (HEAD_COLS, self.tt))
                 acc = self.consumer_wg(wg_mma, sW, sX, full, empty, tidx, place)
-                self.ring_idle(st, place)
+                self.ring_idle()
                 self.send(wg_mma, acc, st, recv_bar, tidx, place)
             elif cutlass.const_expr(self.v.warp_split == "rows"):
                 acc = self.consumer(tiled_mma, sW, sX, full, empty, tidx, place)
@@ -278,23 +271,13 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
         return st.recv.get_tensor(cute.make_layout(self.tt * HEAD_COLS))
 
     @cute.jit
-    def ring_idle(self, st, place):
-        """`recv_in_ring`: past here the rings the partials land in are idle. With S > 1 the consumer warps of a CTA,
-        all past their last MMA (every load into the W ring has landed: they waited for each), arrive on the `ready`
-        barrier of every other CTA of their head, then wait for their own (those S - 1 owners idle); the producer and
-        aux warps take no part (the W ring, where the receive buffer lives, takes no multicast). Otherwise every
-        thread of the cluster passes a cluster barrier once its role is done with the ring; without a cluster only
-        this CTA's consumer warps take part."""
-        if cutlass.const_expr(self.peer_ready):
-            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) < CONSUMER_WARPS:
-                cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
-                if cute.arch.thread_idx()[0] == 0:
-                    for r in cutlass.range_constexpr(self.S):
-                        if r != place.rank:
-                            cute.arch.mbarrier_arrive(st.ready.data_ptr(), r + self.S * place.member,
-                                                      scope=nvvm.MemScopeKind.CLUSTER)
-                cute.arch.mbarrier_wait(st.ready.data_ptr(), 0)
-        elif cutlass.const_expr(self.v.recv_in_ring):
+    def ring_idle(self):
+        """`recv_in_ring`: every thread of the cluster passes here once its role is done with the ring (consumers
+        after their last MMA, producer after its last load, aux after staging): past it every ring of the cluster
+        is idle and the partials may land in it. Without a cluster only this CTA's consumer warps take part. (A
+        remote arrive on the other owners' barriers instead, once a CTA's consumers are past their last k-tile,
+        measured slower at S = 4: bench/NOTES.md "The partials' exchange".)"""
+        if cutlass.const_expr(self.v.recv_in_ring):
             if cutlass.const_expr(self.cluster > 1):
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()

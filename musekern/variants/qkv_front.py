@@ -189,13 +189,13 @@ def ring_smem_bytes(stages: int, tiles: int, splits: int, recv_in_ring: bool = F
     it).
 
     Layout (the kernel's @cute.struct, in order): W ring (stages x 16 KiB, 1024-aligned for the 128B swizzle),
-    x ring (stages x TT x 256 B, 1024-aligned), full/empty/recv (and with recv_in_ring and S > 1 ready) mbarriers (8 B
-    each), a staged slot (int64) and cos|sin row (64 fp32) per owned token (TT / S), the owner's receive buffer for the
+    x ring (stages x TT x 256 B, 1024-aligned), full/empty/recv mbarriers (8 B each), a staged
+    slot (int64) and cos|sin row (64 fp32) per owned token (TT / S), the owner's receive buffer for the
     S partials (TT x 64 fp32, S x TT/S tokens; none with `recv_in_ring`); padded to the struct's 1024-byte alignment.
     """
     tt = tiles * TOKEN_TILE
     owned = owned_tokens(tiles, splits)
     ring = stages * (tt * K_TILE * 2 + W_STAGE_BYTES)
-    small = 8 * (2 * stages + 1 + (recv_in_ring and splits > 1)) + 8 * owned
+    small = 8 * (2 * stages + 1) + 8 * owned
     small = (small + 15) // 16 * 16 + 4 * owned * 64 + (0 if recv_in_ring else 4 * tt * HEAD_COLS)
     return (ring + small + 1023) // 1024 * 1024

@@ -46,18 +46,22 @@ def test_tail_trace_cases_are_planned_variants_with_room_for_the_stamps():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [0, 2], ids=["one-tile-rows", "two-tile-k"])
+# (one tile "rows", two tiles "k", and the wgmma build of TP4 at 57 tokens)
+@pytest.mark.parametrize("case", [0, 2, 14], ids=["one-tile-rows", "two-tile-k", "eight-tile-wg"])
 def test_tail_trace_builds_against_the_kernel(case):
     """The traced subclass compiles with the kernel's ABI (compile_variant checks the PTX .entry) and stamps
     at its 8 sites: producer start / end, aux after the wait, consumer done (warps 0 and 3), sent, partials
-    landed, epilogue done; and at the kernel's entry."""
+    landed, epilogue done; at the kernel's entry; and past ring_idle, once per role that calls it (producer and aux;
+    the consumers too in the wgmma builds)."""
     pytest.importorskip("cutlass")
     tt = _probe("tail_trace")
     name, shape, overrides = tt.CASES[case]
     v = tt._variant(shape["n"], shape["m"], overrides)
     ck = tt.compile_traced(v)
-    assert len(re.findall(r"mov\.u64\s+%rd\d+, %globaltimer;", ck.ptx)) == 9  # and the kernel's entry
-    assert len(re.findall(r"mov\.u64\s+%rd\d+, %clock64;", ck.ptx)) == 9
+    stamps = 9 + 2 + (v.warp_split == "wg")
+    assert len(re.findall(r"mov\.u64\s+%rd\d+, %globaltimer;", ck.ptx)) == stamps
+    assert len(re.findall(r"mov\.u64\s+%rd\d+, %clock64;", ck.ptx)) == stamps
+    assert len(re.findall(r"mov\.u32\s+%r\d+, %smid;", ck.ptx)) == 1
 
 
 def test_tail_trace_predecessor_keeps_the_bench_kernel_and_builds():

@@ -9,6 +9,7 @@ labels=()
 while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python -c "
 from musekern.variants.qkv_epilogue import all_builds
 print('\\n'.join(b.label for b in all_builds()))")
+[ ${#labels[@]} -gt 0 ] || { echo "epilogue_cache.sh: no builds listed (musekern.variants.qkv_epilogue.all_builds failed?)" >&2; exit 1; }
 .venv/bin/python -m musekern prepare --target h200 --cache-dir "$CACHE" -j 2 "${labels[@]}" >&2
 .venv/bin/python - "$CACHE" <<'PY'
 import json, sys

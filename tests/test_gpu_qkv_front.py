@@ -236,8 +236,10 @@ def test_other_warp_split_is_correct_deterministic_and_ring_independent(weights,
 
 
 # Caches with >= 2^31 slots take a 64-bit slot division, all others a 32-bit one: the same launch with a
-# num_blocks that only moves the bound past 2^31 (the slots stay inside the real cache) must write the same bits.
-@pytest.mark.parametrize("tp,m", [(8, 5), (1, 16)])
+# num_blocks that only moves the bound past 2^31 (the slots stay inside the real cache) must write the same bits. Both
+# epilogues: a lane per RoPE pair (M = 5, 16) and eight lanes a token (the wgmma builds with 16 owned tokens or more:
+# TP8 4 and 8 tiles, TP4 6 tiles).
+@pytest.mark.parametrize("tp,m", [(8, 5), (1, 16), (8, 30), (8, 64), (4, 40)])
 def test_huge_cache_slot_path_matches(weights, tp, m):
     from musekern.runtime import get_kernel
     from musekern.targets import local_target

@@ -204,8 +204,11 @@ def test_compile_ptx(kmod, v):
         assert _count(r"shfl\.sync\.bfly\.b32", ptx) == (3 * rounds if octets else 5 * (owned // 4))
         # the ring is idle before the partials land in it: a cluster barrier, or (S == 1) the consumer warps' one
         assert _count(r"bar\.sync\s+3, 128", ptx) == (1 if v.recv_in_ring and v.splits == 1 else 0)
-        # with S > 1 a CTA's own tokens' partials are plain stores, ordered by the consumer warps' barrier 1
+        # with S > 1 a CTA's own tokens' partials are plain stores, ordered by the consumer warps' barrier 1: one 4-byte
+        # shared store per accumulator element (the other ranks' go by st.async: checked below), beside the aux warp's
+        # two per owned token (its cos | sin columns)
         assert _count(r"bar\.sync\s+1, 128", ptx) == 1
+        assert _count(r"st\.shared\.b32", ptx) == per_thread_sends + 2 * owned
     elif v.warp_split == "rows":
         # per k-tile a warp: 8 k-steps x (TT / 8) n8 atoms, ldmatrix x4 for W, for x x4 per 16 tokens (x2 at TT=8)
         assert n_mma == 8 * (tt // 8)

@@ -6,8 +6,8 @@ then runs 0.7-1.1 us slower than its skeleton (bench/HISTORY.md round 16b), whic
 MMAs, cluster exchange, epilogue) without a measurement. This probe builds the planned kernels with a
 subclass that adds %globaltimer / %clock64 stamps at the warp roles' boundaries (the math, the ABI and the
 launch are the kernel's own) and writes them into rows of y the launch leaves unwritten (rows M..TT-1 of the
-padded token tile: M = 1 with one tile, M = 9 with two). Per CTA, 8 stamps (slot k: globaltimer; 8 + k:
-clock64):
+padded token tile: M = 1 with one tile, M = 9 with two, TT - 7 with more). Per CTA, 8 stamps (slot k: globaltimer;
+8 + k: clock64):
 
   0 producer start (after init and the cluster sync)    4 consumer warp 0: partials sent (send / reduce_send)
   1 aux warp: griddepcontrol.wait returned               5 warp 0: all partials of its tokens landed (owner)
@@ -300,7 +300,7 @@ class _Entry:
 
 
 def _layer_summary(st):
-    """st: [ctas, 16] int64 stamps of one launch -> ns (globaltimer) relative to the first producer start,
+    """st: [ctas, SLOTS] int64 stamps of one launch -> ns (globaltimer) relative to the first producer start,
     and per-CTA intra-SM durations in cycles (clock64)."""
     g = st[:, :8].double()
     c = st[:, 8:16].double()
@@ -330,8 +330,9 @@ def _layer_summary(st):
             out[f"cons_done_med_{tag}"] = round(float(g[sel, 3].median() - t0), 1)
             out[f"cons_done_max_{tag}"] = round(float(g[sel, 3].max() - t0), 1)
             out[f"cyc_start_to_cons_med_{tag}"] = float((c[sel, 3] - c[sel, 0]).median())
-    out["cyc_cons_to_idle_med"] = float((st[:, 20].double() - c[:, 3]).median())  # the ring_idle barrier
-    out["cyc_idle_to_sent_med"] = float((c[:, 4] - st[:, 20].double()).median())  # the sends
+    if bool((st[:, 20] != 0).all()):  # the consumers pass ring_idle in the wgmma builds only
+        out["cyc_cons_to_idle_med"] = float((st[:, 20].double() - c[:, 3]).median())  # the ring_idle barrier
+        out["cyc_idle_to_sent_med"] = float((c[:, 4] - st[:, 20].double()).median())  # the sends
     last = int(g[:, 6].argmax())
     out["last_epi_cta_shares_sm"] = shared[last]
     out["_abs"] = {"t0": float(t0), "epi_done_max": float(g[:, 6].max()), "wait_ret_min": float(g[:, 1].min()),
@@ -392,8 +393,8 @@ def run(outdir: str, out_json: str) -> int:
                 layers.append(_layer_summary(st))
                 if j == LAYERS // 2:  # one middle layer per CTA, ns from the previous layer's last epilogue
                     e = layers[j - 1]["_abs"]["epi_done_max"]
-                    raw = [[round(float(t) - e) for t in row[:8].tolist() + [row[16].item(), row[19].item()]]
-                           for row in st]
+                    raw = [[round(float(t) - e) if t else None  # slot 19: 0 where the consumers skip ring_idle
+                            for t in row[:8].tolist() + [row[16].item(), row[19].item()]] for row in st]
             # across the PDL boundary: from layer i's last epilogue to layer i+1's first wait return / start
             gaps = [_gap(a, b) for a, b in zip(layers, layers[1:], strict=False)]
             if norm:  # the predecessor between them (its CTA 0), from the same last epilogue

@@ -30,7 +30,9 @@ completes on the owner's receive mbarrier); the owner sums the S partials in ran
 runs the epilogue for its tokens:
 RMS norm (q, k heads), interleaved RoPE (q, k), y store, K/V cache insert (k, v heads): a lane per RoPE pair, or in the
 wgmma builds with 16 owned tokens or more eight lanes a token with 16-byte accesses (musekern/kernels/qkv_front_epi.py).
-With S == 1 the partials go to the CTA's own shared memory with plain stores.
+With S == 1 the partials go to the CTA's own shared memory with plain stores; so do, in the wgmma builds with S > 1,
+the partials of the CTA's own tokens (st.async carries the other S - 1 ranks'; bench/NOTES.md "The partials'
+exchange").
 
 PDL: before griddepcontrol.wait the kernel reads only W (the producer prefills the ring with W
 tiles); every thread executes griddepcontrol.wait before it reads x, positions, slots or
@@ -377,8 +379,8 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
     @cute.jit
     def _finish_pairs(self, recv, cs, slots, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
                       v_block_stride, eps, place, warp_idx, lane, is_qk, is_k, is_v, kv_head):
-        """The mma.sync builds' epilogue: warp w owns tokens w, w + 4, ...; lane l holds columns (2l, 2l+1) = RoPE
-        pair l."""
+        """The epilogue of the builds with fewer than 16 owned tokens (every mma.sync build, and the wgmma builds of TP8
+        at 6 tiles): warp w owns tokens w, w + 4, ...; lane l holds columns (2l, 2l+1) = RoPE pair l."""
         head, rank = place.head, place.rank
         mY = cute.make_tensor(y_ptr, cute.make_layout((self.tt, self.n), stride=(self.n, 1)))
         # Every warp owns `rounds` tokens: all their math first (padded tokens t >= M too: their partials are the

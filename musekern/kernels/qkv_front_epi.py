@@ -5,7 +5,7 @@ the kernel's static fields (`n`, `tt`, `S`, `owned`, `nkv`). The owner's tokens 
 lane l works on token 4 g + l // 8 of group g (warp w takes groups w, w + 4, ...), columns 8 (l % 8) .. + 7 = RoPE pairs
 4 (l % 8) .. + 3. Its partials, cos|sin and stores are 16-byte vectors; the RMS norm's sum is the lane's 8 squares then
 three butterfly rounds among the token's 8 lanes. Same math and rounding steps as the one-pair-a-lane epilogue of the
-mma.sync builds (`QkvFrontKernel._token_values`); the sum of squares is added in another order.
+builds with fewer owned tokens (`QkvFrontKernel._token_values`); the sum of squares is added in another order.
 """
 # (no `from __future__ import annotations`: @cute.jit reads real annotation objects)
 
@@ -24,7 +24,7 @@ OCTET_MIN_OWNED = CONSUMER_WARPS * TOKENS_A_WARP
 
 
 class FrontOctetEpilogue:
-    """`finish_octets`, the owner epilogue of the "wg" builds (mixin)."""
+    """`finish_octets`, the owner epilogue of the "wg" builds with 16 owned tokens or more (mixin)."""
 
     @cute.jit
     def finish_octets(self, recv, cs, slots, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,

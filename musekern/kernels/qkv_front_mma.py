@@ -20,7 +20,7 @@ from ..variants.qkv_front import CONSUMER_WARPS, HEAD_COLS, RED_STRIDE, WARP_K
 
 CONSUMER_THREADS = 32 * CONSUMER_WARPS
 # named barriers (0 is __syncthreads)
-BAR_PARTIALS = 1  # S == 1: consumers wrote their partials to smem with plain stores
+BAR_PARTIALS = 1  # S == 1, and "wg" with S > 1: consumers wrote (their own tokens') partials with plain stores
 BAR_AUX = 2  # aux warp staged slots and cos|sin rows -> consumer warps (epilogue)
 BAR_RED = 3  # warp_split "k": the consumer warps are done with the ring / wrote their partials
 
@@ -212,7 +212,7 @@ class FrontConsumers:
     def _deliver(self, recv, recv_bar, place, n, m, value):
         """This CTA's partial of (column m, token n) to the owner, rank n % S of this head (cluster rank
         n % S + S member), at recv[rank][n // S][m]: st.async into the owner's shared memory (completes on its
-        receive barrier), or a plain store with S == 1."""
+        receive barrier), or a plain store with S == 1 and, in the "wg" builds, for this CTA's own tokens."""
         if cutlass.const_expr(self.local_partials):
             off = (place.rank * self.owned + n // self.S) * HEAD_COLS + m
             if n % self.S == place.rank:

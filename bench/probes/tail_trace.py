@@ -163,18 +163,20 @@ def _traced_class():
             self._stamp(1, cute.arch.lane_idx() == 0)
             base.aux(self, st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, place)
 
+        def _consumed(self, tidx):
+            self._stamp(3, tidx == 0)  # consumer warp 0 (thread 0) and warp 3 (thread 96) past their last k-tile
+            self._stamp(7, tidx == 96)
+
         @cute.jit
         def consumer(self, tiled_mma, sW, sX, full, empty, tidx, place):
             acc = base.consumer(self, tiled_mma, sW, sX, full, empty, tidx, place)
-            self._stamp(3, tidx == 0)
-            self._stamp(7, tidx == 96)
+            self._consumed(tidx)
             return acc
 
         @cute.jit
         def consumer_wg(self, tiled_mma, sW, sX, full, empty, tidx, place):
             acc = base.consumer_wg(self, tiled_mma, sW, sX, full, empty, tidx, place)
-            self._stamp(3, tidx == 0)
-            self._stamp(7, tidx == 96)
+            self._consumed(tidx)
             return acc
 
         @cute.jit

@@ -29,7 +29,8 @@ _PKG = Path(__file__).resolve().parent.parent  # the musekern package directory
 # the files every kernel shares. Read as bytes: hashing imports nothing.
 KERNEL_SOURCES = {
     "qk_norm": ("kernels/qk_norm.py", "variants/qk_norm.py"),
-    "qkv_front": ("kernels/qkv_front.py", "kernels/qkv_front_mma.py", "variants/qkv_front.py"),
+    "qkv_front": ("kernels/qkv_front.py", "kernels/qkv_front_mma.py", "kernels/qkv_front_epi.py",
+                  "variants/qkv_front.py"),
     "qkv_epilogue": ("kernels/qkv_epilogue.py", "variants/qkv_epilogue.py"),
 }
 COMMON_SOURCES = ("kernels/_dsl.py", "store/abi.py")

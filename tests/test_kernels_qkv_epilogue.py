@@ -17,9 +17,8 @@ from musekern.variants.qkv_epilogue import (
     EPI_BLOCK,
     EPI_CTAS_PER_SM,
     EPI_LANES,
-    EPI_ROUNDS_CHOICES,
-    EPI_VPT_CHOICES,
     QkvEpilogueVariant,
+    all_builds,
     head_counts,
     launch_grid,
     row_units,
@@ -29,7 +28,7 @@ torch = pytest.importorskip("torch")
 
 from musekern.reference import fused_qknorm_rope_kv_insert, rope_cos_sin_table  # noqa: E402
 
-ALL = [QkvEpilogueVariant(vpt, r) for vpt in EPI_VPT_CHOICES for r in EPI_ROUNDS_CHOICES]
+ALL = list(all_builds())
 PARAM_NAMES = ["y", "positions", "cos_sin_cache", "slot_mapping", "key_cache", "value_cache", "M", "num_q_heads",
                "num_kv_heads", "ld_y", "max_pos", "block_size", "num_blocks", "k_block_stride", "v_block_stride", "eps"]
 EPS = 1e-5

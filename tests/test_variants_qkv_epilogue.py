@@ -19,6 +19,7 @@ from musekern.variants.qkv_epilogue import (
     EPI_SMALL_VECTORS,
     EPI_VPT_CHOICES,
     QkvEpilogueVariant,
+    all_builds,
     epilogue_bytes,
     epilogue_variant,
     epilogue_vectors,
@@ -35,6 +36,11 @@ SHARDS = {(2176, 1): 16, (4352, 2): 32, (8704, 4): 64, (17408, 8): 128}
 
 
 BUILDS = [QkvEpilogueVariant(vpt, r) for vpt in EPI_VPT_CHOICES for r in EPI_ROUNDS_CHOICES]
+
+
+def test_all_builds_is_every_vecs_per_thread_with_every_rounds():
+    """The one list the GPU tests, the sanitizer, epilogue_cache.sh and the sweep take."""
+    assert list(all_builds()) == BUILDS
 
 
 # one round is the default: its label (and so its key) is the one from before rounds existed

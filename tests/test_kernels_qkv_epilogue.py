@@ -15,10 +15,14 @@ from kv_layouts import paged_caches
 from musekern.store.abi import KernelAbi, check_abi_against_ptx, cubin_arch
 from musekern.variants.qkv_epilogue import (
     EPI_BLOCK,
-    EPI_CTAS_PER_SM,
+    EPI_BULK_BLOCK,
+    EPI_BULK_CONSUMER_WARPS,
+    EPI_BULK_SMEM_BYTES,
+    EPI_BULK_STAGES,
     EPI_LANES,
     QkvEpilogueVariant,
     all_builds,
+    bulk_rows,
     head_counts,
     launch_grid,
     row_units,
@@ -43,14 +47,17 @@ def simulate(y, positions, cs, slots, kc, vc, nkv, eps, v):
     nq, _ = head_counts(n, nkv)
     heads = nq + 2 * nkv
     vpt = v.vecs_per_thread
-    ru = row_units(v, n, nkv)
-    total = m * ru
-    threads = launch_grid(v, m, n, nkv)[0] * EPI_BLOCK
-    w = (torch.arange(v.rounds)[:, None] * threads + torch.arange(threads)).reshape(-1)  # round k: thread t + k G
-    live = w < total
-    wc = w.clamp(max=total - 1)
-    r, rem = wc // ru, wc % ru
-    j, h0 = rem % EPI_LANES, (rem // EPI_LANES) * vpt
+    if v.bulk:
+        live, r, j, h0 = _bulk_units(m, n, nkv, v)
+    else:
+        ru = row_units(v, n, nkv)
+        total = m * ru
+        threads = launch_grid(v, m, n, nkv)[0] * EPI_BLOCK
+        w = (torch.arange(v.rounds)[:, None] * threads + torch.arange(threads)).reshape(-1)  # round k: thread t + k G
+        live = w < total
+        wc = w.clamp(max=total - 1)
+        r, rem = wc // ru, wc % ru
+        j, h0 = rem % EPI_LANES, (rem // EPI_LANES) * vpt
     # the 8 lanes of a (row, head group) are consecutive and 8-aligned, and all live or all dead
     for t in (r, h0, live):
         assert bool((t.view(-1, EPI_LANES) == t.view(-1, EPI_LANES)[:, :1]).all())
@@ -88,6 +95,35 @@ def simulate(y, positions, cs, slots, kc, vc, nkv, eps, v):
             cache[idx] = val[sel]
             writes.index_put_(idx, torch.tensor(1, dtype=torch.int32), accumulate=True)
     return out, y_writes, k_writes, v_writes
+
+
+def _bulk_units(m, n, nkv, v):
+    """The bulk build's units (kernels/qkv_epilogue_bulk.py), every consumer thread's trips of every stage of every
+    CTA in order: (live, row, lane j, head). Checks that the producer stages every row exactly once and that a dead
+    unit's row (stale shared memory) is never stored."""
+    nq, _ = head_counts(n, nkv)
+    heads = nq + 2 * nkv
+    rows = bulk_rows(nq, nkv)
+    grid = launch_grid(v, m, n, nkv)[0]
+    blocks = -(-m // rows)
+    ru = heads * EPI_LANES
+    units = rows * ru
+    trips = -(-units // (32 * EPI_BULK_CONSUMER_WARPS))
+    staged = torch.zeros(m, dtype=torch.int32)
+    out = []
+    for b in range(grid):
+        mine = (blocks - b + grid - 1) // grid
+        for it in range(mine):
+            r0 = (b + it * grid) * rows
+            live_rows = min(rows, m - r0)
+            staged[r0:r0 + live_rows] += 1
+            u = torch.arange(trips * 32 * EPI_BULK_CONSUMER_WARPS)
+            uc = u.clamp(max=units - 1)
+            row, rem = uc // ru, uc % ru
+            out.append((u < live_rows * ru, (r0 + row).clamp(max=m - 1), rem % EPI_LANES, rem // EPI_LANES))
+            assert bool((row[u < live_rows * ru] < live_rows).all())
+    assert bool((staged == 1).all()), "every row staged once"
+    return tuple(torch.cat([o[i] for o in out]) for i in range(4))
 
 
 def _case(m, n, nkv, layout, seed, num_blocks=5, block_size=4, max_pos=40):
@@ -156,8 +192,9 @@ def test_abi_for_is_pure_and_stable():
         assert [p.name for p in abi.params] == PARAM_NAMES
         assert [(p.kind, p.align, p.size) for p in abi.params] == (
             [("pointer", 8, 8)] * 6 + [("scalar", 4, 4)] * 7 + [("scalar", 8, 8)] * 2 + [("scalar", 4, 4)])
-        assert abi.launch.block == (EPI_BLOCK, 1, 1) and abi.launch.cluster == (1, 1, 1)
-        assert abi.launch.dynamic_smem_bytes == 0 and abi.launch.pdl and abi.tensormaps == ()
+        block, smem = (EPI_BULK_BLOCK, EPI_BULK_SMEM_BYTES) if v.bulk else (EPI_BLOCK, 0)
+        assert abi.launch.block == (block, 1, 1) and abi.launch.cluster == (1, 1, 1)
+        assert abi.launch.dynamic_smem_bytes == smem and abi.launch.pdl and abi.tensormaps == ()
         assert KernelAbi.from_json(abi.to_json()) == abi
 
 
@@ -169,6 +206,8 @@ def _check_ptx(ck, v, arch):
     assert ck.cubin[:4] == b"\x7fELF" and cubin_arch(ck.cubin) == arch
     check_abi_against_ptx(ck.abi, ck.ptx, ck.symbol)
     ptx = ck.ptx[ck.ptx.index(".entry " + ck.symbol):]
+    if v.bulk:
+        return _check_bulk_ptx(ptx)
     vpt, rounds = v.vecs_per_thread, v.rounds
     # per round: y, vpt 16-byte loads; cos and sin, one 16-byte load each; position and slot, 8 bytes each. Stores:
     # y, key cache and value cache for each head (16 bytes each, predicated per head type). Before the first round,
@@ -186,6 +225,23 @@ def _check_ptx(ck, v, arch):
         assert ptx.index("griddepcontrol.wait") < ptx.index("prefetch.global.L2") < ptx.index("ld.global")
     assert ".shared" not in ptx and "bar.sync" not in ptx and "atom." not in ptx and ".local" not in ptx
     assert f".reqntid {EPI_BLOCK}, 1, 1" in ptx
+    assert "rsqrt.approx.f32" in ptx and "cvt.f32.bf16" in ptx
+
+
+def _check_bulk_ptx(ptx):
+    """The bulk build: a row's y and its cos|sin row by two cp.async.bulk on the stage's mbarrier, the position and
+    slot the only global loads, y / key / value 16-byte stores, the stage read back with 16-byte shared loads."""
+    assert _count(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes", ptx) == 2
+    assert _count(r"^\s*(@%p\d+\s+)?ld\.global", ptx) == 2
+    assert _count(r"^\s*(@%p\d+\s+)?ld\.global(\.\w+)*\.(b64|u64|s64)\s", ptx) == 2
+    assert _count(r"^\s*(@%p\d+\s+)?st\.global(\.\w+)*\.v4\.(b32|u32|f32)\s", ptx) == 3
+    assert _count(r"^\s*(@%p\d+\s+)?st\.global", ptx) == 3
+    assert _count(r"^\s*(@%p\d+\s+)?ld\.shared(\.\w+)*\.v4\.", ptx) == 3  # y, cos, sin
+    assert _count(r"shfl\.sync\.bfly\.b32", ptx) == 3
+    assert _count(r"mbarrier\.init\.shared\.b64", ptx) == 2 * EPI_BULK_STAGES
+    assert _count(r"griddepcontrol\.wait", ptx) == 1 and _count(r"griddepcontrol\.launch_dependents", ptx) == 1
+    assert ptx.index("griddepcontrol.wait") < min(ptx.index("ld.global"), ptx.index("cp.async.bulk"))
+    assert "atom." not in ptx and ".local" not in ptx and f".reqntid {EPI_BULK_BLOCK}, 1, 1" in ptx
     assert "rsqrt.approx.f32" in ptx and "cvt.f32.bf16" in ptx
 
 
@@ -219,11 +275,18 @@ def test_sass(v, tmp_path):
         pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"local memory (spills or stack arrays): {usage}"
     regs = (usage["REG"] + 7) // 8 * 8
-    assert EPI_CTAS_PER_SM[(v.vecs_per_thread, v.rounds)] * EPI_BLOCK * regs <= 65536, f"{regs} registers"
+    block = EPI_BULK_BLOCK if v.bulk else EPI_BLOCK
+    assert v.ctas_per_sm * block * regs <= 65536, f"{regs} registers"
     sass = nvdump.dump(ck.cubin, tmp_path, "-sass")
     if "Could not find executable" in sass.stderr:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
     s = sass.stdout
+    if v.bulk:  # two bulk copies a row, the position and slot loads, three 16-byte stores, nothing spilled
+        assert len(re.findall(r"\bUBLKCP\b", s)) == 2 and len(re.findall(r"\bLDG\b", s)) == 2
+        assert len(re.findall(r"\bLDG\.E\.64\b", s)) == 2 and len(re.findall(r"\bSTG\.E\.128\b", s)) == 3
+        assert len(re.findall(r"\bLDS\.128\b", s)) == 3 and not re.search(r"\b(STL|LDL|ATOMG|REDG)\b", s)
+        assert (v.ctas_per_sm * (EPI_BULK_SMEM_BYTES + 1024)) <= 228 * 1024  # two CTAs' stages an SM
+        return
     vpt, rounds = v.vecs_per_thread, v.rounds
     assert len(re.findall(r"\bLDG\.E\.128\b", s)) == (vpt + 2) * rounds
     assert len(re.findall(r"\bSTG\.E\.128\b", s)) == 3 * vpt * rounds

@@ -15,13 +15,12 @@ from kv_layouts import paged_caches
 from musekern.store.abi import KernelAbi, check_abi_against_ptx, cubin_arch
 from musekern.variants.qkv_epilogue import (
     EPI_BLOCK,
-    EPI_BULK_BLOCK,
-    EPI_BULK_CONSUMER_WARPS,
     EPI_BULK_SMEM_BYTES,
     EPI_BULK_STAGES,
     EPI_LANES,
     QkvEpilogueVariant,
     all_builds,
+    block_threads,
     bulk_rows,
     head_counts,
     launch_grid,
@@ -99,16 +98,16 @@ def simulate(y, positions, cs, slots, kc, vc, nkv, eps, v):
 
 def _bulk_units(m, n, nkv, v):
     """The bulk build's units (kernels/qkv_epilogue_bulk.py), every consumer thread's trips of every stage of every
-    CTA in order: (live, row, lane j, head). Checks that the producer stages every row exactly once and that a dead
-    unit's row (stale shared memory) is never stored."""
+    CTA in order: (live, row, lane j, first head). Checks that the producer stages every row exactly once and that a
+    dead unit's row (stale shared memory) is never stored."""
     nq, _ = head_counts(n, nkv)
     heads = nq + 2 * nkv
     rows = bulk_rows(nq, nkv)
     grid = launch_grid(v, m, n, nkv)[0]
     blocks = -(-m // rows)
-    ru = heads * EPI_LANES
+    ru = -(-heads // v.vecs_per_thread) * EPI_LANES
     units = rows * ru
-    trips = -(-units // (32 * EPI_BULK_CONSUMER_WARPS))
+    trips = -(-units // (32 * v.bulk))
     staged = torch.zeros(m, dtype=torch.int32)
     out = []
     for b in range(grid):
@@ -117,10 +116,11 @@ def _bulk_units(m, n, nkv, v):
             r0 = (b + it * grid) * rows
             live_rows = min(rows, m - r0)
             staged[r0:r0 + live_rows] += 1
-            u = torch.arange(trips * 32 * EPI_BULK_CONSUMER_WARPS)
+            u = torch.arange(trips * 32 * v.bulk)
             uc = u.clamp(max=units - 1)
             row, rem = uc // ru, uc % ru
-            out.append((u < live_rows * ru, (r0 + row).clamp(max=m - 1), rem % EPI_LANES, rem // EPI_LANES))
+            out.append((u < live_rows * ru, (r0 + row).clamp(max=m - 1), rem % EPI_LANES,
+                        rem // EPI_LANES * v.vecs_per_thread))
             assert bool((row[u < live_rows * ru] < live_rows).all())
     assert bool((staged == 1).all()), "every row staged once"
     return tuple(torch.cat([o[i] for o in out]) for i in range(4))
@@ -192,8 +192,8 @@ def test_abi_for_is_pure_and_stable():
         assert [p.name for p in abi.params] == PARAM_NAMES
         assert [(p.kind, p.align, p.size) for p in abi.params] == (
             [("pointer", 8, 8)] * 6 + [("scalar", 4, 4)] * 7 + [("scalar", 8, 8)] * 2 + [("scalar", 4, 4)])
-        block, smem = (EPI_BULK_BLOCK, EPI_BULK_SMEM_BYTES) if v.bulk else (EPI_BLOCK, 0)
-        assert abi.launch.block == (block, 1, 1) and abi.launch.cluster == (1, 1, 1)
+        smem = EPI_BULK_SMEM_BYTES if v.bulk else 0
+        assert abi.launch.block == (block_threads(v), 1, 1) and abi.launch.cluster == (1, 1, 1)
         assert abi.launch.dynamic_smem_bytes == smem and abi.launch.pdl and abi.tensormaps == ()
         assert KernelAbi.from_json(abi.to_json()) == abi
 
@@ -207,7 +207,7 @@ def _check_ptx(ck, v, arch):
     check_abi_against_ptx(ck.abi, ck.ptx, ck.symbol)
     ptx = ck.ptx[ck.ptx.index(".entry " + ck.symbol):]
     if v.bulk:
-        return _check_bulk_ptx(ptx)
+        return _check_bulk_ptx(ptx, v)
     vpt, rounds = v.vecs_per_thread, v.rounds
     # per round: y, vpt 16-byte loads; cos and sin, one 16-byte load each; position and slot, 8 bytes each. Stores:
     # y, key cache and value cache for each head (16 bytes each, predicated per head type). Before the first round,
@@ -228,20 +228,22 @@ def _check_ptx(ck, v, arch):
     assert "rsqrt.approx.f32" in ptx and "cvt.f32.bf16" in ptx
 
 
-def _check_bulk_ptx(ptx):
+def _check_bulk_ptx(ptx, v):
     """The bulk build: a row's y and its cos|sin row by two cp.async.bulk on the stage's mbarrier, the position and
-    slot the only global loads, y / key / value 16-byte stores, the stage read back with 16-byte shared loads."""
+    slot the only global loads, y / key / value 16-byte stores per head, the stage read back with 16-byte shared
+    loads (the unit's vectors, cos, sin)."""
+    vpt = v.vecs_per_thread
     assert _count(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes", ptx) == 2
     assert _count(r"^\s*(@%p\d+\s+)?ld\.global", ptx) == 2
     assert _count(r"^\s*(@%p\d+\s+)?ld\.global(\.\w+)*\.(b64|u64|s64)\s", ptx) == 2
-    assert _count(r"^\s*(@%p\d+\s+)?st\.global(\.\w+)*\.v4\.(b32|u32|f32)\s", ptx) == 3
-    assert _count(r"^\s*(@%p\d+\s+)?st\.global", ptx) == 3
-    assert _count(r"^\s*(@%p\d+\s+)?ld\.shared(\.\w+)*\.v4\.", ptx) == 3  # y, cos, sin
-    assert _count(r"shfl\.sync\.bfly\.b32", ptx) == 3
+    assert _count(r"^\s*(@%p\d+\s+)?st\.global(\.\w+)*\.v4\.(b32|u32|f32)\s", ptx) == 3 * vpt
+    assert _count(r"^\s*(@%p\d+\s+)?st\.global", ptx) == 3 * vpt
+    assert _count(r"^\s*(@%p\d+\s+)?ld\.shared(\.\w+)*\.v4\.", ptx) == vpt + 2
+    assert _count(r"shfl\.sync\.bfly\.b32", ptx) == 3 * vpt
     assert _count(r"mbarrier\.init\.shared\.b64", ptx) == 2 * EPI_BULK_STAGES
     assert _count(r"griddepcontrol\.wait", ptx) == 1 and _count(r"griddepcontrol\.launch_dependents", ptx) == 1
     assert ptx.index("griddepcontrol.wait") < min(ptx.index("ld.global"), ptx.index("cp.async.bulk"))
-    assert "atom." not in ptx and ".local" not in ptx and f".reqntid {EPI_BULK_BLOCK}, 1, 1" in ptx
+    assert "atom." not in ptx and ".local" not in ptx and f".reqntid {block_threads(v)}, 1, 1" in ptx
     assert "rsqrt.approx.f32" in ptx and "cvt.f32.bf16" in ptx
 
 
@@ -275,16 +277,16 @@ def test_sass(v, tmp_path):
         pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"local memory (spills or stack arrays): {usage}"
     regs = (usage["REG"] + 7) // 8 * 8
-    block = EPI_BULK_BLOCK if v.bulk else EPI_BLOCK
-    assert v.ctas_per_sm * block * regs <= 65536, f"{regs} registers"
+    assert v.ctas_per_sm * block_threads(v) * regs <= 65536, f"{regs} registers"
     sass = nvdump.dump(ck.cubin, tmp_path, "-sass")
     if "Could not find executable" in sass.stderr:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
     s = sass.stdout
-    if v.bulk:  # two bulk copies a row, the position and slot loads, three 16-byte stores, nothing spilled
+    if v.bulk:  # two bulk copies a row, the position and slot loads, three 16-byte stores a head, nothing spilled
+        vpt = v.vecs_per_thread
         assert len(re.findall(r"\bUBLKCP\b", s)) == 2 and len(re.findall(r"\bLDG\b", s)) == 2
-        assert len(re.findall(r"\bLDG\.E\.64\b", s)) == 2 and len(re.findall(r"\bSTG\.E\.128\b", s)) == 3
-        assert len(re.findall(r"\bLDS\.128\b", s)) == 3 and not re.search(r"\b(STL|LDL|ATOMG|REDG)\b", s)
+        assert len(re.findall(r"\bLDG\.E\.64\b", s)) == 2 and len(re.findall(r"\bSTG\.E\.128\b", s)) == 3 * vpt
+        assert len(re.findall(r"\bLDS\.128\b", s)) == vpt + 2 and not re.search(r"\b(STL|LDL|ATOMG|REDG)\b", s)
         assert (v.ctas_per_sm * (EPI_BULK_SMEM_BYTES + 1024)) <= 228 * 1024  # two CTAs' stages an SM
         return
     vpt, rounds = v.vecs_per_thread, v.rounds

@@ -21,6 +21,7 @@ from musekern.variants.qkv_epilogue import (
     EPI_VPT_CHOICES,
     QkvEpilogueVariant,
     all_builds,
+    block_threads,
     bulk_rows,
     epilogue_bytes,
     epilogue_variant,
@@ -38,20 +39,22 @@ SHARDS = {(2176, 1): 16, (4352, 2): 32, (8704, 4): 64, (17408, 8): 128}
 
 
 BUILDS = [QkvEpilogueVariant(vpt, r) for vpt in EPI_VPT_CHOICES for r in EPI_ROUNDS_CHOICES]
-BULK = QkvEpilogueVariant(1, bulk=True)
+BULK = QkvEpilogueVariant(1, bulk=16)
+BULKS = [BULK, QkvEpilogueVariant(2, bulk=8)]
 
 
 def test_all_builds_is_every_vecs_per_thread_with_every_rounds():
     """The one list the GPU tests, the sanitizer, epilogue_cache.sh and the sweep take: the register builds and
     the bulk build."""
-    assert list(all_builds()) == BUILDS + [BULK]
+    assert list(all_builds()) == BUILDS + BULKS
 
 
 def test_bulk_build_label_and_validation():
-    assert BULK.label == "qkv_epilogue[bulk=True,vecs_per_thread=1]" and variant_from_label(BULK.label) == BULK
-    for vpt, rounds in ((2, 1), (1, 2)):
-        with pytest.raises(ValueError, match="bulk builds take vecs_per_thread=1, rounds=1"):
-            QkvEpilogueVariant(vpt, rounds, bulk=True)
+    assert BULK.label == "qkv_epilogue[bulk=16,vecs_per_thread=1]" and variant_from_label(BULK.label) == BULK
+    assert [block_threads(v) for v in BULKS] == [544, 288] and block_threads(BUILDS[0]) == EPI_BLOCK
+    for vpt, rounds, warps in ((2, 1, 16), (1, 2, 16), (4, 1, 8), (1, 1, 3)):
+        with pytest.raises(ValueError, match="bulk builds take"):
+            QkvEpilogueVariant(vpt, rounds, bulk=warps)
 
 
 # The bulk grid: one CTA per stage of rows up to EPI_BULK_MAX_CTAS (the CTAs then loop); rows a stage from the row's

@@ -53,7 +53,6 @@ from cutlass.cutlass_dsl import dsl_user_op
 from ..store.abi import KernelAbi, LaunchSpec, pointer, scalar
 from ..variants.qkv_epilogue import (
     EPI_BLOCK,
-    EPI_BULK_BLOCK,
     EPI_BULK_GRID_RULE,
     EPI_BULK_SMEM_BYTES,
     EPI_GRID_RULE,
@@ -61,6 +60,7 @@ from ..variants.qkv_epilogue import (
     EPI_LANES,
     EPI_VEC_ELEMS,
     QkvEpilogueVariant,
+    block_threads,
 )
 
 SUPPORTED_ARCHES = ("sm_90a", "sm_100a")  # plain loads/stores, shuffles and griddepcontrol: sm_90 and later
@@ -281,7 +281,7 @@ def abi_for(v: QkvEpilogueVariant) -> KernelAbi:
             scalar("v_block_stride", "i64", "value_cache.stride(0) in elements, a multiple of 8"),
             scalar("eps", "f32", "added to the mean of squares"),
         ),
-        launch=(LaunchSpec(block=(EPI_BULK_BLOCK, 1, 1), cluster=(1, 1, 1), dynamic_smem_bytes=EPI_BULK_SMEM_BYTES,
+        launch=(LaunchSpec(block=(block_threads(v), 1, 1), cluster=(1, 1, 1), dynamic_smem_bytes=EPI_BULK_SMEM_BYTES,
                            pdl=True, grid=EPI_BULK_GRID_RULE) if v.bulk else
                 LaunchSpec(block=(EPI_BLOCK, 1, 1), cluster=(1, 1, 1), dynamic_smem_bytes=0, pdl=True,
                            grid=EPI_GRID_RULE)),

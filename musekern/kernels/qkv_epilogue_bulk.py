@@ -4,16 +4,16 @@ The register builds hold every byte in flight in registers (16 B x vecs_per_thre
 position-dependent cos|sin latency), so an SM has 32-48 KiB of loads in flight for part of each thread's life.
 Here warp 0 (the producer) copies whole rows instead: per row one cp.async.bulk of its q | k | v heads (the gate
 heads are never read) and one of the cos|sin row its clamped position selects, into a ring of EPI_BULK_STAGES
-stages of `rows` rows (variants/qkv_epilogue.py: bulk_rows), counted on the stage's full mbarrier; the row's slot
-goes into the stage by a plain store, covered by the producer's second arrive. Up to four stages (~80 KiB) a CTA,
-two CTAs an SM, are in flight with no register holding them.
+stages of `rows` rows (variants/qkv_epilogue.py: bulk_rows), counted on the stage's full mbarrier. Up to four
+stages (~80 KiB) a CTA, two CTAs an SM, are in flight with no register holding them.
 
-The EPI_BULK_CONSUMER_WARPS consumer warps take a stage's units (row, head, lane j: vector j of the head, j
-fastest) 256 at a time: the vector and lane j's cos|sin pieces from shared memory, 1 / rms by butterfly shuffles
-over the head's 8 lanes, RoPE, and 16-byte stores of y (q, k heads) and of the cache rows (k normed and roped, v
-as loaded) straight to global memory; the math is the register builds' (`QkvEpilogueKernel._inv_rms`, `_roped`),
-so the results are theirs bit for bit. Each consumer warp releases the stage on its empty mbarrier once its last
-shared-memory read of it is done. Units past the stage's live rows work on the stage's last unit and store
+The `bulk` consumer warps take a stage's units (row, head group, lane j: vector j of the group's
+vecs_per_thread heads, j fastest) a thread at a time: the vectors and lane j's cos|sin pieces from shared memory, the
+row's slot from global memory (an L1 hit: the producer's position load brought the line), 1 / rms by butterfly
+shuffles over the head's 8 lanes, RoPE, and 16-byte stores of y (q, k heads) and of the cache rows (k normed and
+roped, v as loaded) straight to global memory; the math is the register builds' (`QkvEpilogueKernel._inv_rms`,
+`_roped`), so the results are theirs bit for bit. Each consumer warp releases the stage on its empty mbarrier once
+its last shared-memory read of it is done. Units past the stage's live rows work on the stage's last unit and store
 nothing (every lane runs the shuffles).
 
 CTAs take the row blocks blk = block, block + grid, ... (grid = min(blocks, EPI_BULK_MAX_CTAS)). PDL as the register
@@ -29,8 +29,6 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
 from ..variants.qkv_epilogue import (
-    EPI_BULK_BLOCK,
-    EPI_BULK_CONSUMER_WARPS,
     EPI_BULK_MAX_CTAS,
     EPI_BULK_MAX_ROWS,
     EPI_BULK_SMEM_BYTES,
@@ -48,12 +46,10 @@ _VEC = EPI_VEC_ELEMS
 _CS_ROW = EPI_HEAD_DIM  # float32 of a cos|sin row: 32 cos, 32 sin
 _CS_BYTES = _CS_ROW * 4
 _ROW_HEAD_BYTES = EPI_HEAD_DIM * 2
-_CONSUMERS = 32 * EPI_BULK_CONSUMER_WARPS
-# offsets inside a stage (bytes): y rows, then cos|sin rows, then slots
+# offsets inside a stage (bytes): y rows, then cos|sin rows
 _CS_OFF = EPI_BULK_STAGE_Y_BYTES
-_SLOT_OFF = _CS_OFF + EPI_BULK_MAX_ROWS * _CS_BYTES
 _BAR_OFF = EPI_BULK_STAGES * EPI_BULK_STAGE_BYTES  # full[STAGES], then empty[STAGES]
-assert _SLOT_OFF + EPI_BULK_MAX_ROWS * 8 == EPI_BULK_STAGE_BYTES and EPI_BULK_STAGE_BYTES % 16 == 0
+assert _CS_OFF + EPI_BULK_MAX_ROWS * _CS_BYTES == EPI_BULK_STAGE_BYTES and EPI_BULK_STAGE_BYTES % 16 == 0
 
 
 @dsl_user_op
@@ -67,11 +63,13 @@ def _bulk_g2s(dst: Int32, src: Int64, nbytes: Int32, bar: Int32, *, loc=None, ip
 
 
 class QkvEpilogueBulkKernel(QkvEpilogueKernel):
-    """The bulk build (one vector a unit: the register builds' math with vecs_per_thread 1)."""
+    """The bulk build (a unit is vecs_per_thread heads' lane j: the register builds' math)."""
 
     def __init__(self, v: QkvEpilogueVariant):
-        assert v.bulk and v.vecs_per_thread == 1
+        assert v.bulk and v.rounds == 1
         super().__init__(v)
+        self.warps = v.bulk  # consumer warps
+        self.consumers = 32 * v.bulk
 
     @cute.jit
     def __call__(self, y: cute.Pointer, positions: cute.Pointer, cos_sin: cute.Pointer, slots: cute.Pointer,
@@ -82,7 +80,8 @@ class QkvEpilogueBulkKernel(QkvEpilogueKernel):
         rows = cutlass.min(EPI_BULK_MAX_ROWS, EPI_BULK_STAGE_Y_BYTES // ((nq + 2 * nkv) * _ROW_HEAD_BYTES))
         grid_x = cutlass.min((m + (rows - 1)) // rows, EPI_BULK_MAX_CTAS)
         self.kernel(y, positions, cos_sin, slots, kc, vc, m, nq, nkv, ld_y, max_pos, block_size, num_blocks,
-                    k_block_stride, v_block_stride, eps).launch(grid=[grid_x, 1, 1], block=[EPI_BULK_BLOCK, 1, 1],
+                    k_block_stride, v_block_stride, eps).launch(grid=[grid_x, 1, 1],
+                                                                block=[32 * (1 + self.warps), 1, 1],
                                                                 smem=EPI_BULK_SMEM_BYTES, stream=stream, use_pdl=True)
 
     @cute.kernel
@@ -104,26 +103,25 @@ class QkvEpilogueBulkKernel(QkvEpilogueKernel):
         empty = full + EPI_BULK_STAGES
         if tidx == 0:
             for s in cutlass.range_constexpr(EPI_BULK_STAGES):
-                cute.arch.mbarrier_init(full + s, 2)  # the producer's expect_tx arrive and its slots-written arrive
-                cute.arch.mbarrier_init(empty + s, EPI_BULK_CONSUMER_WARPS)
+                cute.arch.mbarrier_init(full + s, 1)  # the producer's expect_tx arrive; the bytes complete it
+                cute.arch.mbarrier_init(empty + s, self.warps)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         cute.arch.griddepcontrol_wait()  # before any global read: y is the previous grid's output
         cute.arch.griddepcontrol_launch_dependents()
         if warp == 0:
-            self._produce(base, full, empty, y, positions, cos_sin, slots, m, ld_y, max_pos, row_bytes, rows, bidx,
-                          grid, mine)
+            self._produce(base, full, empty, y, positions, cos_sin, m, ld_y, max_pos, row_bytes, rows, bidx, grid,
+                          mine)
         else:
-            self._consume(base, full, empty, y, kc, vc, m, nq, nkv, heads, ld_y, block_size, num_blocks,
+            self._consume(base, full, empty, y, slots, kc, vc, m, nq, nkv, heads, ld_y, block_size, num_blocks,
                           k_block_stride, v_block_stride, eps, rows, bidx, grid, mine, tidx - 32)
 
     @cute.jit
-    def _produce(self, base, full, empty, y, positions, cos_sin, slots, m, ld_y, max_pos, row_bytes, rows, bidx,
-                 grid, mine):
+    def _produce(self, base, full, empty, y, positions, cos_sin, m, ld_y, max_pos, row_bytes, rows, bidx, grid,
+                 mine):
         """Warp 0: each of its row blocks into the next stage; lane l < the block's live rows copies row l."""
         lane = cute.arch.lane_idx()
         mPos = cute.make_tensor(positions, cute.make_layout(m))
-        mSlot = cute.make_tensor(slots, cute.make_layout(m))
         y0 = y.toint()
         cs0 = cos_sin.toint()
         smem0 = base.toint()
@@ -132,8 +130,7 @@ class QkvEpilogueBulkKernel(QkvEpilogueKernel):
             r0 = (bidx + it * grid) * rows
             live = cutlass.min(rows, m - r0)
             r = r0 + cutlass.min(lane, live - 1)  # (lanes past the live rows read the last one's, in bounds)
-            pos = mPos[r]  # issued before the empty wait: their latency passes while the ring is full
-            slot = mSlot[r]
+            pos = mPos[r]  # issued before the empty wait: its latency passes while the ring is full
             if it >= EPI_BULK_STAGES:  # use u = it // STAGES of stage s: wait until the consumers released u - 1
                 cute.arch.mbarrier_wait(empty + s, ((it // EPI_BULK_STAGES) - 1) % 2)
             stage = smem0 + s * EPI_BULK_STAGE_BYTES
@@ -145,20 +142,17 @@ class QkvEpilogueBulkKernel(QkvEpilogueKernel):
                 p = Int32(cutlass.min(cutlass.max(pos, Int64(0)), Int64(max_pos) - Int64(1)))
                 _bulk_g2s(Int32(stage + _CS_OFF + lane * _CS_BYTES), Int64(cs0) + Int64(p) * _CS_BYTES, _CS_BYTES,
                           bar)
-                sSlot = cute.make_tensor(cute.recast_ptr(base + s * EPI_BULK_STAGE_BYTES + _SLOT_OFF, dtype=Int64),
-                                         cute.make_layout(EPI_BULK_MAX_ROWS))
-                sSlot[lane] = slot
-            cute.arch.sync_warp()
-            if lane == 0:
-                cute.arch.mbarrier_arrive(full + s)  # the slots are written (release: the consumers' wait acquires)
 
     @cute.jit
-    def _consume(self, base, full, empty, y, kc, vc, m, nq, nkv, heads, ld_y, block_size, num_blocks,
+    def _consume(self, base, full, empty, y, slots, kc, vc, m, nq, nkv, heads, ld_y, block_size, num_blocks,
                  k_block_stride, v_block_stride, eps, rows, bidx, grid, mine, ctid):
-        """Warps 1..: every stage's units, 256 at a time; a warp releases the stage after its last read of it."""
+        """Warps 1..: every stage's units, one a consumer thread at a time; a warp releases the stage after its last
+        read of it. A unit is lane j of a group of vecs_per_thread heads of a row (a head past the row's last v head
+        reads the last v head: never stored), as in the register builds."""
         lane = cute.arch.lane_idx()
         mY = cute.make_tensor(y, cute.make_layout((m, heads * EPI_LANES, _VEC),
                                                   stride=(cute.assume(Int64(ld_y), divby=_VEC), _VEC, 1)))
+        mSlot = cute.make_tensor(slots, cute.make_layout(m))
         block_vecs = block_size * nkv * EPI_LANES  # 16-byte vectors of one cache block
         mK = cute.make_tensor(kc, cute.make_layout((num_blocks, block_vecs, _VEC),
                                                    stride=(cute.assume(k_block_stride, divby=_VEC), _VEC, 1)))
@@ -171,12 +165,9 @@ class QkvEpilogueBulkKernel(QkvEpilogueKernel):
         sCS = cute.make_tensor(cute.recast_ptr(base + _CS_OFF, dtype=Float32),
                                cute.make_layout((EPI_BULK_STAGES, EPI_BULK_MAX_ROWS, 2 * EPI_LANES, 4),
                                                 stride=(EPI_BULK_STAGE_BYTES // 4, _CS_ROW, 4, 1)))
-        sSlot = cute.make_tensor(cute.recast_ptr(base + _SLOT_OFF, dtype=Int64),
-                                 cute.make_layout((EPI_BULK_STAGES, EPI_BULK_MAX_ROWS),
-                                                  stride=(EPI_BULK_STAGE_BYTES // 8, 1)))
-        row_units = heads * EPI_LANES
+        row_units = (heads + (self.vpt - 1)) // self.vpt * EPI_LANES
         units = rows * row_units  # of a full stage
-        trips = (units + (_CONSUMERS - 1)) // _CONSUMERS  # the same for every lane: the shuffles need all 32
+        trips = (units + (self.consumers - 1)) // self.consumers  # the same for every lane: the shuffles need all 32
         limit = Int64(num_blocks) * Int64(block_size)
         for it in cutlass.range(mine, unroll=1):
             s = it % EPI_BULK_STAGES
@@ -184,34 +175,40 @@ class QkvEpilogueBulkKernel(QkvEpilogueKernel):
             live_units = cutlass.min(rows, m - r0) * row_units
             cute.arch.mbarrier_wait(full + s, (it // EPI_BULK_STAGES) % 2)
             for k in cutlass.range(trips, unroll=1):
-                u = ctid + k * _CONSUMERS
+                u = ctid + k * self.consumers
                 live = u < live_units
                 uc = cutlass.min(u, units - 1)
                 row = uc // row_units
                 rem = uc - row * row_units
-                h = rem // EPI_LANES
-                j = rem - h * EPI_LANES
-                f = cute.make_rmem_tensor(cute.make_layout(_VEC), BFloat16)
-                cute.autovec_copy(sY[s, uc, None], f)  # vector uc of the stage: row * row_units + rem
+                j = rem % EPI_LANES
+                h0 = (rem // EPI_LANES) * self.vpt
+                r = cutlass.min(r0 + row, m - 1)  # (a dead unit's row may be past M: its slot read stays in bounds)
+                slot = mSlot[r]  # the producer's pos load of this row brought its line into this SM's L1
+                frags = []
+                for q in cutlass.range_constexpr(self.vpt):
+                    f = cute.make_rmem_tensor(cute.make_layout(_VEC), BFloat16)
+                    cute.autovec_copy(sY[s, row * heads * EPI_LANES + cutlass.min(h0 + q, heads - 1) * EPI_LANES + j,
+                                         None], f)
+                    frags.append(f)
                 cos_f = cute.make_rmem_tensor(cute.make_layout(4), Float32)
                 sin_f = cute.make_rmem_tensor(cute.make_layout(4), Float32)
                 cute.autovec_copy(sCS[s, row, j, None], cos_f)
                 cute.autovec_copy(sCS[s, row, EPI_LANES + j, None], sin_f)
-                slot = sSlot[s, row]
-                rs = self._inv_rms([f], eps)
-                o = self._roped(f.load().to(Float32), rs[0], cos_f, sin_f)
-                r = r0 + row
-                if live and h < nq + nkv:
-                    cute.copy(y_copy, o, mY[r, h * EPI_LANES + j, None])
-                if live and slot >= Int64(0) and slot < limit and h >= nq:
-                    s32 = Int32(slot)  # < 2^31 (the op checks num_blocks * block_size)
-                    blk = s32 // block_size
-                    vec0 = (s32 - blk * block_size) * nkv * EPI_LANES + j
-                    if h < nq + nkv:
-                        cute.copy(y_copy, o, mK[blk, vec0 + (h - nq) * EPI_LANES, None])
-                    else:
-                        cute.copy(y_copy, f, mV[blk, vec0 + (h - nq - nkv) * EPI_LANES, None])
+                rs = self._inv_rms(frags, eps)
+                cached = live and slot >= Int64(0) and slot < limit
+                s32 = Int32(cutlass.min(cutlass.max(slot, Int64(0)), limit - Int64(1)))  # < 2^31: the op checks it
+                blk = s32 // block_size
+                vec0 = (s32 - blk * block_size) * nkv * EPI_LANES + j
+                for q in cutlass.range_constexpr(self.vpt):
+                    o = self._roped(frags[q].load().to(Float32), rs[q], cos_f, sin_f)
+                    h = h0 + q
+                    if live and h < nq + nkv:
+                        cute.copy(y_copy, o, mY[r, h * EPI_LANES + j, None])
+                    if cached and h >= nq:
+                        if h < nq + nkv:
+                            cute.copy(y_copy, o, mK[blk, vec0 + (h - nq) * EPI_LANES, None])
+                        elif h < heads:
+                            cute.copy(y_copy, frags[q], mV[blk, vec0 + (h - nq - nkv) * EPI_LANES, None])
             cute.arch.sync_warp()
             if lane == 0:
                 cute.arch.mbarrier_arrive(empty + s)
-

@@ -59,21 +59,21 @@ EPI_GRID_RULE = (f"grid = (ceil(M * {EPI_LANES} * ceil((nq + 2 * nkv) / vecs_per
 
 # The bulk build (`bulk`, kernels/qkv_epilogue_bulk.py): a producer warp copies whole rows of y (their q | k | v
 # heads, one cp.async.bulk a row) and each row's cos|sin row into a ring of shared-memory stages, the bytes in flight
-# held by shared memory and counted on an mbarrier, not by registers; EPI_BULK_CONSUMER_WARPS warps work a stage
-# vector by vector (8 lanes a head, as above) and store y and the cache rows. A stage holds
+# held by shared memory and counted on an mbarrier, not by registers; `bulk` consumer warps work a stage
+# unit by unit (lane j of vecs_per_thread heads, 8 lanes a head, as above) and store y and the cache rows. A stage holds
 # bulk_rows(nq, nkv) = min(EPI_BULK_MAX_ROWS, EPI_BULK_STAGE_Y_BYTES // ((nq + 2 nkv) * 128)) rows (>= 1: the
 # build serves rows of at most EPI_BULK_STAGE_Y_BYTES); the CTAs take the stages' row blocks grid-strided.
 EPI_BULK_STAGES = 4
+# (vecs_per_thread, consumer warps) of the bulk builds: a consumer trip covers 512 vectors either way, and ptxas's
+# 55 / 96 registers a thread leave two CTAs an SM (tests/test_kernels_qkv_epilogue.py checks the bound)
+EPI_BULK_BUILDS = ((1, 16), (2, 8))
 EPI_BULK_STAGE_Y_BYTES = 20480  # one TP1 row (144 heads, 18 KiB) fits; TP8 takes 8 rows a stage, TP4 4
 EPI_BULK_MAX_ROWS = 16
-EPI_BULK_CONSUMER_WARPS = 8
-EPI_BULK_BLOCK = 32 * (1 + EPI_BULK_CONSUMER_WARPS)  # warp 0 the producer
 EPI_BULK_MAX_CTAS = 264  # two CTAs on each of an H200's 132 SMs (98 KiB of shared memory each): one wave
-# a stage: its y rows, their cos|sin rows (float32) and slots (int64)
-EPI_BULK_STAGE_BYTES = EPI_BULK_STAGE_Y_BYTES + EPI_BULK_MAX_ROWS * (2 * (EPI_HEAD_DIM // 2) * 4 + 8)
+EPI_BULK_STAGE_BYTES = EPI_BULK_STAGE_Y_BYTES + EPI_BULK_MAX_ROWS * 2 * (EPI_HEAD_DIM // 2) * 4  # y, cos|sin rows
 EPI_BULK_SMEM_BYTES = EPI_BULK_STAGES * EPI_BULK_STAGE_BYTES + 2 * EPI_BULK_STAGES * 8  # + full and empty mbarriers
 EPI_BULK_GRID_RULE = (f"grid = (min(ceil(M / rows), {EPI_BULK_MAX_CTAS}), 1, 1), rows = min({EPI_BULK_MAX_ROWS}, "
-                      f"{EPI_BULK_STAGE_Y_BYTES} // ((nq + 2 * nkv) * 128)); block = ({EPI_BULK_BLOCK}, 1, 1); "
+                      f"{EPI_BULK_STAGE_Y_BYTES} // ((nq + 2 * nkv) * 128)); block = (32 * (1 + bulk), 1, 1); "
                       "M == 0 launches nothing")
 
 
@@ -83,12 +83,13 @@ class QkvEpilogueVariant(VariantMixin):
     kernel: ClassVar[str] = "qkv_epilogue"
     vecs_per_thread: int  # EPI_VPT_CHOICES; never changes a bit
     rounds: int = 1  # EPI_ROUNDS_CHOICES; never changes a bit
-    bulk: bool = False  # the bulk build (vecs_per_thread 1, rounds 1: one vector a unit); never changes a bit
+    bulk: int = 0  # consumer warps of a bulk build (EPI_BULK_BUILDS, one round), 0: registers; never changes a bit
 
     def __post_init__(self):
-        if self.bulk and (self.vecs_per_thread, self.rounds) != (1, 1):
-            raise ValueError("qkv_epilogue bulk builds take vecs_per_thread=1, rounds=1 (a consumer thread works "
-                             f"one vector at a time), got {self.vecs_per_thread}, {self.rounds}")
+        if self.bulk and ((self.vecs_per_thread, self.bulk) not in EPI_BULK_BUILDS or self.rounds != 1):
+            raise ValueError(f"qkv_epilogue bulk builds take (vecs_per_thread, bulk) in {EPI_BULK_BUILDS} and "
+                             f"rounds=1, got vecs_per_thread={self.vecs_per_thread}, bulk={self.bulk}, "
+                             f"rounds={self.rounds}")
         if self.vecs_per_thread not in EPI_VPT_CHOICES:
             raise ValueError(f"qkv_epilogue vecs_per_thread must be one of {EPI_VPT_CHOICES}, "
                              f"got {self.vecs_per_thread!r}")
@@ -105,7 +106,12 @@ def all_builds() -> tuple[QkvEpilogueVariant, ...]:
     """Every build the GPU tests, the sanitizer, bench/epilogue_cache.sh and the bench's sweep take: each
     vecs_per_thread with each rounds."""
     return (tuple(QkvEpilogueVariant(v, r) for v in EPI_VPT_CHOICES for r in EPI_ROUNDS_CHOICES)
-            + (QkvEpilogueVariant(1, bulk=True),))
+            + tuple(QkvEpilogueVariant(v, bulk=w) for v, w in EPI_BULK_BUILDS))
+
+
+def block_threads(v: QkvEpilogueVariant) -> int:
+    """Threads of a CTA: EPI_BLOCK, or a bulk build's producer warp and consumer warps."""
+    return 32 * (1 + v.bulk) if v.bulk else EPI_BLOCK
 
 
 def bulk_rows(nq: int, nkv: int) -> int:

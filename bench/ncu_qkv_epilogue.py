@@ -4,20 +4,27 @@
 
   ncu --clock-control none --kernel-name regex:"qkv_epilogue|vectorized_elementwise" --launch-count 24 \\
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --csv \\
-      python3 bench/ncu_qkv_epilogue.py 17408 16384      (N, then the M values; 3 launches of each kernel per M,
-      after the bf16 conversion of y, an elementwise kernel too)
+      python3 bench/ncu_qkv_epilogue.py 17408 16384 [--variants LABEL,...]     (N, then the M values; 3 launches of
+      each kernel per M, after the bf16 conversion of y, an elementwise kernel too; --variants: 3 launches of each of
+      these qkv_epilogue builds too, after the planned one's)
 """
 import sys
 
 import torch
 
 from musekern.config import load_config
-from musekern.ops.qkv_epilogue import qkv_epilogue
+from musekern.ops.qkv_epilogue import launch, qkv_epilogue
 from musekern.reference import rope_cos_sin_table
+from musekern.variants import variant_from_label
 from musekern.variants.qkv_epilogue import epilogue_bytes
 
 
 def main(argv) -> int:
+    builds = []
+    if "--variants" in argv:
+        i = argv.index("--variants")
+        builds = [variant_from_label(lbl) for lbl in argv[i + 1].split(",")]
+        argv = argv[:i] + argv[i + 2:]
     n, ms = int(argv[0]), [int(a) for a in argv[1:]]
     model = load_config()
     shard = next(s for s in model.shards() if s.n == n)
@@ -34,6 +41,9 @@ def main(argv) -> int:
         dst = torch.empty_like(src)
         for _ in range(3):
             qkv_epilogue(y, pos, cs, slots, kv[0], kv[1], nkv, model.rms_norm_eps)
+        for v in builds:
+            for _ in range(3):
+                launch(y, pos, cs, slots, kv[0], kv[1], nkv, model.rms_norm_eps, variant=v)
         for _ in range(3):  # an elementwise kernel (copy_ of contiguous tensors is a cudaMemcpy, no kernel to profile)
             torch.mul(src, 1.0, out=dst)
         torch.cuda.synchronize()

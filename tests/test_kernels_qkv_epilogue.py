@@ -241,6 +241,7 @@ def _check_bulk_ptx(ptx, v):
     assert _count(r"^\s*(@%p\d+\s+)?ld\.shared(\.\w+)*\.v4\.", ptx) == vpt + 2
     assert _count(r"shfl\.sync\.bfly\.b32", ptx) == 3 * vpt
     assert _count(r"mbarrier\.init\.shared\.b64", ptx) == 2 * EPI_BULK_STAGES
+    assert _count(r"^\s*(@%p\d+\s+)?prefetch\.global\.L1 ", ptx) == 1  # the slot's line, for the consumers
     assert _count(r"griddepcontrol\.wait", ptx) == 1 and _count(r"griddepcontrol\.launch_dependents", ptx) == 1
     assert ptx.index("griddepcontrol.wait") < min(ptx.index("ld.global"), ptx.index("cp.async.bulk"))
     assert "atom." not in ptx and ".local" not in ptx and f".reqntid {block_threads(v)}, 1, 1" in ptx

@@ -7,14 +7,14 @@ heads are never read) and one of the cos|sin row its clamped position selects, i
 stages of `rows` rows (variants/qkv_epilogue.py: bulk_rows), counted on the stage's full mbarrier. Up to four
 stages (~80 KiB) a CTA, two CTAs an SM, are in flight with no register holding them.
 
-The `bulk` consumer warps take a stage's units (row, head group, lane j: vector j of the group's
-vecs_per_thread heads, j fastest) a thread at a time: the vectors and lane j's cos|sin pieces from shared memory, the
-row's slot from global memory (an L1 hit: the producer's position load brought the line), 1 / rms by butterfly
-shuffles over the head's 8 lanes, RoPE, and 16-byte stores of y (q, k heads) and of the cache rows (k normed and
-roped, v as loaded) straight to global memory; the math is the register builds' (`QkvEpilogueKernel._inv_rms`,
-`_roped`), so the results are theirs bit for bit. Each consumer warp releases the stage on its empty mbarrier once
-its last shared-memory read of it is done. Units past the stage's live rows work on the stage's last unit and store
-nothing (every lane runs the shuffles).
+The `bulk` consumer warps take a stage's units (row, head group, lane j: vector j of the group's vecs_per_thread
+heads, j fastest) a thread at a time: the vectors and lane j's cos|sin pieces from shared memory, the row's slot
+from global memory (an L1 hit: the producer prefetched the line into the SM's L1 before the stage), 1 / rms by
+butterfly shuffles over the head's 8 lanes, RoPE, and 16-byte stores of y (q, k heads) and of the cache rows (k
+normed and roped, v as loaded) straight to global memory; the math is the register builds'
+(`QkvEpilogueKernel._inv_rms`, `_roped`), so the results are theirs bit for bit. Each consumer warp releases the
+stage on its empty mbarrier once its last shared-memory read of it is done. Units past the stage's live rows work on
+the stage's last unit and store nothing (every lane runs the shuffles).
 
 CTAs take the row blocks blk = block, block + grid, ... (grid = min(blocks, EPI_BULK_MAX_CTAS)). PDL as the register
 builds: every thread waits (griddepcontrol.wait) before its first global read, then launches dependents.
@@ -60,6 +60,13 @@ def _bulk_g2s(dst: Int32, src: Int64, nbytes: Int32, bar: Int32, *, loc=None, ip
                            Int32(nbytes).ir_value(loc=loc, ip=ip), Int32(bar).ir_value(loc=loc, ip=ip)],
                     "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
                     "r,l,r,r,~{memory}", has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _prefetch_l1(addr: Int64, *, loc=None, ip=None):
+    """prefetch.global.L1 [addr]: the line comes into this SM's L1 (the consumers' slot loads then hit it)."""
+    llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L1 [$0];", "l",
+                    has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 class QkvEpilogueBulkKernel(QkvEpilogueKernel):
@@ -110,15 +117,15 @@ class QkvEpilogueBulkKernel(QkvEpilogueKernel):
         cute.arch.griddepcontrol_wait()  # before any global read: y is the previous grid's output
         cute.arch.griddepcontrol_launch_dependents()
         if warp == 0:
-            self._produce(base, full, empty, y, positions, cos_sin, m, ld_y, max_pos, row_bytes, rows, bidx, grid,
-                          mine)
+            self._produce(base, full, empty, y, positions, cos_sin, slots, m, ld_y, max_pos, row_bytes, rows, bidx,
+                          grid, mine)
         else:
             self._consume(base, full, empty, y, slots, kc, vc, m, nq, nkv, heads, ld_y, block_size, num_blocks,
                           k_block_stride, v_block_stride, eps, rows, bidx, grid, mine, tidx - 32)
 
     @cute.jit
-    def _produce(self, base, full, empty, y, positions, cos_sin, m, ld_y, max_pos, row_bytes, rows, bidx, grid,
-                 mine):
+    def _produce(self, base, full, empty, y, positions, cos_sin, slots, m, ld_y, max_pos, row_bytes, rows, bidx,
+                 grid, mine):
         """Warp 0: each of its row blocks into the next stage; lane l < the block's live rows copies row l."""
         lane = cute.arch.lane_idx()
         mPos = cute.make_tensor(positions, cute.make_layout(m))
@@ -131,6 +138,7 @@ class QkvEpilogueBulkKernel(QkvEpilogueKernel):
             live = cutlass.min(rows, m - r0)
             r = r0 + cutlass.min(lane, live - 1)  # (lanes past the live rows read the last one's, in bounds)
             pos = mPos[r]  # issued before the empty wait: its latency passes while the ring is full
+            _prefetch_l1(slots.toint() + Int64(r) * 8)  # the consumers' slot load of this row
             if it >= EPI_BULK_STAGES:  # use u = it // STAGES of stage s: wait until the consumers released u - 1
                 cute.arch.mbarrier_wait(empty + s, ((it // EPI_BULK_STAGES) - 1) % 2)
             stage = smem0 + s * EPI_BULK_STAGE_BYTES
@@ -183,7 +191,7 @@ class QkvEpilogueBulkKernel(QkvEpilogueKernel):
                 j = rem % EPI_LANES
                 h0 = (rem // EPI_LANES) * self.vpt
                 r = cutlass.min(r0 + row, m - 1)  # (a dead unit's row may be past M: its slot read stays in bounds)
-                slot = mSlot[r]  # the producer's pos load of this row brought its line into this SM's L1
+                slot = mSlot[r]  # an L1 hit: the producer prefetched the line
                 frags = []
                 for q in cutlass.range_constexpr(self.vpt):
                     f = cute.make_rmem_tensor(cute.make_layout(_VEC), BFloat16)

@@ -4,7 +4,7 @@
 
   ncu --clock-control none --kernel-name regex:"qkv_epilogue|vectorized_elementwise" --launch-count 24 \\
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --csv \\
-      python3 bench/ncu_qkv_epilogue.py 17408 16384 [--variants LABEL,...]     (N, then the M values; 3 launches of
+      python3 bench/ncu_qkv_epilogue.py 17408 16384 [--variants "LABEL;..."]     (N, then the M values; 3 launches of
       each kernel per M, after the bf16 conversion of y, an elementwise kernel too; --variants: 3 launches of each of
       these qkv_epilogue builds too, after the planned one's)
 """
@@ -23,7 +23,7 @@ def main(argv) -> int:
     builds = []
     if "--variants" in argv:
         i = argv.index("--variants")
-        builds = [variant_from_label(lbl) for lbl in argv[i + 1].split(",")]
+        builds = [variant_from_label(lbl) for lbl in argv[i + 1].split(";")]
         argv = argv[:i] + argv[i + 2:]
     n, ms = int(argv[0]), [int(a) for a in argv[1:]]
     model = load_config()

@@ -45,7 +45,7 @@ def simulate(y, positions, cs, slots, kc, vc, nkv, eps, v):
     m, n = y.shape
     nq, _ = head_counts(n, nkv)
     heads = nq + 2 * nkv
-    vpt = v.vecs_per_thread
+    vpt = 1 if v.bulk else v.vecs_per_thread  # (a bulk unit is one vector)
     if v.bulk:
         live, r, j, h0 = _bulk_units(m, n, nkv, v)
     else:
@@ -97,32 +97,39 @@ def simulate(y, positions, cs, slots, kc, vc, nkv, eps, v):
 
 
 def _bulk_units(m, n, nkv, v):
-    """The bulk build's units (kernels/qkv_epilogue_bulk.py), every consumer thread's trips of every stage of every
-    CTA in order: (live, row, lane j, first head). Checks that the producer stages every row exactly once and that a
-    dead unit's row (stale shared memory) is never stored."""
+    """The bulk build's vectors (kernels/qkv_epilogue_bulk.py) in the order the consumer warps take them, 32 lanes a
+    warp step: (live, row, lane j, head), one head a vector. Checks that the producer stages every row exactly once,
+    that each (row, vector) is worked once, and that a dead lane's vector (past the row, or a row past M: stale shared
+    memory) is never stored."""
     nq, _ = head_counts(n, nkv)
     heads = nq + 2 * nkv
     rows = bulk_rows(nq, nkv)
     grid = launch_grid(v, m, n, nkv)[0]
     blocks = -(-m // rows)
-    ru = -(-heads // v.vecs_per_thread) * EPI_LANES
-    units = rows * ru
-    trips = -(-units // (32 * v.bulk))
+    row_vecs = heads * EPI_LANES
+    steps = -(-row_vecs // 32)
+    wpr = max(1, v.bulk // rows)
+    groups = v.bulk // wpr
+    lane = torch.arange(32)
     staged = torch.zeros(m, dtype=torch.int32)
+    worked = torch.zeros(m, row_vecs, dtype=torch.int32)
     out = []
     for b in range(grid):
-        mine = (blocks - b + grid - 1) // grid
-        for it in range(mine):
+        for it in range((blocks - b + grid - 1) // grid):
             r0 = (b + it * grid) * rows
             live_rows = min(rows, m - r0)
             staged[r0:r0 + live_rows] += 1
-            u = torch.arange(trips * 32 * v.bulk)
-            uc = u.clamp(max=units - 1)
-            row, rem = uc // ru, uc % ru
-            out.append((u < live_rows * ru, (r0 + row).clamp(max=m - 1), rem % EPI_LANES,
-                        rem // EPI_LANES * v.vecs_per_thread))
-            assert bool((row[u < live_rows * ru] < live_rows).all())
+            for wi in range(v.bulk):
+                for rr in range(wi // wpr, rows, groups):
+                    for st in range(wi % wpr, steps, wpr * v.vecs_per_thread):
+                        for q in range(v.vecs_per_thread):
+                            idx = (st + q * wpr) * 32 + lane
+                            live = (idx < row_vecs) & (rr < live_rows)
+                            if rr < live_rows:
+                                worked[r0 + rr, idx[live]] += 1
+                            out.append((live, torch.full((32,), min(r0 + rr, m - 1)), lane % EPI_LANES, idx // 8))
     assert bool((staged == 1).all()), "every row staged once"
+    assert bool((worked == 1).all()), "every vector of every row worked once"
     return tuple(torch.cat([o[i] for o in out]) for i in range(4))
 
 

@@ -7,14 +7,16 @@ heads are never read) and one of the cos|sin row its clamped position selects, i
 stages of `rows` rows (variants/qkv_epilogue.py: bulk_rows), counted on the stage's full mbarrier. Up to four
 stages (~80 KiB) a CTA, two CTAs an SM, are in flight with no register holding them.
 
-The `bulk` consumer warps take a stage's units (row, head group, lane j: vector j of the group's vecs_per_thread
-heads, j fastest) a thread at a time: the vectors and lane j's cos|sin pieces from shared memory, the row's slot
-from global memory (an L1 hit: the producer prefetched the line into the SM's L1 before the stage), 1 / rms by
-butterfly shuffles over the head's 8 lanes, RoPE, and 16-byte stores of y (q, k heads) and of the cache rows (k
-normed and roped, v as loaded) straight to global memory; the math is the register builds'
-(`QkvEpilogueKernel._inv_rms`, `_roped`), so the results are theirs bit for bit. Each consumer warp releases the
-stage on its empty mbarrier once its last shared-memory read of it is done. Units past the stage's live rows work on
-the stage's last unit and store nothing (every lane runs the shuffles).
+The `bulk` consumer warps split a stage's rows, wpr = max(1, warps // rows) warps a row. Per row a lane reads the
+row's slot from global memory (an L1 hit: the producer prefetched the line into the SM's L1) and its cos|sin pieces
+(lane j = lane % 8 of every head) from shared memory once; then the row's warp steps, vecs_per_thread at a time: in
+step t lane l takes vector 32 t + l of the row (head (32 t + l) // 8) from shared memory, 1 / rms by butterfly
+shuffles over the head's 8 lanes, RoPE, and 16-byte stores of y (q, k heads) and of the cache rows (k normed and
+roped, v as loaded) straight to global memory. The math is the register builds' (`QkvEpilogueKernel._inv_rms`,
+`_roped`), so the results are theirs bit for bit; the per-vector index and address work is what this layout saves
+(a vector's unit decomposition, slot division and cos|sin loads are per row here). Each consumer warp releases the
+stage on its empty mbarrier once its last shared-memory read of it is done. Lanes past the row's last vector, and
+rows past M in the last stage, read stale shared memory and store nothing (every lane runs the shuffles).
 
 CTAs take the row blocks blk = block, block + grid, ... (grid = min(blocks, EPI_BULK_MAX_CTAS)). PDL as the register
 builds: every thread waits (griddepcontrol.wait) before its first global read, then launches dependents.
@@ -49,7 +51,8 @@ _ROW_HEAD_BYTES = EPI_HEAD_DIM * 2
 # offsets inside a stage (bytes): y rows, then cos|sin rows
 _CS_OFF = EPI_BULK_STAGE_Y_BYTES
 _BAR_OFF = EPI_BULK_STAGES * EPI_BULK_STAGE_BYTES  # full[STAGES], then empty[STAGES]
-assert _CS_OFF + EPI_BULK_MAX_ROWS * _CS_BYTES == EPI_BULK_STAGE_BYTES and EPI_BULK_STAGE_BYTES % 16 == 0
+assert EPI_LANES == 8 and EPI_BULK_STAGE_BYTES % 16 == 0
+assert _CS_OFF + EPI_BULK_MAX_ROWS * _CS_BYTES == EPI_BULK_STAGE_BYTES
 
 
 @dsl_user_op
@@ -154,10 +157,13 @@ class QkvEpilogueBulkKernel(QkvEpilogueKernel):
     @cute.jit
     def _consume(self, base, full, empty, y, slots, kc, vc, m, nq, nkv, heads, ld_y, block_size, num_blocks,
                  k_block_stride, v_block_stride, eps, rows, bidx, grid, mine, ctid):
-        """Warps 1..: every stage's units, one a consumer thread at a time; a warp releases the stage after its last
-        read of it. A unit is lane j of a group of vecs_per_thread heads of a row (a head past the row's last v head
-        reads the last v head: never stored), as in the register builds."""
+        """Warps 1..: a stage's rows, `wpr` warps a row (the warps split over the rows so that none idles where the
+        stage has fewer rows than warps); per row, its slot, cache offsets and lane j's cos|sin once, then the row's
+        warp steps (32 vectors a step: lane l takes vector 32 step + l, head (32 step + l) // 8, lane j = l % 8)
+        vecs_per_thread at a time. A warp releases the stage after its last read of it."""
         lane = cute.arch.lane_idx()
+        wi = ctid // 32
+        j = lane % EPI_LANES
         mY = cute.make_tensor(y, cute.make_layout((m, heads * EPI_LANES, _VEC),
                                                   stride=(cute.assume(Int64(ld_y), divby=_VEC), _VEC, 1)))
         mSlot = cute.make_tensor(slots, cute.make_layout(m))
@@ -173,50 +179,52 @@ class QkvEpilogueBulkKernel(QkvEpilogueKernel):
         sCS = cute.make_tensor(cute.recast_ptr(base + _CS_OFF, dtype=Float32),
                                cute.make_layout((EPI_BULK_STAGES, EPI_BULK_MAX_ROWS, 2 * EPI_LANES, 4),
                                                 stride=(EPI_BULK_STAGE_BYTES // 4, _CS_ROW, 4, 1)))
-        row_units = (heads + (self.vpt - 1)) // self.vpt * EPI_LANES
-        units = rows * row_units  # of a full stage
-        trips = (units + (self.consumers - 1)) // self.consumers  # the same for every lane: the shuffles need all 32
+        row_vecs = heads * EPI_LANES
+        steps = (row_vecs + 31) // 32  # warp steps of a row
+        wpr = cutlass.max(1, self.warps // rows)  # warps a row
+        groups = self.warps // wpr  # rows worked at once
+        wr = wi // wpr  # this warp's first row of a stage
+        ws = wi - wr * wpr  # and its first step of a row
         limit = Int64(num_blocks) * Int64(block_size)
         for it in cutlass.range(mine, unroll=1):
             s = it % EPI_BULK_STAGES
             r0 = (bidx + it * grid) * rows
-            live_units = cutlass.min(rows, m - r0) * row_units
+            live_rows = cutlass.min(rows, m - r0)
             cute.arch.mbarrier_wait(full + s, (it // EPI_BULK_STAGES) % 2)
-            for k in cutlass.range(trips, unroll=1):
-                u = ctid + k * self.consumers
-                live = u < live_units
-                uc = cutlass.min(u, units - 1)
-                row = uc // row_units
-                rem = uc - row * row_units
-                j = rem % EPI_LANES
-                h0 = (rem // EPI_LANES) * self.vpt
-                r = cutlass.min(r0 + row, m - 1)  # (a dead unit's row may be past M: its slot read stays in bounds)
+            for rr in cutlass.range(wr, rows, groups, unroll=1):
+                row_live = rr < live_rows
+                r = cutlass.min(r0 + rr, m - 1)  # (a dead row of the last stage: its slot read stays in bounds)
                 slot = mSlot[r]  # an L1 hit: the producer prefetched the line
-                frags = []
-                for q in cutlass.range_constexpr(self.vpt):
-                    f = cute.make_rmem_tensor(cute.make_layout(_VEC), BFloat16)
-                    cute.autovec_copy(sY[s, row * heads * EPI_LANES + cutlass.min(h0 + q, heads - 1) * EPI_LANES + j,
-                                         None], f)
-                    frags.append(f)
-                cos_f = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-                sin_f = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-                cute.autovec_copy(sCS[s, row, j, None], cos_f)
-                cute.autovec_copy(sCS[s, row, EPI_LANES + j, None], sin_f)
-                rs = self._inv_rms(frags, eps)
-                cached = live and slot >= Int64(0) and slot < limit
+                cached = row_live and slot >= Int64(0) and slot < limit
                 s32 = Int32(cutlass.min(cutlass.max(slot, Int64(0)), limit - Int64(1)))  # < 2^31: the op checks it
                 blk = s32 // block_size
                 vec0 = (s32 - blk * block_size) * nkv * EPI_LANES + j
-                for q in cutlass.range_constexpr(self.vpt):
-                    o = self._roped(frags[q].load().to(Float32), rs[q], cos_f, sin_f)
-                    h = h0 + q
-                    if live and h < nq + nkv:
-                        cute.copy(y_copy, o, mY[r, h * EPI_LANES + j, None])
-                    if cached and h >= nq:
-                        if h < nq + nkv:
-                            cute.copy(y_copy, o, mK[blk, vec0 + (h - nq) * EPI_LANES, None])
-                        elif h < heads:
-                            cute.copy(y_copy, frags[q], mV[blk, vec0 + (h - nq - nkv) * EPI_LANES, None])
+                cos_f = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+                sin_f = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+                cute.autovec_copy(sCS[s, rr, j, None], cos_f)
+                cute.autovec_copy(sCS[s, rr, EPI_LANES + j, None], sin_f)
+                for st in cutlass.range(ws, steps, wpr * self.vpt, unroll=1):
+                    frags = []
+                    idxs = []
+                    for q in cutlass.range_constexpr(self.vpt):
+                        # a lane past the row's last vector reads the last one (its 8-lane group is all past: dead)
+                        idx = (st + q * wpr) * 32 + lane
+                        idxs.append(idx)
+                        f = cute.make_rmem_tensor(cute.make_layout(_VEC), BFloat16)
+                        cute.autovec_copy(sY[s, rr * row_vecs + cutlass.min(idx, row_vecs - 1), None], f)
+                        frags.append(f)
+                    rs = self._inv_rms(frags, eps)
+                    for q in cutlass.range_constexpr(self.vpt):
+                        idx = idxs[q]
+                        h = idx >> 3  # idx // EPI_LANES (idx >= 0: a shift, not a signed division)
+                        o = self._roped(frags[q].load().to(Float32), rs[q], cos_f, sin_f)
+                        if row_live and h < nq + nkv:
+                            cute.copy(y_copy, o, mY[r, idx, None])
+                        if cached and h >= nq:
+                            if h < nq + nkv:
+                                cute.copy(y_copy, o, mK[blk, vec0 + (h - nq) * EPI_LANES, None])
+                            elif h < heads:
+                                cute.copy(y_copy, frags[q], mV[blk, vec0 + (h - nq - nkv) * EPI_LANES, None])
             cute.arch.sync_warp()
             if lane == 0:
                 cute.arch.mbarrier_arrive(empty + s)

@@ -64,9 +64,9 @@ EPI_GRID_RULE = (f"grid = (ceil(M * {EPI_LANES} * ceil((nq + 2 * nkv) / vecs_per
 # bulk_rows(nq, nkv) = min(EPI_BULK_MAX_ROWS, EPI_BULK_STAGE_Y_BYTES // ((nq + 2 nkv) * 128)) rows (>= 1: the
 # build serves rows of at most EPI_BULK_STAGE_Y_BYTES); the CTAs take the stages' row blocks grid-strided.
 EPI_BULK_STAGES = 4
-# (vecs_per_thread, consumer warps) of the bulk builds: a consumer trip covers 512 vectors either way, and ptxas's
-# 55 / 96 registers a thread leave two CTAs an SM (tests/test_kernels_qkv_epilogue.py checks the bound)
-EPI_BULK_BUILDS = ((1, 16), (2, 8))
+# (vecs_per_thread, consumer warps) of the bulk builds: a consumer warp works vecs_per_thread steps of 32 vectors at
+# a time; ptxas's ~80 registers a thread leave two CTAs of 9 warps an SM (tests/test_kernels_qkv_epilogue.py checks)
+EPI_BULK_BUILDS = ((1, 8), (2, 8))
 EPI_BULK_STAGE_Y_BYTES = 20480  # one TP1 row (144 heads, 18 KiB) fits; TP8 takes 8 rows a stage, TP4 4
 EPI_BULK_MAX_ROWS = 16
 EPI_BULK_MAX_CTAS = 264  # two CTAs on each of an H200's 132 SMs (98 KiB of shared memory each): one wave

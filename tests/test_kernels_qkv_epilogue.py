@@ -115,8 +115,9 @@ def _bulk_units(m, n, nkv, v):
     worked = torch.zeros(m, row_vecs, dtype=torch.int32)
     out = []
     for b in range(grid):
-        for it in range((blocks - b + grid - 1) // grid):
-            r0 = (b + it * grid) * rows
+        first = b * (blocks // grid) + min(b, blocks % grid)  # a contiguous run of blocks a CTA
+        for it in range(blocks // grid + (b < blocks % grid)):
+            r0 = (first + it) * rows
             live_rows = min(rows, m - r0)
             staged[r0:r0 + live_rows] += 1
             for wi in range(v.bulk):
@@ -248,7 +249,7 @@ def _check_bulk_ptx(ptx, v):
     assert _count(r"^\s*(@%p\d+\s+)?ld\.shared(\.\w+)*\.v4\.", ptx) == vpt + 2
     assert _count(r"shfl\.sync\.bfly\.b32", ptx) == 3 * vpt
     assert _count(r"mbarrier\.init\.shared\.b64", ptx) == 2 * EPI_BULK_STAGES
-    assert _count(r"^\s*(@%p\d+\s+)?prefetch\.global\.L1 ", ptx) == 1  # the slot's line, for the consumers
+    assert _count(r"^\s*(@%p\d+\s+)?prefetch\.global\.L1 ", ptx) == 2  # position and slot lines
     assert _count(r"griddepcontrol\.wait", ptx) == 1 and _count(r"griddepcontrol\.launch_dependents", ptx) == 1
     assert ptx.index("griddepcontrol.wait") < min(ptx.index("ld.global"), ptx.index("cp.async.bulk"))
     assert "atom." not in ptx and ".local" not in ptx and f".reqntid {block_threads(v)}, 1, 1" in ptx

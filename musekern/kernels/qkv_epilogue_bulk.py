@@ -18,7 +18,8 @@ roped, v as loaded) straight to global memory. The math is the register builds' 
 stage on its empty mbarrier once its last shared-memory read of it is done. Lanes past the row's last vector, and
 rows past M in the last stage, read stale shared memory and store nothing (every lane runs the shuffles).
 
-CTAs take the row blocks blk = block, block + grid, ... (grid = min(blocks, EPI_BULK_MAX_CTAS)). PDL as the register
+A CTA takes a contiguous run of row blocks (grid = min(blocks, EPI_BULK_MAX_CTAS); blocks // grid each, one more for
+the first blocks % grid CTAs): consecutive stages share their position and slot lines. PDL as the register
 builds: every thread waits (griddepcontrol.wait) before its first global read, then launches dependents.
 """
 # (no `from __future__ import annotations`: @cute.jit reads real annotation objects)
@@ -106,7 +107,12 @@ class QkvEpilogueBulkKernel(QkvEpilogueKernel):
         row_bytes = heads * _ROW_HEAD_BYTES
         rows = cutlass.min(EPI_BULK_MAX_ROWS, EPI_BULK_STAGE_Y_BYTES // row_bytes)
         blocks = (m + (rows - 1)) // rows
-        mine = (blocks - bidx + (grid - 1)) // grid  # row blocks of this CTA: bidx, bidx + grid, ...
+        # this CTA's row blocks: a contiguous run (so consecutive stages share their position and slot lines),
+        # blocks // grid of them, one more for the first blocks % grid CTAs
+        base_n = blocks // grid
+        extra = blocks - base_n * grid
+        mine = base_n + cutlass.select_(bidx < extra, 1, 0)
+        first = bidx * base_n + cutlass.min(bidx, extra)
 
         base = cute.arch.get_dyn_smem(Uint8, alignment=128)
         full = cute.recast_ptr(base + _BAR_OFF, dtype=Int64)
@@ -120,15 +126,15 @@ class QkvEpilogueBulkKernel(QkvEpilogueKernel):
         cute.arch.griddepcontrol_wait()  # before any global read: y is the previous grid's output
         cute.arch.griddepcontrol_launch_dependents()
         if warp == 0:
-            self._produce(base, full, empty, y, positions, cos_sin, slots, m, ld_y, max_pos, row_bytes, rows, bidx,
-                          grid, mine)
+            self._produce(base, full, empty, y, positions, cos_sin, slots, m, ld_y, max_pos, row_bytes, rows, first,
+                          mine)
         else:
             self._consume(base, full, empty, y, slots, kc, vc, m, nq, nkv, heads, ld_y, block_size, num_blocks,
-                          k_block_stride, v_block_stride, eps, rows, bidx, grid, mine, tidx - 32)
+                          k_block_stride, v_block_stride, eps, rows, first, mine, tidx - 32)
 
     @cute.jit
-    def _produce(self, base, full, empty, y, positions, cos_sin, slots, m, ld_y, max_pos, row_bytes, rows, bidx,
-                 grid, mine):
+    def _produce(self, base, full, empty, y, positions, cos_sin, slots, m, ld_y, max_pos, row_bytes, rows, first,
+                 mine):
         """Warp 0: each of its row blocks into the next stage; lane l < the block's live rows copies row l."""
         lane = cute.arch.lane_idx()
         mPos = cute.make_tensor(positions, cute.make_layout(m))
@@ -137,11 +143,14 @@ class QkvEpilogueBulkKernel(QkvEpilogueKernel):
         smem0 = base.toint()
         for it in cutlass.range(mine, unroll=1):
             s = it % EPI_BULK_STAGES
-            r0 = (bidx + it * grid) * rows
+            r0 = (first + it) * rows
             live = cutlass.min(rows, m - r0)
             r = r0 + cutlass.min(lane, live - 1)  # (lanes past the live rows read the last one's, in bounds)
             pos = mPos[r]  # issued before the empty wait: its latency passes while the ring is full
-            _prefetch_l1(slots.toint() + Int64(r) * 8)  # the consumers' slot load of this row
+            # two stages ahead, the lines of the positions and slots (of this stage: the consumers' slot loads)
+            r2 = cutlass.min(r + 2 * rows, m - 1)
+            _prefetch_l1(positions.toint() + Int64(r2) * 8)
+            _prefetch_l1(slots.toint() + Int64(r) * 8)
             if it >= EPI_BULK_STAGES:  # use u = it // STAGES of stage s: wait until the consumers released u - 1
                 cute.arch.mbarrier_wait(empty + s, ((it // EPI_BULK_STAGES) - 1) % 2)
             stage = smem0 + s * EPI_BULK_STAGE_BYTES
@@ -156,7 +165,7 @@ class QkvEpilogueBulkKernel(QkvEpilogueKernel):
 
     @cute.jit
     def _consume(self, base, full, empty, y, slots, kc, vc, m, nq, nkv, heads, ld_y, block_size, num_blocks,
-                 k_block_stride, v_block_stride, eps, rows, bidx, grid, mine, ctid):
+                 k_block_stride, v_block_stride, eps, rows, first, mine, ctid):
         """Warps 1..: a stage's rows, `wpr` warps a row (the warps split over the rows so that none idles where the
         stage has fewer rows than warps); per row, its slot, cache offsets and lane j's cos|sin once, then the row's
         warp steps (32 vectors a step: lane l takes vector 32 step + l, head (32 step + l) // 8, lane j = l % 8)
@@ -188,7 +197,7 @@ class QkvEpilogueBulkKernel(QkvEpilogueKernel):
         limit = Int64(num_blocks) * Int64(block_size)
         for it in cutlass.range(mine, unroll=1):
             s = it % EPI_BULK_STAGES
-            r0 = (bidx + it * grid) * rows
+            r0 = (first + it) * rows
             live_rows = cutlass.min(rows, m - r0)
             cute.arch.mbarrier_wait(full + s, (it // EPI_BULK_STAGES) % 2)
             for rr in cutlass.range(wr, rows, groups, unroll=1):

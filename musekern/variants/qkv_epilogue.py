@@ -62,7 +62,7 @@ EPI_GRID_RULE = (f"grid = (ceil(M * {EPI_LANES} * ceil((nq + 2 * nkv) / vecs_per
 # held by shared memory and counted on an mbarrier, not by registers; `bulk` consumer warps work a stage
 # unit by unit (lane j of vecs_per_thread heads, 8 lanes a head, as above) and store y and the cache rows. A stage holds
 # bulk_rows(nq, nkv) = min(EPI_BULK_MAX_ROWS, EPI_BULK_STAGE_Y_BYTES // ((nq + 2 nkv) * 128)) rows (>= 1: the
-# build serves rows of at most EPI_BULK_STAGE_Y_BYTES); the CTAs take the stages' row blocks grid-strided.
+# build serves rows of at most EPI_BULK_STAGE_Y_BYTES); each CTA takes a contiguous run of row blocks.
 EPI_BULK_STAGES = 4
 # (vecs_per_thread, consumer warps) of the bulk builds: a consumer warp works vecs_per_thread steps of 32 vectors at
 # a time; ptxas's ~80 registers a thread leave two CTAs of 9 warps an SM (tests/test_kernels_qkv_epilogue.py checks)

@@ -296,7 +296,7 @@ def test_sass(v, tmp_path):
         assert len(re.findall(r"\bUBLKCP\b", s)) == 2 and len(re.findall(r"\bLDG\b", s)) == 2
         assert len(re.findall(r"\bLDG\.E\.64\b", s)) == 2 and len(re.findall(r"\bSTG\.E\.128\b", s)) == 3 * vpt
         assert len(re.findall(r"\bLDS\.128\b", s)) == vpt + 2 and not re.search(r"\b(STL|LDL|ATOMG|REDG)\b", s)
-        assert (v.ctas_per_sm * (EPI_BULK_SMEM_BYTES + 1024)) <= 228 * 1024  # two CTAs' stages an SM
+        assert (v.ctas_per_sm * (EPI_BULK_SMEM_BYTES + 1024)) <= 228 * 1024  # the CTAs' stages an SM
         return
     vpt, rounds = v.vecs_per_thread, v.rounds
     assert len(re.findall(r"\bLDG\.E\.128\b", s)) == (vpt + 2) * rounds

@@ -4,8 +4,8 @@ The register builds hold every byte in flight in registers (16 B x vecs_per_thre
 position-dependent cos|sin latency), so an SM has 32-48 KiB of loads in flight for part of each thread's life.
 Here warp 0 (the producer) copies whole rows instead: per row one cp.async.bulk of its q | k | v heads (the gate
 heads are never read) and one of the cos|sin row its clamped position selects, into a ring of EPI_BULK_STAGES
-stages of `rows` rows (variants/qkv_epilogue.py: bulk_rows), counted on the stage's full mbarrier. Up to four
-stages (~80 KiB) a CTA, two CTAs an SM, are in flight with no register holding them.
+stages of `rows` rows (variants/qkv_epilogue.py: bulk_rows), counted on the stage's full mbarrier. Up to three
+stages (~55 KiB) a CTA, three CTAs an SM, are in flight with no register holding them.
 
 The `bulk` consumer warps split a stage's rows, wpr = max(1, warps // rows) warps a row. Per row a lane reads the
 row's slot from global memory (an L1 hit: the producer prefetched the line into the SM's L1) and its cos|sin pieces
@@ -32,6 +32,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
 from ..variants.qkv_epilogue import (
+    EPI_BULK_CTAS_PER_SM,
     EPI_BULK_MAX_CTAS,
     EPI_BULK_MAX_ROWS,
     EPI_BULK_SMEM_BYTES,
@@ -93,7 +94,9 @@ class QkvEpilogueBulkKernel(QkvEpilogueKernel):
         self.kernel(y, positions, cos_sin, slots, kc, vc, m, nq, nkv, ld_y, max_pos, block_size, num_blocks,
                     k_block_stride, v_block_stride, eps).launch(grid=[grid_x, 1, 1],
                                                                 block=[32 * (1 + self.warps), 1, 1],
-                                                                smem=EPI_BULK_SMEM_BYTES, stream=stream, use_pdl=True)
+                                                                smem=EPI_BULK_SMEM_BYTES, stream=stream, use_pdl=True,
+                                                                min_blocks_per_mp=EPI_BULK_CTAS_PER_SM,
+                                                                preferred_smem_carveout=100)
 
     @cute.kernel
     def kernel(self, y: cute.Pointer, positions: cute.Pointer, cos_sin: cute.Pointer, slots: cute.Pointer,
@@ -225,15 +228,16 @@ class QkvEpilogueBulkKernel(QkvEpilogueKernel):
                     rs = self._inv_rms(frags, eps)
                     for q in cutlass.range_constexpr(self.vpt):
                         idx = idxs[q]
-                        h = idx >> 3  # idx // EPI_LANES (idx >= 0: a shift, not a signed division)
+                        hk = (idx >> 3) - nq  # idx // EPI_LANES - nq: the k head, if 0 <= hk < nkv
+                        hv = hk - nkv  # the v head, if 0 <= hv < nkv (a lane past the row's end has hv >= nkv)
                         o = self._roped(frags[q].load().to(Float32), rs[q], cos_f, sin_f)
-                        if row_live and h < nq + nkv:
+                        # three independent predicated stores (no branches): y for q, k heads, then the caches
+                        if row_live and hk < nkv:
                             cute.copy(y_copy, o, mY[r, idx, None])
-                        if cached and h >= nq:
-                            if h < nq + nkv:
-                                cute.copy(y_copy, o, mK[blk, vec0 + (h - nq) * EPI_LANES, None])
-                            elif h < heads:
-                                cute.copy(y_copy, frags[q], mV[blk, vec0 + (h - nq - nkv) * EPI_LANES, None])
+                        if cached and hk >= 0 and hk < nkv:
+                            cute.copy(y_copy, o, mK[blk, vec0 + hk * EPI_LANES, None])
+                        if cached and hv >= 0 and hv < nkv:
+                            cute.copy(y_copy, frags[q], mV[blk, vec0 + hv * EPI_LANES, None])
             cute.arch.sync_warp()
             if lane == 0:
                 cute.arch.mbarrier_arrive(empty + s)

@@ -63,13 +63,14 @@ EPI_GRID_RULE = (f"grid = (ceil(M * {EPI_LANES} * ceil((nq + 2 * nkv) / vecs_per
 # unit by unit (lane j of vecs_per_thread heads, 8 lanes a head, as above) and store y and the cache rows. A stage holds
 # bulk_rows(nq, nkv) = min(EPI_BULK_MAX_ROWS, EPI_BULK_STAGE_Y_BYTES // ((nq + 2 nkv) * 128)) rows (>= 1: the
 # build serves rows of at most EPI_BULK_STAGE_Y_BYTES); each CTA takes a contiguous run of row blocks.
-EPI_BULK_STAGES = 4
+EPI_BULK_STAGES = 3
 # (vecs_per_thread, consumer warps) of the bulk builds: a consumer warp works vecs_per_thread steps of 32 vectors at
-# a time; ptxas's ~80 registers a thread leave two CTAs of 9 warps an SM (tests/test_kernels_qkv_epilogue.py checks)
-EPI_BULK_BUILDS = ((1, 8), (2, 8))
+# a time (two take 76 registers a thread: too many for three CTAs an SM; tests/test_kernels_qkv_epilogue.py checks)
+EPI_BULK_BUILDS = ((1, 8),)
 EPI_BULK_STAGE_Y_BYTES = 20480  # one TP1 row (144 heads, 18 KiB) fits; TP8 takes 8 rows a stage, TP4 4
 EPI_BULK_MAX_ROWS = 16
-EPI_BULK_MAX_CTAS = 264  # two CTAs on each of an H200's 132 SMs (98 KiB of shared memory each): one wave
+EPI_BULK_CTAS_PER_SM = 3  # three CTAs of 9 warps an SM (74 KiB of shared memory and <= 72 registers a thread each)
+EPI_BULK_MAX_CTAS = EPI_BULK_CTAS_PER_SM * 132  # one wave on an H200's 132 SMs
 EPI_BULK_STAGE_BYTES = EPI_BULK_STAGE_Y_BYTES + EPI_BULK_MAX_ROWS * 2 * (EPI_HEAD_DIM // 2) * 4  # y, cos|sin rows
 EPI_BULK_SMEM_BYTES = EPI_BULK_STAGES * EPI_BULK_STAGE_BYTES + 2 * EPI_BULK_STAGES * 8  # + full and empty mbarriers
 EPI_BULK_GRID_RULE = (f"grid = (min(ceil(M / rows), {EPI_BULK_MAX_CTAS}), 1, 1), rows = min({EPI_BULK_MAX_ROWS}, "
@@ -99,7 +100,7 @@ class QkvEpilogueVariant(VariantMixin):
     @property
     def ctas_per_sm(self) -> int:
         """CTAs of this build one SM holds (register bound)."""
-        return 2 if self.bulk else EPI_CTAS_PER_SM[(self.vecs_per_thread, self.rounds)]
+        return EPI_BULK_CTAS_PER_SM if self.bulk else EPI_CTAS_PER_SM[(self.vecs_per_thread, self.rounds)]
 
 
 def all_builds() -> tuple[QkvEpilogueVariant, ...]:

@@ -147,8 +147,8 @@ def test_every_m_every_planned_n(record_property, tp, m):
 
 
 # vecs_per_thread and rounds change only which thread does what: every build gives the bits of the planned one, and
-# one build gives the same bits on every run (no atomics, no timing dependence). TP8 (partial head groups at 4 and 8)
-# and TP1, a single row, a row count that ends mid-CTA in every build, and many waves.
+# one build gives the same bits on every run (no atomics, no timing dependence). TP8 (partial head groups at 4 and 8),
+# TP4, TP2 and TP1, a single row, a row count that ends mid-CTA in every build, and many waves.
 @pytest.mark.parametrize("tp,m", [(8, 1), (8, 1000), (8, 4096), (4, 33), (2, 999), (1, 17), (1, 4096)])
 def test_every_build_gives_identical_bits(tp, m):
     p, backing = problem(m, tp, layout="flashinfer", seed=7 + m)

@@ -15,13 +15,10 @@ from kv_layouts import paged_caches
 from musekern.store.abi import KernelAbi, check_abi_against_ptx, cubin_arch
 from musekern.variants.qkv_epilogue import (
     EPI_BLOCK,
-    EPI_BULK_SMEM_BYTES,
-    EPI_BULK_STAGES,
+    EPI_CTAS_PER_SM,
     EPI_LANES,
     QkvEpilogueVariant,
     all_builds,
-    block_threads,
-    bulk_rows,
     head_counts,
     launch_grid,
     row_units,
@@ -45,18 +42,15 @@ def simulate(y, positions, cs, slots, kc, vc, nkv, eps, v):
     m, n = y.shape
     nq, _ = head_counts(n, nkv)
     heads = nq + 2 * nkv
-    vpt = 1 if v.bulk else v.vecs_per_thread  # (a bulk unit is one vector)
-    if v.bulk:
-        live, r, j, h0 = _bulk_units(m, n, nkv, v)
-    else:
-        ru = row_units(v, n, nkv)
-        total = m * ru
-        threads = launch_grid(v, m, n, nkv)[0] * EPI_BLOCK
-        w = (torch.arange(v.rounds)[:, None] * threads + torch.arange(threads)).reshape(-1)  # round k: thread t + k G
-        live = w < total
-        wc = w.clamp(max=total - 1)
-        r, rem = wc // ru, wc % ru
-        j, h0 = rem % EPI_LANES, (rem // EPI_LANES) * vpt
+    vpt = v.vecs_per_thread
+    ru = row_units(v, n, nkv)
+    total = m * ru
+    threads = launch_grid(v, m, n, nkv)[0] * EPI_BLOCK
+    w = (torch.arange(v.rounds)[:, None] * threads + torch.arange(threads)).reshape(-1)  # round k: thread t + k G
+    live = w < total
+    wc = w.clamp(max=total - 1)
+    r, rem = wc // ru, wc % ru
+    j, h0 = rem % EPI_LANES, (rem // EPI_LANES) * vpt
     # the 8 lanes of a (row, head group) are consecutive and 8-aligned, and all live or all dead
     for t in (r, h0, live):
         assert bool((t.view(-1, EPI_LANES) == t.view(-1, EPI_LANES)[:, :1]).all())
@@ -94,44 +88,6 @@ def simulate(y, positions, cs, slots, kc, vc, nkv, eps, v):
             cache[idx] = val[sel]
             writes.index_put_(idx, torch.tensor(1, dtype=torch.int32), accumulate=True)
     return out, y_writes, k_writes, v_writes
-
-
-def _bulk_units(m, n, nkv, v):
-    """The bulk build's vectors (kernels/qkv_epilogue_bulk.py) in the order the consumer warps take them, 32 lanes a
-    warp step: (live, row, lane j, head), one head a vector. Checks that the producer stages every row exactly once,
-    that each (row, vector) is worked once, and that a dead lane's vector (past the row, or a row past M: stale shared
-    memory) is never stored."""
-    nq, _ = head_counts(n, nkv)
-    heads = nq + 2 * nkv
-    rows = bulk_rows(nq, nkv)
-    grid = launch_grid(v, m, n, nkv)[0]
-    blocks = -(-m // rows)
-    row_vecs = heads * EPI_LANES
-    steps = -(-row_vecs // 32)
-    wpr = max(1, v.bulk // rows)
-    groups = v.bulk // wpr
-    lane = torch.arange(32)
-    staged = torch.zeros(m, dtype=torch.int32)
-    worked = torch.zeros(m, row_vecs, dtype=torch.int32)
-    out = []
-    for b in range(grid):
-        first = b * (blocks // grid) + min(b, blocks % grid)  # a contiguous run of blocks a CTA
-        for it in range(blocks // grid + (b < blocks % grid)):
-            r0 = (first + it) * rows
-            live_rows = min(rows, m - r0)
-            staged[r0:r0 + live_rows] += 1
-            for wi in range(v.bulk):
-                for rr in range(wi // wpr, rows, groups):
-                    for st in range(wi % wpr, steps, wpr * v.vecs_per_thread):
-                        for q in range(v.vecs_per_thread):
-                            idx = (st + q * wpr) * 32 + lane
-                            live = (idx < row_vecs) & (rr < live_rows)
-                            if rr < live_rows:
-                                worked[r0 + rr, idx[live]] += 1
-                            out.append((live, torch.full((32,), min(r0 + rr, m - 1)), lane % EPI_LANES, idx // 8))
-    assert bool((staged == 1).all()), "every row staged once"
-    assert bool((worked == 1).all()), "every vector of every row worked once"
-    return tuple(torch.cat([o[i] for o in out]) for i in range(4))
 
 
 def _case(m, n, nkv, layout, seed, num_blocks=5, block_size=4, max_pos=40):
@@ -200,9 +156,8 @@ def test_abi_for_is_pure_and_stable():
         assert [p.name for p in abi.params] == PARAM_NAMES
         assert [(p.kind, p.align, p.size) for p in abi.params] == (
             [("pointer", 8, 8)] * 6 + [("scalar", 4, 4)] * 7 + [("scalar", 8, 8)] * 2 + [("scalar", 4, 4)])
-        smem = EPI_BULK_SMEM_BYTES if v.bulk else 0
-        assert abi.launch.block == (block_threads(v), 1, 1) and abi.launch.cluster == (1, 1, 1)
-        assert abi.launch.dynamic_smem_bytes == smem and abi.launch.pdl and abi.tensormaps == ()
+        assert abi.launch.block == (EPI_BLOCK, 1, 1) and abi.launch.cluster == (1, 1, 1)
+        assert abi.launch.dynamic_smem_bytes == 0 and abi.launch.pdl and abi.tensormaps == ()
         assert KernelAbi.from_json(abi.to_json()) == abi
 
 
@@ -214,8 +169,6 @@ def _check_ptx(ck, v, arch):
     assert ck.cubin[:4] == b"\x7fELF" and cubin_arch(ck.cubin) == arch
     check_abi_against_ptx(ck.abi, ck.ptx, ck.symbol)
     ptx = ck.ptx[ck.ptx.index(".entry " + ck.symbol):]
-    if v.bulk:
-        return _check_bulk_ptx(ptx, v)
     vpt, rounds = v.vecs_per_thread, v.rounds
     # per round: y, vpt 16-byte loads; cos and sin, one 16-byte load each; position and slot, 8 bytes each. Stores:
     # y, key cache and value cache for each head (16 bytes each, predicated per head type). Before the first round,
@@ -233,26 +186,6 @@ def _check_ptx(ck, v, arch):
         assert ptx.index("griddepcontrol.wait") < ptx.index("prefetch.global.L2") < ptx.index("ld.global")
     assert ".shared" not in ptx and "bar.sync" not in ptx and "atom." not in ptx and ".local" not in ptx
     assert f".reqntid {EPI_BLOCK}, 1, 1" in ptx
-    assert "rsqrt.approx.f32" in ptx and "cvt.f32.bf16" in ptx
-
-
-def _check_bulk_ptx(ptx, v):
-    """The bulk build: a row's y and its cos|sin row by two cp.async.bulk on the stage's mbarrier, the position and
-    slot the only global loads, y / key / value 16-byte stores per head, the stage read back with 16-byte shared
-    loads (the unit's vectors, cos, sin)."""
-    vpt = v.vecs_per_thread
-    assert _count(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes", ptx) == 2
-    assert _count(r"^\s*(@%p\d+\s+)?ld\.global", ptx) == 2
-    assert _count(r"^\s*(@%p\d+\s+)?ld\.global(\.\w+)*\.(b64|u64|s64)\s", ptx) == 2
-    assert _count(r"^\s*(@%p\d+\s+)?st\.global(\.\w+)*\.v4\.(b32|u32|f32)\s", ptx) == 3 * vpt
-    assert _count(r"^\s*(@%p\d+\s+)?st\.global", ptx) == 3 * vpt
-    assert _count(r"^\s*(@%p\d+\s+)?ld\.shared(\.\w+)*\.v4\.", ptx) == vpt + 2
-    assert _count(r"shfl\.sync\.bfly\.b32", ptx) == 3 * vpt
-    assert _count(r"mbarrier\.init\.shared\.b64", ptx) == 2 * EPI_BULK_STAGES
-    assert _count(r"^\s*(@%p\d+\s+)?prefetch\.global\.L1 ", ptx) == 2  # position and slot lines
-    assert _count(r"griddepcontrol\.wait", ptx) == 1 and _count(r"griddepcontrol\.launch_dependents", ptx) == 1
-    assert ptx.index("griddepcontrol.wait") < min(ptx.index("ld.global"), ptx.index("cp.async.bulk"))
-    assert "atom." not in ptx and ".local" not in ptx and f".reqntid {block_threads(v)}, 1, 1" in ptx
     assert "rsqrt.approx.f32" in ptx and "cvt.f32.bf16" in ptx
 
 
@@ -286,18 +219,11 @@ def test_sass(v, tmp_path):
         pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"local memory (spills or stack arrays): {usage}"
     regs = (usage["REG"] + 7) // 8 * 8
-    assert v.ctas_per_sm * block_threads(v) * regs <= 65536, f"{regs} registers"
+    assert EPI_CTAS_PER_SM[(v.vecs_per_thread, v.rounds)] * EPI_BLOCK * regs <= 65536, f"{regs} registers"
     sass = nvdump.dump(ck.cubin, tmp_path, "-sass")
     if "Could not find executable" in sass.stderr:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
     s = sass.stdout
-    if v.bulk:  # two bulk copies a row, the position and slot loads, three 16-byte stores a head, nothing spilled
-        vpt = v.vecs_per_thread
-        assert len(re.findall(r"\bUBLKCP\b", s)) == 2 and len(re.findall(r"\bLDG\b", s)) == 2
-        assert len(re.findall(r"\bLDG\.E\.64\b", s)) == 2 and len(re.findall(r"\bSTG\.E\.128\b", s)) == 3 * vpt
-        assert len(re.findall(r"\bLDS\.128\b", s)) == vpt + 2 and not re.search(r"\b(STL|LDL|ATOMG|REDG)\b", s)
-        assert (v.ctas_per_sm * (EPI_BULK_SMEM_BYTES + 1024)) <= 228 * 1024  # the CTAs' stages an SM
-        return
     vpt, rounds = v.vecs_per_thread, v.rounds
     assert len(re.findall(r"\bLDG\.E\.128\b", s)) == (vpt + 2) * rounds
     assert len(re.findall(r"\bSTG\.E\.128\b", s)) == 3 * vpt * rounds

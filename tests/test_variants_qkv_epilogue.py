@@ -8,7 +8,6 @@ from musekern.targets import get_target
 from musekern.variants import plan_model, variant_from_label
 from musekern.variants.qkv_epilogue import (
     EPI_BLOCK,
-    EPI_BULK_MAX_CTAS,
     EPI_CTAS_PER_SM,
     EPI_HUGE,
     EPI_LANES,
@@ -21,8 +20,6 @@ from musekern.variants.qkv_epilogue import (
     EPI_VPT_CHOICES,
     QkvEpilogueVariant,
     all_builds,
-    block_threads,
-    bulk_rows,
     epilogue_bytes,
     epilogue_variant,
     epilogue_vectors,
@@ -39,38 +36,11 @@ SHARDS = {(2176, 1): 16, (4352, 2): 32, (8704, 4): 64, (17408, 8): 128}
 
 
 BUILDS = [QkvEpilogueVariant(vpt, r) for vpt in EPI_VPT_CHOICES for r in EPI_ROUNDS_CHOICES]
-BULK = QkvEpilogueVariant(1, bulk=8)
-BULKS = [BULK]
 
 
 def test_all_builds_is_every_vecs_per_thread_with_every_rounds():
-    """The one list the GPU tests, the sanitizer, epilogue_cache.sh and the sweep take: the register builds and
-    the bulk build."""
-    assert list(all_builds()) == BUILDS + BULKS
-
-
-def test_bulk_build_label_and_validation():
-    assert BULK.label == "qkv_epilogue[bulk=8,vecs_per_thread=1]" and variant_from_label(BULK.label) == BULK
-    assert [block_threads(v) for v in BULKS] == [288] and block_threads(BUILDS[0]) == EPI_BLOCK
-    for vpt, rounds, warps in ((2, 1, 8), (1, 2, 8), (4, 1, 8), (1, 1, 3)):
-        with pytest.raises(ValueError, match="bulk builds take"):
-            QkvEpilogueVariant(vpt, rounds, bulk=warps)
-
-
-# The bulk grid: one CTA per stage of rows up to EPI_BULK_MAX_CTAS (the CTAs then loop); rows a stage from the row's
-# q|k|v bytes (TP8 2304 B: 8 rows, TP4 4608: 4, TP2 9216: 2, TP1 18432: 1); M = 1, one stage exactly, one past,
-# the cap's edge and past it; a layout too wide for a stage is refused with the reason.
-@pytest.mark.parametrize("n,nkv,rows", [(2176, 1, 8), (4352, 2, 4), (8704, 4, 2), (17408, 8, 1)])
-def test_bulk_launch_grid(n, nkv, rows):
-    assert bulk_rows(*head_counts(n, nkv)) == rows
-    for m, want in ((1, 1), (rows, 1), (rows + 1, 2), (EPI_BULK_MAX_CTAS * rows, EPI_BULK_MAX_CTAS),
-                    (EPI_BULK_MAX_CTAS * rows + 1, EPI_BULK_MAX_CTAS), (65536, EPI_BULK_MAX_CTAS)):
-        assert launch_grid(BULK, m, n, nkv) == (want, 1, 1)
-    assert launch_grid(BULK, 0, n, nkv) == (0, 1, 1)
-    wide = 64 * (2 * 160 + 4 * 1)  # nq = 161: 163 q|k|v heads, 20864 bytes a row
-    assert bulk_rows(*head_counts(wide, 1)) == 0
-    with pytest.raises(ValueError, match="longer than a stage"):
-        launch_grid(BULK, 4, wide, 1)
+    """The one list the GPU tests, the sanitizer, epilogue_cache.sh and the sweep take."""
+    assert list(all_builds()) == BUILDS
 
 
 # one round is the default: its label (and so its key) is the one from before rounds existed

@@ -53,14 +53,11 @@ from cutlass.cutlass_dsl import dsl_user_op
 from ..store.abi import KernelAbi, LaunchSpec, pointer, scalar
 from ..variants.qkv_epilogue import (
     EPI_BLOCK,
-    EPI_BULK_GRID_RULE,
-    EPI_BULK_SMEM_BYTES,
     EPI_GRID_RULE,
     EPI_HEAD_DIM,
     EPI_LANES,
     EPI_VEC_ELEMS,
     QkvEpilogueVariant,
-    block_threads,
 )
 
 SUPPORTED_ARCHES = ("sm_90a", "sm_100a")  # plain loads/stores, shuffles and griddepcontrol: sm_90 and later
@@ -281,10 +278,8 @@ def abi_for(v: QkvEpilogueVariant) -> KernelAbi:
             scalar("v_block_stride", "i64", "value_cache.stride(0) in elements, a multiple of 8"),
             scalar("eps", "f32", "added to the mean of squares"),
         ),
-        launch=(LaunchSpec(block=(block_threads(v), 1, 1), cluster=(1, 1, 1), dynamic_smem_bytes=EPI_BULK_SMEM_BYTES,
-                           pdl=True, grid=EPI_BULK_GRID_RULE) if v.bulk else
-                LaunchSpec(block=(EPI_BLOCK, 1, 1), cluster=(1, 1, 1), dynamic_smem_bytes=0, pdl=True,
-                           grid=EPI_GRID_RULE)),
+        launch=LaunchSpec(block=(EPI_BLOCK, 1, 1), cluster=(1, 1, 1), dynamic_smem_bytes=0, pdl=True,
+                          grid=EPI_GRID_RULE),
     )
 
 
@@ -300,13 +295,8 @@ def compile_variant(v: QkvEpilogueVariant, arch: str):
     bf = make_ptr(BFloat16, _FAKE_ADDR, cute.AddressSpace.gmem, assumed_align=16)
     f32 = make_ptr(Float32, _FAKE_ADDR, cute.AddressSpace.gmem, assumed_align=16)
     i64 = make_ptr(Int64, _FAKE_ADDR, cute.AddressSpace.gmem, assumed_align=8)
-    if v.bulk:
-        from .qkv_epilogue_bulk import QkvEpilogueBulkKernel
-        kernel = QkvEpilogueBulkKernel(v)
-    else:
-        kernel = QkvEpilogueKernel(v)
     cubin, ptx, symbol = compile_to_cubin(
-        kernel, bf, i64, f32, i64, bf, bf, Int32(16), Int32(16), Int32(1), Int32(2176), Int32(4096),
+        QkvEpilogueKernel(v), bf, i64, f32, i64, bf, bf, Int32(16), Int32(16), Int32(1), Int32(2176), Int32(4096),
         Int32(16), Int32(64), Int64(16 * 64), Int64(16 * 64), Float32(1e-5), cuda.CUstream(0), arch=arch)
     abi = abi_for(v)
     check_abi_against_ptx(abi, ptx, symbol)

@@ -31,7 +31,7 @@ KERNEL_SOURCES = {
     "qk_norm": ("kernels/qk_norm.py", "variants/qk_norm.py"),
     "qkv_front": ("kernels/qkv_front.py", "kernels/qkv_front_mma.py", "kernels/qkv_front_epi.py",
                   "variants/qkv_front.py"),
-    "qkv_epilogue": ("kernels/qkv_epilogue.py", "kernels/qkv_epilogue_bulk.py", "variants/qkv_epilogue.py"),
+    "qkv_epilogue": ("kernels/qkv_epilogue.py", "variants/qkv_epilogue.py"),
 }
 COMMON_SOURCES = ("kernels/_dsl.py", "store/abi.py")
 KERNELS = tuple(KERNEL_SOURCES)

@@ -57,26 +57,6 @@ EPI_MAX_UNITS = 2**31 - 1 - EPI_BLOCK * max(EPI_ROUNDS_CHOICES)
 EPI_GRID_RULE = (f"grid = (ceil(M * {EPI_LANES} * ceil((nq + 2 * nkv) / vecs_per_thread) / ({EPI_BLOCK} * rounds)), "
                  f"1, 1); block = ({EPI_BLOCK}, 1, 1); M == 0 launches nothing")
 
-# The bulk build (`bulk`, kernels/qkv_epilogue_bulk.py): a producer warp copies whole rows of y (their q | k | v
-# heads, one cp.async.bulk a row) and each row's cos|sin row into a ring of shared-memory stages, the bytes in flight
-# held by shared memory and counted on an mbarrier, not by registers; `bulk` consumer warps work a stage
-# unit by unit (lane j of vecs_per_thread heads, 8 lanes a head, as above) and store y and the cache rows. A stage holds
-# bulk_rows(nq, nkv) = min(EPI_BULK_MAX_ROWS, EPI_BULK_STAGE_Y_BYTES // ((nq + 2 nkv) * 128)) rows (>= 1: the
-# build serves rows of at most EPI_BULK_STAGE_Y_BYTES); each CTA takes a contiguous run of row blocks.
-EPI_BULK_STAGES = 3
-# (vecs_per_thread, consumer warps) of the bulk builds: a consumer warp works vecs_per_thread steps of 32 vectors at
-# a time (two take 76 registers a thread: too many for three CTAs an SM; tests/test_kernels_qkv_epilogue.py checks)
-EPI_BULK_BUILDS = ((1, 8),)
-EPI_BULK_STAGE_Y_BYTES = 20480  # one TP1 row (144 heads, 18 KiB) fits; TP8 takes 8 rows a stage, TP4 4
-EPI_BULK_MAX_ROWS = 16
-EPI_BULK_CTAS_PER_SM = 3  # three CTAs of 9 warps an SM (74 KiB of shared memory and <= 72 registers a thread each)
-EPI_BULK_MAX_CTAS = EPI_BULK_CTAS_PER_SM * 132  # one wave on an H200's 132 SMs
-EPI_BULK_STAGE_BYTES = EPI_BULK_STAGE_Y_BYTES + EPI_BULK_MAX_ROWS * 2 * (EPI_HEAD_DIM // 2) * 4  # y, cos|sin rows
-EPI_BULK_SMEM_BYTES = EPI_BULK_STAGES * EPI_BULK_STAGE_BYTES + 2 * EPI_BULK_STAGES * 8  # + full and empty mbarriers
-EPI_BULK_GRID_RULE = (f"grid = (min(ceil(M / rows), {EPI_BULK_MAX_CTAS}), 1, 1), rows = min({EPI_BULK_MAX_ROWS}, "
-                      f"{EPI_BULK_STAGE_Y_BYTES} // ((nq + 2 * nkv) * 128)); block = (32 * (1 + bulk), 1, 1); "
-                      "M == 0 launches nothing")
-
 
 @dataclass(frozen=True)
 class QkvEpilogueVariant(VariantMixin):
@@ -84,13 +64,8 @@ class QkvEpilogueVariant(VariantMixin):
     kernel: ClassVar[str] = "qkv_epilogue"
     vecs_per_thread: int  # EPI_VPT_CHOICES; never changes a bit
     rounds: int = 1  # EPI_ROUNDS_CHOICES; never changes a bit
-    bulk: int = 0  # consumer warps of a bulk build (EPI_BULK_BUILDS, one round), 0: registers; never changes a bit
 
     def __post_init__(self):
-        if self.bulk and ((self.vecs_per_thread, self.bulk) not in EPI_BULK_BUILDS or self.rounds != 1):
-            raise ValueError(f"qkv_epilogue bulk builds take (vecs_per_thread, bulk) in {EPI_BULK_BUILDS} and "
-                             f"rounds=1, got vecs_per_thread={self.vecs_per_thread}, bulk={self.bulk}, "
-                             f"rounds={self.rounds}")
         if self.vecs_per_thread not in EPI_VPT_CHOICES:
             raise ValueError(f"qkv_epilogue vecs_per_thread must be one of {EPI_VPT_CHOICES}, "
                              f"got {self.vecs_per_thread!r}")
@@ -100,24 +75,13 @@ class QkvEpilogueVariant(VariantMixin):
     @property
     def ctas_per_sm(self) -> int:
         """CTAs of this build one SM holds (register bound)."""
-        return EPI_BULK_CTAS_PER_SM if self.bulk else EPI_CTAS_PER_SM[(self.vecs_per_thread, self.rounds)]
+        return EPI_CTAS_PER_SM[(self.vecs_per_thread, self.rounds)]
 
 
 def all_builds() -> tuple[QkvEpilogueVariant, ...]:
     """Every build the GPU tests, the sanitizer, bench/epilogue_cache.sh and the bench's sweep take: each
     vecs_per_thread with each rounds."""
-    return (tuple(QkvEpilogueVariant(v, r) for v in EPI_VPT_CHOICES for r in EPI_ROUNDS_CHOICES)
-            + tuple(QkvEpilogueVariant(v, bulk=w) for v, w in EPI_BULK_BUILDS))
-
-
-def block_threads(v: QkvEpilogueVariant) -> int:
-    """Threads of a CTA: EPI_BLOCK, or a bulk build's producer warp and consumer warps."""
-    return 32 * (1 + v.bulk) if v.bulk else EPI_BLOCK
-
-
-def bulk_rows(nq: int, nkv: int) -> int:
-    """Rows of y one stage of the bulk build holds (0: a row is too long for a stage)."""
-    return min(EPI_BULK_MAX_ROWS, EPI_BULK_STAGE_Y_BYTES // ((nq + 2 * nkv) * EPI_HEAD_DIM * 2))
+    return tuple(QkvEpilogueVariant(v, r) for v in EPI_VPT_CHOICES for r in EPI_ROUNDS_CHOICES)
 
 
 def head_counts(n: int, num_kv_heads: int) -> tuple[int, int]:
@@ -183,12 +147,6 @@ def launch_grid(v: QkvEpilogueVariant, m: int, n: int, num_kv_heads: int) -> tup
     if total > EPI_MAX_UNITS:
         raise ValueError(f"qkv_epilogue: M={m} rows of N={n} are {total} units of {v.label}; at most "
                          f"{EPI_MAX_UNITS} (M <= {max_rows(v, n, num_kv_heads)}) per launch (Int32 index)")
-    if v.bulk:
-        rows = bulk_rows(*head_counts(n, num_kv_heads))
-        if rows < 1:
-            raise ValueError(f"qkv_epilogue: a row of N={n} (num_kv_heads={num_kv_heads}) is longer than a stage "
-                             f"of {v.label} ({EPI_BULK_STAGE_Y_BYTES} bytes of q|k|v); take another build")
-        return (min((m + rows - 1) // rows, EPI_BULK_MAX_CTAS), 1, 1)
     per_cta = EPI_BLOCK * v.rounds
     return ((total + per_cta - 1) // per_cta, 1, 1)
 

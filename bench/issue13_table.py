@@ -3,10 +3,11 @@
 `torch.mm` alone, and whether one call captures in a CUDA graph, at the issue's (N, M) and the tile / path edges.
 
 Per (N, M) (N a shard of the bundled config, its KV heads): host time per call, synchronized after every call
-(`sync`: what one eager call costs the host end to end) and over 50 calls queued back to back (`queued`: the GPU's
-rate); the same for `torch.mm(x, w.t(), out=y)`; the eager calls run under torch.cuda.set_sync_debug_mode("error")
-(a host sync raises); `capture` = a CUDA graph of one call after `musekern.prepare_ops` replays with new inputs
-copied in and equals an eager call bit for bit ("ok"), or the error. One weight (no rotation: the issue's table had
+(`sync`: what one eager call costs the host end to end) and over 50 calls queued back to back (`queued`: the
+slower of the host's enqueue and the GPU); the same for `torch.mm(x, w.t(), out=y)`; the eager calls run under
+torch.cuda.set_sync_debug_mode("error") (a host sync raises); `capture` = a CUDA graph of one call after
+`musekern.prepare_ops` replays with new inputs copied in and equals an eager call bit for bit ("ok"), or the error.
+One weight (no rotation: the issue's table had
 none). Prints a table; --out writes JSON (commit, device).
 
   python3 bench/issue13_table.py [--out FILE]        (on the GPU machine, the carried cache)
@@ -123,11 +124,16 @@ def main(argv) -> int:
     for r in rows:
         print(f"{r['N']:>6} {r['M']:>5} {r['auto_sync_us']:>10.1f} {r['mm_sync_us']:>9.1f} "
               f"{r['auto_queued_us']:>12.1f} {r['mm_queued_us']:>10.1f}  {r['no_host_sync']:<7}  {r['capture']}")
-    if args.out:
-        with open(args.out, "w") as f:
+    write_results(args.out, rows)
+    return 0
+
+
+def write_results(path: str | None, rows: list) -> None:
+    """rows as JSON with the commit the cubins were built from, the device and torch's version (nothing if no path)."""
+    if path:
+        with open(path, "w") as f:
             json.dump({**commit_info(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "rows": rows}, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --csv \\
       python3 bench/ncu_qkv_epilogue.py 17408 16384 [--variants "LABEL;..."]     (N, then the M values; 3 launches of
       each kernel per M, after the bf16 conversion of y, an elementwise kernel too; --variants: 3 launches of each of
-      these qkv_epilogue builds too, after the planned one's)
+      these qkv_epilogue builds too, after the planned one's: raise --launch-count to 40)
 """
 import sys
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Where an eager call of the GEMM path spends its host time (bench/NOTES.md "Every M: which path"): per (N, M),
-50 calls queued back to back, the host time to enqueue them and the GPU time they take (CUDA events), for the
+50 calls queued back to back, the host time to enqueue them (`host_us`) and the CUDA-event time across them
+(`gpu_us`: the slower of the host's enqueue and the GPU, not the GPU's busy time), for the
 checked product call (`qkv_front_auto`), `torch.mm` alone, `torch.mm` + the epilogue's bound launcher (with and
 without PDL), the launcher alone, and the product call at M = 64 (the fused front) for reference.
 
@@ -18,10 +19,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from issue13_table import _inputs  # noqa: E402
+from issue13_table import _inputs, write_results  # noqa: E402
 
 import musekern  # noqa: E402
-from musekern.bench.report import commit_info  # noqa: E402
 from musekern.ops import qkv_epilogue as E  # noqa: E402
 from musekern.ops import qkv_front as F  # noqa: E402
 
@@ -29,7 +29,7 @@ CASES = ((2176, 1, 64), (2176, 1, 65), (4352, 2, 65), (2176, 1, 2048))
 
 
 def _times(f, calls=50):
-    """(GPU us, host enqueue us) per call, medians of 7."""
+    """(event us, host enqueue us) per call, medians of 7."""
     f()
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -78,14 +78,11 @@ def main(argv) -> int:
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     names = [k for k in rows[0] if isinstance(rows[0][k], dict)]
-    print("eager calls queued: host enqueue us / GPU us per call")
+    print("eager calls queued: host enqueue us / event us (the slower of host and GPU) per call")
     for r in rows:
         print(f"N={r['N']} M={r['M']} ({r['path']}): " + " | ".join(
             f"{k} {r[k]['host_us']:.1f} / {r[k]['gpu_us']:.1f}" for k in names))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({**commit_info(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "rows": rows}, f, indent=1)
+    write_results(args.out, rows)
     return 0
 
 

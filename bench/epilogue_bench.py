@@ -57,7 +57,7 @@ SWEEP = tuple(b for b in all_builds() if b.vecs_per_thread <= 2 or b.rounds == 1
 
 
 def _name(b: QkvEpilogueVariant) -> str:
-    return f"epi_{b.vecs_per_thread}x{b.rounds}" + (f"c{b.min_ctas}" if b.min_ctas else "")
+    return f"epi_{b.vecs_per_thread}x{b.rounds}"
 
 
 def _problem(n: int, nkv: int, m: int, g: torch.Generator) -> dict:

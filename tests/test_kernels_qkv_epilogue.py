@@ -217,13 +217,9 @@ def test_sass(v, tmp_path):
     usage = nvdump.resources(ck.cubin, tmp_path)
     if usage is None:
         pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
-    regs = (usage["REG"] + 7) // 8 * 8
-    assert v.ctas_per_sm * EPI_BLOCK * regs <= 65536, f"{regs} registers"
-    if v.min_ctas:  # capped registers: ptxas spills a few bytes, nothing else changes
-        assert usage["LOCAL"] == 0 and usage["STACK"] <= 32 and v.ctas_per_sm > EPI_CTAS_PER_SM[(2, v.rounds)]
-        return
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"local memory (spills or stack arrays): {usage}"
-    assert EPI_CTAS_PER_SM[(v.vecs_per_thread, v.rounds)] == v.ctas_per_sm
+    regs = (usage["REG"] + 7) // 8 * 8
+    assert EPI_CTAS_PER_SM[(v.vecs_per_thread, v.rounds)] * EPI_BLOCK * regs <= 65536, f"{regs} registers"
     sass = nvdump.dump(ck.cubin, tmp_path, "-sass")
     if "Could not find executable" in sass.stderr:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")

@@ -104,8 +104,6 @@ class QkvEpilogueKernel:
     def __init__(self, v: QkvEpilogueVariant):
         self.v = v
         self.vpt = v.vecs_per_thread
-        # .minnctapersm (preferred_smem_carveout set: the DSL would otherwise ask a GPU for its shared memory size)
-        self._cap = dict(min_blocks_per_mp=v.min_ctas, preferred_smem_carveout=0) if v.min_ctas else {}
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -119,7 +117,7 @@ class QkvEpilogueKernel:
         grid_x = (total + (per_cta - 1)) // per_cta
         self.kernel(y, positions, cos_sin, slots, kc, vc, m, nq, nkv, ld_y, max_pos, block_size, num_blocks,
                     k_block_stride, v_block_stride, eps).launch(grid=[grid_x, 1, 1], block=[EPI_BLOCK, 1, 1], smem=0,
-                                                                stream=stream, use_pdl=True, **self._cap)
+                                                                stream=stream, use_pdl=True)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel

@@ -36,10 +36,9 @@ EPI_VPT_CHOICES = (1, 2, 4, 8)
 EPI_ROUNDS_CHOICES = (1, 2)  # 4 rounds of two vectors measured slower than 2 everywhere (NOTES "qkv_epilogue")
 # CTAs (of EPI_BLOCK threads) of each build (vecs_per_thread, rounds) an SM holds: ptxas gives them 32 / 48 / 79 / 127
 # registers a thread with one round, 48 / 63 / 114 / 165 with two (tests/test_kernels_qkv_epilogue.py checks the
-# bound; capping them with .minnctapersm spills), so with one round an SM has 32 / 40 / 48 / 64 KiB of y loads in
-# flight (2048 / 1280 / 768 / 512 threads x 16 B x vecs_per_thread).
-# The two-vector builds with their registers capped for one CTA an SM more (round 44): ptxas spills a little
-EPI_MIN_CTAS_BUILDS = ((1, 6), (2, 5))  # (rounds, min_ctas)
+# bound; capping them with .minnctapersm spills and measured slower: bench/NOTES.md, "Levers measured and dropped"),
+# so with one round an SM has 32 / 40 / 48 / 64 KiB of y loads in flight (2048 / 1280 / 768 / 512 threads x 16 B x
+# vecs_per_thread).
 EPI_CTAS_PER_SM = {(1, 1): 8, (2, 1): 5, (4, 1): 3, (8, 1): 2, (1, 2): 5, (2, 2): 4, (4, 2): 2, (8, 2): 1}
 # The rule (measured, bench/NOTES.md "qkv_epilogue"), by the 16-byte vectors of the input (M * H * 8):
 #   <= EPI_SMALL_VECTORS: one vector, one round: as fast as any on small inputs and up to 0.16 us faster on some
@@ -66,7 +65,6 @@ class QkvEpilogueVariant(VariantMixin):
     kernel: ClassVar[str] = "qkv_epilogue"
     vecs_per_thread: int  # EPI_VPT_CHOICES; never changes a bit
     rounds: int = 1  # EPI_ROUNDS_CHOICES; never changes a bit
-    min_ctas: int = 0  # .minnctapersm: ptxas caps the registers for this many CTAs an SM (0: none); never a bit
 
     def __post_init__(self):
         if self.vecs_per_thread not in EPI_VPT_CHOICES:
@@ -78,14 +76,13 @@ class QkvEpilogueVariant(VariantMixin):
     @property
     def ctas_per_sm(self) -> int:
         """CTAs of this build one SM holds (register bound)."""
-        return self.min_ctas or EPI_CTAS_PER_SM[(self.vecs_per_thread, self.rounds)]
+        return EPI_CTAS_PER_SM[(self.vecs_per_thread, self.rounds)]
 
 
 def all_builds() -> tuple[QkvEpilogueVariant, ...]:
     """Every build the GPU tests, the sanitizer, bench/epilogue_cache.sh and the bench's sweep take: each
     vecs_per_thread with each rounds."""
-    return (tuple(QkvEpilogueVariant(v, r) for v in EPI_VPT_CHOICES for r in EPI_ROUNDS_CHOICES)
-            + tuple(QkvEpilogueVariant(2, r, min_ctas=c) for r, c in EPI_MIN_CTAS_BUILDS))
+    return tuple(QkvEpilogueVariant(v, r) for v in EPI_VPT_CHOICES for r in EPI_ROUNDS_CHOICES)
 
 
 def head_counts(n: int, num_kv_heads: int) -> tuple[int, int]:

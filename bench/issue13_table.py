@@ -7,8 +7,7 @@ Per (N, M) (N a shard of the bundled config, its KV heads): host time per call, 
 slower of the host's enqueue and the GPU); the same for `torch.mm(x, w.t(), out=y)`; the eager calls run under
 torch.cuda.set_sync_debug_mode("error") (a host sync raises); `capture` = a CUDA graph of one call after
 `musekern.prepare_ops` replays with new inputs copied in and equals an eager call bit for bit ("ok"), or the error.
-One weight (no rotation: the issue's table had
-none). Prints a table; --out writes JSON (commit, device).
+One weight (no rotation: the issue's table had none). Prints a table; --out writes JSON (commit, device).
 
   python3 bench/issue13_table.py [--out FILE]        (on the GPU machine, the carried cache)
 """
@@ -23,11 +22,10 @@ import time
 import torch
 
 import musekern
-from musekern.bench.report import commit_info
+from musekern.bench.report import HIDDEN, commit_info
 from musekern.config import load_config
 from musekern.reference import rope_cos_sin_table
 
-HIDDEN = 8192
 BLOCK_SIZE = 16
 CASES = ((2176, 16), (2176, 17), (2176, 64), (2176, 65), (2176, 2048), (4352, 64), (4352, 65), (17408, 16),
          (17408, 17), (17408, 2048))  # the issue's rows, then the path edges at TP8 / TP4 / TP1
@@ -62,8 +60,7 @@ def _host_us(f, calls, sync_each):
 def _capture(p, n, m, g):
     """A graph of one call (outputs and caches poisoned first), replayed with new x, positions and slots copied in:
     'ok' when it equals an eager call on the same inputs bit for bit, else the reason."""
-    try:
-        musekern.prepare_ops(n, [m], num_kv_heads=p["num_kv_heads"])
+    try:  # (main loaded the builds this call shape takes)
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         musekern.qkv_front_auto(**p, out=out)  # warm (cuBLAS handle, launchers) outside the capture
         torch.cuda.synchronize()

@@ -24,8 +24,11 @@ from musekern.bench.timing import Graph, copy_bandwidth, time_graphs
 from musekern.ops.qkv_front import launch_args
 from musekern.runtime import get_kernel
 from musekern.runtime.driver import launch_config
+from musekern.targets import get_target
 from musekern.variants import QkvFrontVariant, fixed_rows, token_tiles, variant_from_label
-from musekern.variants.qkv_front import HIDDEN, launch_grid
+from musekern.variants.qkv_front import HIDDEN, TOKEN_TILE, launch_grid
+
+H200 = get_target("h200")  # the grid's tile counts are the H200's
 
 LAYERS, REPS, LOOPS = 8, 7, 8
 DISTINCT_OUT = False  # --distinct-out: one y buffer per layer (as musekern bench does) instead of a shared one
@@ -41,8 +44,13 @@ GRID = [(dict(TP4, splits=2, stages=4, trigger="exit", warp_split="k"), (1, 16))
 
 
 def grid_jobs():
-    return [(QkvFrontVariant(tiles=token_tiles(m), fixed_m=fixed_rows(m), **fields), m)
+    return [(QkvFrontVariant(tiles=token_tiles(m, fields["n"], H200), fixed_m=fixed_rows(m), **fields), m)
             for fields, ms in GRID for m in ms]
+
+
+def holds(v, m: int) -> bool:
+    """Does build `v` take a call of M tokens (M within its padded tokens, the M == 8 build only M = 8)?"""
+    return (m + TOKEN_TILE - 1) // TOKEN_TILE <= v.tiles and fixed_rows(m) == v.fixed_m
 
 
 def occupancy(k) -> dict:
@@ -137,10 +145,10 @@ def main(argv=None) -> int:
     jobs = [] if (a.labels or a.n) else grid_jobs()  # (variant, m)
     for lbl in a.labels:
         v = variant_from_label(lbl)
-        jobs += [(v, m) for m in ms if token_tiles(m) == v.tiles and fixed_rows(m) == v.fixed_m]
+        jobs += [(v, m) for m in ms if holds(v, m)]
     if a.n:
         for st, sp, m in itertools.product(a.stages.split(","), a.splits.split(","), ms):
-            jobs.append((QkvFrontVariant(a.n, a.kv, token_tiles(m), int(st), int(sp), fixed_rows(m)), m))
+            jobs.append((QkvFrontVariant(a.n, a.kv, token_tiles(m, a.n, H200), int(st), int(sp), fixed_rows(m)), m))
     bw = copy_bandwidth()  # also makes torch's CUDA context current (the predecessor loads into it)
     try:
         from musekern.bench.pred import PredKernel

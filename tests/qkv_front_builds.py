@@ -16,7 +16,7 @@ from dataclasses import replace
 ALT_STAGES = 3
 ALT_TRIGGER_AHEAD = 4
 # the M values the bench times (issue 13: each side of every tile boundary the front above 16 adds)
-TIMED_MS = (16, 17, 24, 32, 33, 40, 48, 49, 56, 64)
+TIMED_MS = (16, 17, 24, 25, 32, 33, 40, 41, 48, 49, 56, 57, 64)
 
 
 def same_bits_alternatives(v) -> dict:
@@ -87,7 +87,7 @@ def front_candidates(target) -> list:
     """(name, variant, M) the bench times beside the plan: per shard the mma.sync 4-tile build (the plan before
     wgmma), a 2-tile wgmma build and each wgmma build with its receive buffer in the ring (a deeper ring at two
     CTAs per SM); at TP8 the wgmma builds with S = 4 (136 CTAs: every SM streams, not 68); each wgmma build with the
-    other x multicast choice (`x_mcast`)."""
+    other x multicast choice (`x_mcast`); each odd tile count's build beside the even one above it."""
     from musekern.variants import variant
     from musekern.variants.qkv_front_rules import ring_stages
 
@@ -121,4 +121,9 @@ def front_candidates(target) -> list:
                 v = variant(n, m, nkv, target)
                 for trig, ahead in (("late", 0), ("late", v.stages), ("early", 0)):
                     out.append((f"tp{tp}-m{m}-{trig}{ahead or ''}", replace(v, trigger=trig, trigger_ahead=ahead), m))
+        # an odd tile count (3, 5, 7: M padded to the next 8 tokens) against the even one M took before (4, 6, 8)
+        for m in (24, 40, 56) if tp > 1 else ():
+            v, even = variant(n, m, nkv, target), variant(n, m + 8, nkv, target)
+            if v.tiles % 2:
+                out.append((f"tp{tp}-m{m}-even{even.tiles}", even, m))
     return out

@@ -328,6 +328,7 @@ def test_sweep_merges_repeats_into_medians_and_keeps_every_sample():
 
 def test_sweep_grid_is_buildable_variants():
     """Every default-grid job is a valid variant whose label parses back (gpu_cache.sh builds them by label)."""
+    from musekern.targets import get_target
     from musekern.variants import fixed_rows, token_tiles, variant_from_label
 
     sv = _sweep_module()
@@ -335,7 +336,7 @@ def test_sweep_grid_is_buildable_variants():
     assert jobs
     for v, m in jobs:
         assert variant_from_label(v.label) == v
-        assert (v.tiles, v.fixed_m) == (token_tiles(m), fixed_rows(m))
+        assert (v.tiles, v.fixed_m) == (token_tiles(m, v.n, get_target("h200")), fixed_rows(m))
 
 
 def test_sweep_occupancy_asks_the_driver_with_the_kernels_launch_config(monkeypatch):

@@ -11,6 +11,7 @@ from musekern.variants import (
     QkNormVariant,
     QkvFrontVariant,
     fixed_rows,
+    front_serves,
     k_split,
     plan_model,
     qk_norm_variant,
@@ -29,17 +30,43 @@ from musekern.variants.qkv_front_rules import MAX_RING_STAGES, SMEM_RESERVE_BYTE
 H200 = get_target("h200")
 
 
-# each side of every tile boundary: 8-token tiles up to 2, then M padded up to 4, 6 and 8 tiles
-@pytest.mark.parametrize("m,tiles,fixed", [(1, 1, 0), (7, 1, 0), (8, 1, 8), (9, 2, 0), (16, 2, 0), (17, 4, 0),
-                                           (24, 4, 0), (32, 4, 0), (33, 6, 0), (48, 6, 0), (49, 8, 0), (64, 8, 0)])
-def test_token_tiles_and_fixed_rows(m, tiles, fixed):
-    assert token_tiles(m) == tiles and fixed_rows(m) == fixed
+# Each side of every tile boundary, on the shapes where a tile count has no build: every 8-token tile count with
+# wgmma (TP4, TP2) except 7 at TP8 (S = 4 there: an owner's 14 tokens do not split among four warps), and without
+# wgmma (sm_100a) mma.sync's 1, 2, 4, 8.
+TILE_EDGES = (1, 7, 8, 9, 16, 17, 24, 25, 32, 33, 40, 41, 48, 49, 56, 57, 64)
+
+
+@pytest.mark.parametrize("n,target,tiles", [
+    (4352, "h200", (1, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8)),
+    (8704, "h200", (1, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8)),
+    (2176, "h200", (1, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 8, 8, 8, 8)),
+    (4352, "b200", (1, 1, 1, 2, 2, 4, 4, 4, 4, 8, 8, 8, 8, 8, 8, 8, 8))])
+def test_token_tiles_and_fixed_rows(n, target, tiles):
+    t = get_target(target)
+    assert tuple(token_tiles(m, n, t) for m in TILE_EDGES) == tiles
+    assert [fixed_rows(m) for m in TILE_EDGES] == [8 if m == 8 else 0 for m in TILE_EDGES]
+    for m in filter(lambda m: front_serves(n, m, t), range(1, FRONT_MAX_TOKENS + 1)):  # the build taken holds M
+        v = variant(n, m, {2176: 1, 4352: 2, 8704: 4}[n], t)
+        assert v.tiles == token_tiles(m, n, t) and m <= v.tiles * 8
 
 
 @pytest.mark.parametrize("m", [0, 65, -1])
 def test_token_tiles_range(m):
     with pytest.raises(ValueError, match="1..64"):
-        token_tiles(m)
+        token_tiles(m, 2176, H200)
+
+
+def test_odd_tiles_need_wgmma_and_whole_shares():
+    """The variant itself refuses what `tiles_build` skips: an odd tile count under mma.sync, or an owner share
+    the four consumer warps cannot split (S = 4 with odd tiles)."""
+    base = variant(4352, 24, 2, H200)
+    assert (base.tiles, base.warp_split, base.splits, base.x_mcast) == (3, "wg", 2, False)
+    with pytest.raises(ValueError, match="need warp_split 'wg'"):
+        QkvFrontVariant(**{**base.__dict__, "warp_split": "k"})
+    with pytest.raises(ValueError, match="14 tokens"):
+        QkvFrontVariant(**{**base.__dict__, "tiles": 7, "splits": 4})
+    with pytest.raises(ValueError, match="even number of tiles"):
+        QkvFrontVariant(**{**base.__dict__, "x_mcast": True})
 
 
 # The default model's four TP shards on the 132-SM H200 and the 78-SM H20, and a TP16 shard: S is the
@@ -128,10 +155,10 @@ def test_default_plan():
     kinds = [(e.kernel, e.variant.params().get("n")) for e in entries]
     assert kinds.count(("qk_norm", None)) == 4  # with / without scale, large / small inputs
     assert kinds.count(("qkv_epilogue", None)) == 3  # one build serves every N: small, large and huge inputs
-    # tiles 1 (+ the M == 8 build), 2, and 4, 6, 8 (TP2: 4, 6; TP1: none)
-    for n, builds in ((2176, 6), (4352, 6), (8704, 5), (17408, 3)):
+    # tiles 1 (+ the M == 8 build), 2, and 3-8 (TP8: no 7; TP2: 3-6; TP1: none)
+    for n, builds in ((2176, 8), (4352, 9), (8704, 7), (17408, 3)):
         assert kinds.count(("qkv_front", n)) == builds
-    assert len(entries) == 27
+    assert len(entries) == 34
     tp_of = {e.variant.n: e.tps for e in entries if e.kernel == "qkv_front"}
     assert tp_of == {17408: (1,), 8704: (2,), 4352: (4,), 2176: (8,)}
 
@@ -178,7 +205,7 @@ def test_plan_is_deterministic_across_hash_seeds():
         outs.add(r.stdout)
     assert len(outs) == 1
     doc = json.loads(outs.pop())
-    assert len(doc["variants"]) == 54  # 27 a target (test_default_plan) on h200 and on h20
+    assert len(doc["variants"]) == 68  # 34 a target (test_default_plan) on h200 and on h20
 
 
 # each field of QkvFrontVariant that __post_init__ guards, with a value outside its domain (splits 4 / 8 and the
@@ -192,10 +219,13 @@ def test_k_split_wide(n, target, tiles, s):
     assert k_split(n, get_target(target), tiles) == s
 
 
-# The receive buffer moves into the ring only where that buys a ring stage at two CTAs per SM (the 8-tile builds of
-# TP8 and TP4); elsewhere its cluster barrier would cost without a deeper ring (bench/NOTES.md "ring_stages").
-@pytest.mark.parametrize("n,nkv,m,rir", [(2176, 1, 16, False), (2176, 1, 32, False), (2176, 1, 48, False),
-                                         (2176, 1, 64, True), (4352, 2, 40, False), (4352, 2, 64, True)])
+# The receive buffer moves into the ring only where that buys a ring stage at two CTAs per SM (the 5- and 8-tile
+# builds of TP8 and TP4); elsewhere its cluster barrier would cost without a deeper ring (bench/NOTES.md
+# "ring_stages").
+@pytest.mark.parametrize("n,nkv,m,rir", [(2176, 1, 16, False), (2176, 1, 24, False), (2176, 1, 32, False),
+                                         (2176, 1, 40, True), (2176, 1, 48, False), (2176, 1, 64, True),
+                                         (4352, 2, 48, False), (4352, 2, 56, False), (4352, 2, 40, True),
+                                         (4352, 2, 64, True)])
 def test_recv_in_ring_rule(n, nkv, m, rir):
     from musekern.variants.qkv_front_rules import ring_stages
 
@@ -207,12 +237,14 @@ def test_recv_in_ring_rule(n, nkv, m, rir):
 
 
 # x multicast between head pairs: the wgmma builds with a cluster from 8 tiles (TP8, TP4) and from 6 at S = 4 (TP8);
-# never one tile or two (mma.sync), 4 tiles, TP4 at 6, a build without a cluster (TP2, TP1), nor on the B200 (no
-# wgmma) (bench/NOTES.md "x_mcast")
+# never one tile or two (mma.sync), 3 to 5 tiles, TP4 at 6 or 7 (an odd count cannot split in whole tiles), a build
+# without a cluster (TP2, TP1), nor on the B200 (no wgmma) (bench/NOTES.md "x_mcast")
 @pytest.mark.parametrize("n,nkv,m,target,xmc", [
-    (2176, 1, 16, "h200", False), (2176, 1, 32, "h200", False), (2176, 1, 48, "h200", True),
+    (2176, 1, 16, "h200", False), (2176, 1, 24, "h200", False), (2176, 1, 32, "h200", False),
+    (2176, 1, 40, "h200", False), (2176, 1, 48, "h200", True), (2176, 1, 56, "h200", True),
     (2176, 1, 64, "h200", True), (4352, 2, 32, "h200", False), (4352, 2, 48, "h200", False),
-    (4352, 2, 64, "h200", True), (8704, 4, 48, "h200", False), (8704, 4, 64, "h200", False),
+    (4352, 2, 56, "h200", False), (4352, 2, 64, "h200", True), (8704, 4, 48, "h200", False),
+    (8704, 4, 64, "h200", False),
     (17408, 8, 64, "h200", False), (2176, 1, 32, "b200", False)])
 def test_x_mcast_rule(n, nkv, m, target, xmc):
     v = variant(n, m, nkv, get_target(target))
@@ -223,6 +255,7 @@ def test_x_mcast_rule(n, nkv, m, target, xmc):
 @pytest.mark.parametrize("field,value,msg", [("warp_split", "cols", "warp_split"), ("trigger", "wait", "trigger"),
                                              ("stages", 33, "stages"), ("stages", 1, "stages"),
                                              ("splits", 3, "splits"), ("tiles", 3, "tiles"), ("tiles", 6, "tiles"),
+                                             ("tiles", 9, "tiles"), ("tiles", 0, "tiles"),
                                              ("fixed_m", 16, "fixed_m"), ("n", 2175, "q|k|v|gate"),
                                              ("trigger_ahead", 26, "trigger_ahead"),
                                              ("trigger_ahead", -1, "trigger_ahead"),
@@ -283,20 +316,23 @@ def test_warp_split_by_tile_count(tiles, split, stages, ok):
 
 
 # Above M = 16 (measured, bench/NOTES.md "Every M: which path"): the front serves M <= 64 where heads x S CTAs fill
-# one wave at two per SM (TP8, TP4, TP2 on the H200; wgmma builds of 4, 6 and 8 tiles), not where the CTAs run in
-# waves (TP1): it takes cuBLAS + the fused epilogue above 16. The M <= 16 builds stay the plan's.
-@pytest.mark.parametrize("n,nkv,served", [(2176, 1, True), (4352, 2, True), (8704, 4, True), (17408, 8, False)])
-def test_front_variants_above_16(n, nkv, served):
+# one wave at two per SM (TP8, TP4, TP2 on the H200; wgmma builds of 3 to 8 tiles, TP8 without 7), not where the CTAs
+# run in waves (TP1): it takes cuBLAS + the fused epilogue above 16. The M <= 16 builds stay the plan's.
+@pytest.mark.parametrize("n,nkv,served,tiles", [(2176, 1, True, [3, 4, 5, 6, 8]), (4352, 2, True, [3, 4, 5, 6, 7, 8]),
+                                                (8704, 4, True, [3, 4, 5, 6]), (17408, 8, False, [])])
+def test_front_variants_above_16(n, nkv, served, tiles):
     from musekern.variants import front_serves
 
     small = qkv_front_variants(n, nkv, H200)
     full = qkv_front_variants(n, nkv, H200, FRONT_MAX_TOKENS)
     assert full[:len(small)] == small
-    wide = served and n != 8704  # TP2 (S = 1): 8 tiles lose to cuBLAS's M > 48 kernel
-    assert [v.tiles for v in full[len(small):]] == ([4, 6, 8] if wide else [4, 6] if served else [])
-    for m, tiles in ((17, 4), (24, 4), (32, 4), (33, 6), (48, 6), (49, 8), (64, 8)):
+    wide = served and n != 8704  # TP2 (S = 1): above 6 tiles cuBLAS's M > 48 kernel wins
+    assert [v.tiles for v in full[len(small):]] == tiles
+    for m, tiles in ((17, 3), (24, 3), (25, 4), (32, 4), (33, 5), (40, 5), (41, 6), (48, 6), (49, 7), (64, 8)):
+        if n == 2176 and tiles == 7:
+            tiles = 8  # S = 4: no odd tile count
         v = variant(n, m, nkv, H200)  # a build exists either way (the GPU tests keep it correct)
-        on = served and (tiles < 8 or wide)
+        on = served and (tiles <= 6 or wide)
         assert front_serves(n, m, H200) == on and (v in full) == on and v.tiles == tiles
         assert v.warp_split == "wg"
         assert smem_bytes(v) <= H200.max_smem_optin

@@ -26,9 +26,10 @@ from __future__ import annotations
 from . import report
 
 # every tile / path edge of the rules, and prefill
-ALL_M = (1, 16, 17, 32, 33, 48, 49, 64, 65, 128, 256, 1024, 4096, 16384)
+ALL_M = (1, 16, 17, 24, 25, 32, 33, 40, 41, 48, 49, 56, 57, 64, 65, 128, 256, 1024, 4096, 16384)
 ALL_M_TPS = (8, 4, 1)  # N = 2176, 4352, 17408
-CLIFF_PAIRS = ((16, 17), (32, 33), (48, 49), (64, 65))  # where the path or the tile count changes
+# where the path or the tile count changes (every 8 tokens from 16 to 64: tests/test_bench_all_m.py checks the rules)
+CLIFF_PAIRS = ((16, 17), (24, 25), (32, 33), (40, 41), (48, 49), (56, 57), (64, 65))
 GRAPHS = ("musekern", "front", "gemm_epilogue", "epilogue", "copy", "cublas", "unfused", "compiled")
 TARGETS = {
     "epilogue_min_frac": 0.85, "epilogue_frac_from_m": 1024,  # the epilogue streams its bytes at M >= 1024

@@ -36,7 +36,8 @@ def _plan_rows(entries: list[PlanEntry], model) -> list[dict]:
             if e.kernel == "qkv_front":
                 row.update(N=v.n, heads=v.heads, q_heads=v.num_q_heads, kv_heads=v.num_kv_heads, k_split=v.splits,
                            stages=v.stages, tiles=v.tiles, fixed_rows=v.fixed_m,
-                           tokens=_tokens_served(v, model.max_decode_tokens if model else FRONT_MAX_TOKENS))
+                           tokens=_tokens_served(v, e.target,
+                                                 model.max_decode_tokens if model else FRONT_MAX_TOKENS))
             elif e.kernel == "qkv_epilogue":  # one build for every N: the M the rule sends to it
                 served = rows_served(v, shard.n, shard.num_kv_heads) if shard else None
                 row.update(N=shard.n if shard else None, heads=None,
@@ -49,10 +50,10 @@ def _plan_rows(entries: list[PlanEntry], model) -> list[dict]:
     return rows
 
 
-def _tokens_served(v, max_tokens: int) -> str:
-    """The M values that take this qkv_front variant, e.g. '1-7', '8', '9-16'."""
+def _tokens_served(v, target, max_tokens: int) -> str:
+    """The M values that take this qkv_front variant's tile count on `target`, e.g. '1-7', '8', '9-16'."""
     ms = [m for m in range(1, min(max_tokens, FRONT_MAX_TOKENS) + 1)
-          if token_tiles(m) == v.tiles and fixed_rows(m) == v.fixed_m]
+          if token_tiles(m, v.n, target) == v.tiles and fixed_rows(m) == v.fixed_m]
     if not ms:
         return ""
     return str(ms[0]) if len(ms) == 1 else f"{ms[0]}-{ms[-1]}"

@@ -94,13 +94,14 @@ def ring_tma(mW, mX, stages: int, tt: int, x_mcast: bool = False):
     sX_layout = cute.tile_to_shape(atom, (tt, K_TILE, stages), order=(0, 1, 2))
     tma_w, mW_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW,
                                                 cute.slice_(sW_layout, (None, None, 0)), (HEAD_COLS, K_TILE))
+    # one stage's x layout built as such: the DSL aborts slicing a stage out of the staged layout when tt is an odd
+    # multiple of 8 rows (24, 40, 56); for other tt it is the slice
+    sX_stage = cute.tile_to_shape(atom, (tt, K_TILE), order=(0, 1))
     if x_mcast:
-        tma_x, mX_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), mX,
-                                                    cute.slice_(sX_layout, (None, None, 0)), (tt, K_TILE),
-                                                    num_multicast=2)
+        tma_x, mX_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), mX, sX_stage,
+                                                    (tt, K_TILE), num_multicast=2)
     else:
-        tma_x, mX_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX,
-                                                    cute.slice_(sX_layout, (None, None, 0)), (tt, K_TILE))
+        tma_x, mX_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX, sX_stage, (tt, K_TILE))
     return sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma
 
 

@@ -23,7 +23,7 @@ TOKEN_TILE = 8  # tokens per MMA N-tile (mma.sync m16n8k16 / wgmma m64nNk16: W r
 MAX_TOKENS = 16  # the decode builds (1-2 tiles, every shard); above it the front serves where the rules say, up to
 # FRONT_MAX_TOKENS (qkv_front_rules.front_serves), else cuBLAS + the fused epilogue
 FRONT_MAX_TOKENS = 64  # the largest M one build serves (8 token tiles)
-TILE_CHOICES = (1, 2, 4, 6, 8)  # 8-token tiles of a build: M is padded up to the next one the rules use
+TILE_CHOICES = tuple(range(1, 9))  # 8-token tiles of a build: M is padded up to the next one the rules use
 SYNC_TILE_CHOICES = (1, 2, 4, 8)  # the tiles an mma.sync build ("rows", "k") takes: its x ldmatrix is x2 or x4
 K_TILE = 128  # K columns per ring stage: two 64-wide 128B-swizzled TMA boxes
 K_TILES = HIDDEN // K_TILE
@@ -80,6 +80,10 @@ class QkvFrontVariant(VariantMixin):
         elif self.tiles not in SYNC_TILE_CHOICES and self.warp_split != "wg":
             problems.append(f"{self.tiles} tiles need warp_split 'wg' (mma.sync's ldmatrix takes "
                             f"{SYNC_TILE_CHOICES} tiles), got {self.warp_split!r}")
+        elif self.splits in SPLIT_CHOICES and owned_tokens(self.tiles, self.splits) % CONSUMER_WARPS:
+            problems.append(f"{self.tiles} tiles at splits={self.splits} give an owner "
+                            f"{owned_tokens(self.tiles, self.splits)} tokens: the epilogue needs a multiple of "
+                            f"{CONSUMER_WARPS} (one share per consumer warp)")
         if self.fixed_m not in (0, TOKEN_TILE) or (self.fixed_m and self.tiles != 1):
             problems.append(f"fixed_m must be 0, or {TOKEN_TILE} with tiles=1, got {self.fixed_m}")
         if self.splits not in SPLIT_CHOICES:

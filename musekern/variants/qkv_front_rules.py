@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..targets import SMEM_RESERVED_PER_CTA, Target
 from .qkv_front import (
+    CONSUMER_WARPS,
     FRONT_MAX_TOKENS,
     HEAD_COLS,
     HIDDEN,
@@ -16,9 +17,11 @@ from .qkv_front import (
     MAX_TOKENS,
     MIN_RING_STAGES,
     SPLIT_CHOICES,
+    SYNC_TILE_CHOICES,
     TILE_CHOICES,
     TOKEN_TILE,
     QkvFrontVariant,
+    owned_tokens,
     ring_smem_bytes,
     stage_bytes,
     supports_shape,
@@ -29,21 +32,33 @@ MIN_CTA_STREAM_BYTES = 512 * 1024  # below this a CTA's fixed costs dominate its
 SHALLOW_RING_STAGES = 4
 MAX_RING_STAGES = 8  # the deep ring with two token tiles
 SMEM_RESERVE_BYTES = 24 * 1024  # the deep ring's budget outside the ring (barriers, slots, cos|sin, receive)
-WG_FROM_TILES = 4  # builds of this many token tiles and more take wgmma (NOTES "warp_split")
+WG_FROM_TILES = 3  # builds of this many token tiles and more take wgmma (NOTES "warp_split")
 WGMMA_ARCHES = ("sm_90a",)  # wgmma is Hopper's (sm_100a has tcgen05 instead): elsewhere mma.sync, up to 4 tiles
+SYNC_MAX_TILES = 4  # without wgmma the front serves up to 4 tiles (above, mma.sync's consumer sets the pace)
+UNSPLIT_MAX_TILES = 6  # without a cluster (S = 1: TP2) up to 6 tiles (NOTES "Every M: which path")
 WIDE_TILES = 6  # from this many token tiles on, S = 4 where it fits one wave (NOTES "k_split")
 XMC_FROM_TILES = 8  # wgmma builds with a cluster multicast x between the heads of a pair from 8 tiles on, or from
 XMC_WIDE_TILES = 6  # 6 with S = 4 (NOTES "x_mcast")
 
 
-# NOTES "token tiles and fixed_rows": one build per 8-token tile count, M == 8 its own static-M build; above
-# M = 16 M pads up to 4, 6 or 8 tiles.
-def token_tiles(m: int) -> int:
-    """8-token MMA tiles a build for M tokens computes (M padded up to the next of TILE_CHOICES)."""
+# NOTES "token tiles and fixed_rows": one build per 8-token tile count (M padded up to whole tiles), M == 8 its own
+# static-M build; M pads further where no build of that tile count exists for the shape (`tiles_build`).
+def token_tiles(m: int, n: int, target: Target) -> int:
+    """8-token MMA tiles the build for M tokens and weight rows N computes on `target`: the fewest that hold M
+    and that a build of this shape can take."""
     if not 1 <= m <= FRONT_MAX_TOKENS:
         raise ValueError(f"M must be in 1..{FRONT_MAX_TOKENS}, got {m}")
     need = (m + TOKEN_TILE - 1) // TOKEN_TILE
-    return next(t for t in TILE_CHOICES if t >= need)
+    return next(t for t in TILE_CHOICES if t >= need and tiles_build(n, target, t))
+
+
+def tiles_build(n: int, target: Target, tiles: int) -> bool:
+    """Is there a build of this many token tiles for weight rows N on `target`? mma.sync takes 1, 2, 4 or 8 tiles
+    (its x ldmatrix), wgmma any; an owner's tokens (TT / S) must split evenly among the four consumer warps, so
+    S = 4 (TP8 from WIDE_TILES) takes even tile counts only."""
+    if tiles not in SYNC_TILE_CHOICES and (tiles < WG_FROM_TILES or target.arch not in WGMMA_ARCHES):
+        return False
+    return owned_tokens(tiles, k_split(n, target, tiles)) % CONSUMER_WARPS == 0
 
 
 def fixed_rows(m: int) -> int:
@@ -131,7 +146,7 @@ def variant(n: int, m: int, num_kv_heads: int, target: Target) -> QkvFrontVarian
     """The compiled variant a call with weight rows N and M tokens takes on `target`."""
     if not supports_shape(n, num_kv_heads):
         raise ValueError(f"qkv_front does not support N={n} with num_kv_heads={num_kv_heads}")
-    tiles = token_tiles(m)
+    tiles = token_tiles(m, n, target)
     s = k_split(n, target, tiles)
     split = warp_split(n, s, target, tiles)
     rir = recv_in_ring(n, s, target, tiles, split)
@@ -145,7 +160,7 @@ def variant(n: int, m: int, num_kv_heads: int, target: Target) -> QkvFrontVarian
 # with a cluster (TP8 -2.5%, TP4 -0.5-1%), 6 tiles at S = 4 (TP8 -1%); slower with 4 tiles, at TP4 with 6, at TP2.
 def x_mcast(split: int, tiles: int, warp: str) -> bool:
     """Does the build multicast x between the two heads of a pair?"""
-    if warp != "wg" or split < 2:
+    if warp != "wg" or split < 2 or tiles % 2:  # (a pair splits each x tile in whole 8-row tiles)
         return False
     return tiles >= XMC_FROM_TILES or (tiles >= XMC_WIDE_TILES and split >= 4)
 
@@ -166,12 +181,12 @@ def front_serves(n: int, m: int, target: Target) -> bool:
         return False
     if m <= MAX_TOKENS:
         return True
-    tiles = token_tiles(m)
-    if tiles > WG_FROM_TILES and target.arch not in WGMMA_ARCHES:
+    tiles = token_tiles(m, n, target)
+    if tiles > SYNC_MAX_TILES and target.arch not in WGMMA_ARCHES:
         return False  # no wgmma: mma.sync builds stop at 4 tiles
     s = k_split(n, target, tiles)
-    # 8 tiles without a cluster (TP2): one CTA owns all 64 tokens of its head, and cuBLAS's M > 48 kernel wins
-    return one_wave_at_two_per_sm(n, s, target) and (tiles < max(TILE_CHOICES) or s > 1)
+    # above 6 tiles without a cluster (TP2): one CTA owns all its head's tokens, and cuBLAS's M > 48 kernel wins
+    return one_wave_at_two_per_sm(n, s, target) and (s > 1 or tiles <= UNSPLIT_MAX_TILES)
 
 
 def qkv_front_variants(n: int, num_kv_heads: int, target: Target, max_tokens: int = MAX_TOKENS):

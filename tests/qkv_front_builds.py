@@ -87,7 +87,8 @@ def front_candidates(target) -> list:
     """(name, variant, M) the bench times beside the plan: per shard the mma.sync 4-tile build (the plan before
     wgmma), a 2-tile wgmma build and each wgmma build with its receive buffer in the ring (a deeper ring at two
     CTAs per SM); at TP8 the wgmma builds with S = 4 (136 CTAs: every SM streams, not 68); each wgmma build with the
-    other x multicast choice (`x_mcast`); each odd tile count's build beside the even one above it."""
+    other x multicast choice (`x_mcast`); each odd tile count's build beside the even one above it, and the odd builds
+    the plan does not take."""
     from musekern.variants import variant
     from musekern.variants.qkv_front_rules import ring_stages
 
@@ -121,9 +122,20 @@ def front_candidates(target) -> list:
                 v = variant(n, m, nkv, target)
                 for trig, ahead in (("late", 0), ("late", v.stages), ("early", 0)):
                     out.append((f"tp{tp}-m{m}-{trig}{ahead or ''}", replace(v, trigger=trig, trigger_ahead=ahead), m))
-        # an odd tile count (3, 5, 7: M padded to the next 8 tokens) against the even one M took before (4, 6, 8)
-        for m in (24, 40, 56) if tp > 1 else ():
+        # an odd tile count (3, 5: M padded to the next 8 tokens) against the even one above it (4, 6), and round 45's
+        # odd builds the plan does not take: TP8 5 tiles at S = 2 (S = 4, which it takes there, splits only even
+        # counts), TP4 5 tiles with the receive buffer in the ring (a fourth stage), TP4 7 tiles
+        for m in (24, 40) if tp > 1 else ():
             v, even = variant(n, m, nkv, target), variant(n, m + 8, nkv, target)
             if v.tiles % 2:
                 out.append((f"tp{tp}-m{m}-even{even.tiles}", even, m))
+        if tp == 8:
+            v, st = variant(n, 32, nkv, target), ring_stages(2, target, 5, n)
+            out.append(("tp8-m40-t5s2", replace(v, tiles=5, stages=st, trigger_ahead=st), 40))
+        if tp == 4:
+            v = variant(n, 40, nkv, target)
+            out.append(("tp4-m40-t5rir", replace(v, recv_in_ring=True,
+                                                 stages=ring_stages(2, target, 5, n, recv_in_ring=True)), 40))
+            v = variant(n, 48, nkv, target)
+            out.append(("tp4-m56-t7", replace(v, tiles=7, stages=ring_stages(2, target, 7, n)), 56))
     return out

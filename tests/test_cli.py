@@ -35,12 +35,12 @@ def run(monkeypatch, tmp_path):
 
 def test_plan_table_and_json(run):
     r = run("plan", "--target", "h200")
-    assert "qkv_front" in r.stdout and "2176" in r.stdout and "34 distinct variants" in r.stdout
+    assert "qkv_front" in r.stdout and "2176" in r.stdout and "32 distinct variants" in r.stdout
     doc = json.loads(run("plan", "--target", "h200", "--json").stdout)
     tp8 = [row for row in doc["rows"] if row["tp"] == 8 and row["kernel"] == "qkv_front"]
     assert {(r["N"], r["k_split"], r["tiles"], r["fixed_rows"], r["tokens"]) for r in tp8} == {
         (2176, 2, 1, 0, "1-7"), (2176, 2, 1, 8, "8"), (2176, 2, 2, 0, "9-16"), (2176, 2, 3, 0, "17-24"),
-        (2176, 2, 4, 0, "25-32"), (2176, 2, 5, 0, "33-40"), (2176, 4, 6, 0, "41-48"), (2176, 4, 8, 0, "49-64")}
+        (2176, 2, 4, 0, "25-32"), (2176, 4, 6, 0, "33-48"), (2176, 4, 8, 0, "49-64")}
 
 
 def test_plan_without_gpu_uses_config_targets(run):
@@ -96,10 +96,10 @@ def test_prepare_then_warm_rerun_does_nothing(run):
 @needs_dsl
 def test_doctor_reports_missing_then_ok(run, tmp_path):
     doc = json.loads(run("doctor", "--target", "h200", "--json", code=1).stdout)
-    assert doc["nvidia-cutlass-dsl"] == keys.dsl_version() and len(doc["missing"]) == 34 and not doc["ok"]
+    assert doc["nvidia-cutlass-dsl"] == keys.dsl_version() and len(doc["missing"]) == 32 and not doc["ok"]
     assert doc["cache_dir"] == str(tmp_path / "cache")
     r = run("doctor", "--target", "h200", code=1)
-    assert "34 planned variant(s) missing from the cache" in r.stdout
+    assert "32 planned variant(s) missing from the cache" in r.stdout
     assert all(m["variant"] in r.stdout for m in doc["missing"])  # every one, not "e.g." the first
     assert "fix: musekern prepare --target h200" in r.stderr  # fix commands go with the errors
 
@@ -170,9 +170,9 @@ TP8_LABEL = ("qkv_front[fixed_m=8,n=2176,num_kv_heads=1,splits=2,stages=6,tiles=
 
 
 @pytest.mark.parametrize("args,full,tp8", [
-    (["plan", "--target", "h200"], 34, 15),  # test_variants.py::test_default_plan counts the 34; TP 8: 15 of them
-    (["doctor", "--target", "h200"], 34, 15),
-    (["export", "--target", "h200"], 34, 15),
+    (["plan", "--target", "h200"], 32, 14),  # test_variants.py::test_default_plan counts the 32; TP 8: 14 of them
+    (["doctor", "--target", "h200"], 32, 14),
+    (["export", "--target", "h200"], 32, 14),
     (["explain", TP8_LABEL, "--target", "h200"], 1, 1),
 ])
 def test_tp_overrides_the_config_on_every_planning_command(run, args, full, tp8):
@@ -186,7 +186,7 @@ def test_prepare_takes_tp(run, monkeypatch):
     monkeypatch.setattr("musekern.build.prepare.dsl_version", lambda: None)  # stop before compiling anything
     monkeypatch.setattr("musekern.build.compile.dsl_version", lambda: None)
     r = run("prepare", "--target", "h200", "--tp", "8", code=1)
-    assert "musekern prepare: 15 variant(s) for h200" in r.stderr
+    assert "musekern prepare: 14 variant(s) for h200" in r.stderr
 
 
 def test_every_planning_command_has_tp():
@@ -203,7 +203,7 @@ def test_config_without_tp_sizes_warns_on_stderr_and_in_json(run):
     assert "musekern: warning:" in r.stderr and "names no tensor-parallel sizes" in r.stderr
     r = run("plan", "--model", cfg, "--target", "h200", "--tp", "1,2,4,8", "--json")
     doc = json.loads(r.stdout)
-    assert doc["warnings"] == [] and len(doc["variants"]) == 34 and "warning" not in r.stderr
+    assert doc["warnings"] == [] and len(doc["variants"]) == 32 and "warning" not in r.stderr
     doc = json.loads(run("doctor", "--model", cfg, "--target", "h200", "--json", code=1).stdout)
     assert doc["warnings"] and doc["tp_source"] == "default"
 
@@ -303,7 +303,7 @@ def test_json_stdout_is_one_document_and_logs_go_to_stderr(run, tmp_path):
     for args in (["plan", "--target", "h200"], ["ls"], ["stats"], ["verify"]):
         json.loads(run(*args, "--json").stdout)
     r = run("plan", "--target", "h200")
-    assert "34 distinct variants" in r.stdout.splitlines()[-1] and r.stderr == ""
+    assert "32 distinct variants" in r.stdout.splitlines()[-1] and r.stderr == ""
     r = run("ls")
     assert r.stdout.splitlines()[-1].startswith("0 entries in ") and r.stderr == ""  # summary with the result
 
@@ -337,11 +337,11 @@ def test_export_shard_is_what_prepare_shard_built(run, tmp_path):
         doc = json.loads(run("export", "--target", "h200", "--tp", "8", "--shard", f"{k}/2", "--cache-dir", cd,
                              "-o", str(out), "--json").stdout)
         assert sorted(doc["keys"]) == built[k] and doc["plan"].endswith(f"|shard {k}/2")
-    assert len(built[1]) + len(built[2]) == 15 and not set(built[1]) & set(built[2])
+    assert len(built[1]) + len(built[2]) == 14 and not set(built[1]) & set(built[2])
     # the whole plan is not in one shard's cache: the fix names the shard's own prepare
     r = run("export", "--target", "h200", "--tp", "8", "--cache-dir", str(tmp_path / "shard1"), "-o", "all.tar",
             code=1)
-    assert "--tp 8" in r.stderr and f"{len(built[2])} of the 15 variants of the plan" in r.stderr
+    assert "--tp 8" in r.stderr and f"{len(built[2])} of the 14 variants of the plan" in r.stderr
     merged = str(tmp_path / "merged")
     for k in (1, 2):
         run("import", str(tmp_path / f"shard{k}.tar"), "--cache-dir", merged)
@@ -350,9 +350,9 @@ def test_export_shard_is_what_prepare_shard_built(run, tmp_path):
     assert json.loads(run("doctor", "--target", "h200", "--tp", "8", "--cache-dir", merged, "--json").stdout)["ok"]
 
 
-# TP 8 alone (15 builds per target) and the full plan (34) in 2 and 3 shards: a round robin over entries lined
+# TP 8 alone (14 builds per target) and the full plan (32) in 2 and 3 shards: a round robin over entries lined
 # the two targets' builds up only when the builds per target were a multiple of the shard count.
-@pytest.mark.parametrize("tp,builds_total", [((8,), 15), ((1, 2, 4, 8), 34)])
+@pytest.mark.parametrize("tp,builds_total", [((8,), 14), ((1, 2, 4, 8), 32)])
 @pytest.mark.parametrize("n", [2, 3])
 def test_shards_split_the_builds_not_just_the_entries(tp, builds_total, n):
     """h100 and h200 share every sm_90a build: sharding the README's two-target plan must split the compiles."""

@@ -63,7 +63,7 @@ ARGS_FIELDS = {"weight", "x", "weight_ptr", "M", "y", "positions", "cos_sin_cach
 def test_plan_has_every_shape():
     ns = sorted({v.n for v in PLANNED})
     assert ns == [2176, 4352, 8704, 17408]
-    assert {(v.tiles, v.fixed_m) for v in PLANNED} == {(1, 0), (1, 8), *((t, 0) for t in range(2, 9))}
+    assert {(v.tiles, v.fixed_m) for v in PLANNED} == {(1, 0), (1, 8), (2, 0), (3, 0), (4, 0), (5, 0), (6, 0), (8, 0)}
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))

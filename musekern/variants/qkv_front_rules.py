@@ -18,7 +18,6 @@ from .qkv_front import (
     MIN_RING_STAGES,
     SPLIT_CHOICES,
     SYNC_TILE_CHOICES,
-    TILE_CHOICES,
     TOKEN_TILE,
     QkvFrontVariant,
     owned_tokens,
@@ -36,20 +35,23 @@ WG_FROM_TILES = 3  # builds of this many token tiles and more take wgmma (NOTES 
 WGMMA_ARCHES = ("sm_90a",)  # wgmma is Hopper's (sm_100a has tcgen05 instead): elsewhere mma.sync, up to 4 tiles
 SYNC_MAX_TILES = 4  # without wgmma the front serves up to 4 tiles (above, mma.sync's consumer sets the pace)
 UNSPLIT_MAX_TILES = 6  # without a cluster (S = 1: TP2) up to 6 tiles (NOTES "Every M: which path")
-WIDE_TILES = 6  # from this many token tiles on, S = 4 where it fits one wave (NOTES "k_split")
+WIDE_TILES = 5  # from this many token tiles on, S = 4 where it fits one wave (NOTES "k_split")
+# Tile counts the plan takes (a call pads M up to the next one a build of its shape can take): 7 measured faster than
+# 8 chained but slower after a norm at TP4 (NOTES "token tiles and fixed_rows"); TP2 does not serve it
+PLANNED_TILES = (1, 2, 3, 4, 5, 6, 8)
 XMC_FROM_TILES = 8  # wgmma builds with a cluster multicast x between the heads of a pair from 8 tiles on, or from
 XMC_WIDE_TILES = 6  # 6 with S = 4 (NOTES "x_mcast")
 
 
-# NOTES "token tiles and fixed_rows": one build per 8-token tile count (M padded up to whole tiles), M == 8 its own
-# static-M build; M pads further where no build of that tile count exists for the shape (`tiles_build`).
+# NOTES "token tiles and fixed_rows": one build per planned 8-token tile count (M padded up to whole tiles), M == 8 its
+# own static-M build; M pads further where no build of that tile count exists for the shape (`tiles_build`).
 def token_tiles(m: int, n: int, target: Target) -> int:
-    """8-token MMA tiles the build for M tokens and weight rows N computes on `target`: the fewest that hold M
-    and that a build of this shape can take."""
+    """8-token MMA tiles the build for M tokens and weight rows N computes on `target`: the fewest of
+    PLANNED_TILES that hold M and that a build of this shape can take."""
     if not 1 <= m <= FRONT_MAX_TOKENS:
         raise ValueError(f"M must be in 1..{FRONT_MAX_TOKENS}, got {m}")
     need = (m + TOKEN_TILE - 1) // TOKEN_TILE
-    return next(t for t in TILE_CHOICES if t >= need and tiles_build(n, target, t))
+    return next(t for t in PLANNED_TILES if t >= need and tiles_build(n, target, t))
 
 
 def tiles_build(n: int, target: Target, tiles: int) -> bool:
@@ -165,11 +167,13 @@ def x_mcast(split: int, tiles: int, warp: str) -> bool:
     return tiles >= XMC_FROM_TILES or (tiles >= XMC_WIDE_TILES and split >= 4)
 
 
-# NOTES "ring_stages": a wgmma build keeps its receive buffer in the ring where that buys a ring stage at two CTAs
-# per SM (8 tiles at TP8 and TP4); elsewhere the cluster barrier it needs costs more than it gives.
+# NOTES "ring_stages": a wgmma build keeps its receive buffer in the ring where that buys a third ring stage at two CTAs
+# per SM (8 tiles at TP8 and TP4); elsewhere the cluster barrier it needs costs more than it gives (a fourth stage at 5
+# tiles too).
 def recv_in_ring(n: int, split: int, target: Target, tiles: int, warp: str) -> bool:
     """Does the owner's receive buffer live in the (then idle) ring?"""
-    return warp == "wg" and ring_stages(split, target, tiles, n, True) > ring_stages(split, target, tiles, n)
+    plain = ring_stages(split, target, tiles, n)
+    return warp == "wg" and plain == MIN_RING_STAGES and ring_stages(split, target, tiles, n, True) > plain
 
 
 # NOTES "Every M: which path": the front where it measured faster than its alternative, cuBLAS's GEMM + the fused

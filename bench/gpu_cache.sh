@@ -25,7 +25,7 @@ for v in gpu_test_builds(planned):
     print(v.label)
 PY
 )
-# the front above M = 16: the builds the rules pick for M = 17..64 (the plan has those for M <= 32), their
+# the front above M = 16: the builds the rules pick for M = 17..64 on every shard (served or not), their
 # same-bits / other-warp-split builds and the alternatives bench/front_large_m.py times beside them
 while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python bench/front_large_m.py labels)
 # every qkv_epilogue build (the plan takes 1 and 2 vectors a thread; the GPU tests and the sanitizer run all four)

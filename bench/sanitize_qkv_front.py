@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """One launch of every default-model qkv_front variant (and qk_norm) with hostile inputs, for compute-sanitizer:
-padding slots (-1), a slot past the end of the cache, positions past the end of the table and negative,
-M = 1, 8, 16, 24, 40, 56 (every front build per N: mma.sync up to 16, wgmma with 4, 6 and 8 tiles above, S = 4 and
-the receive buffer in the ring at TP8) and 100 (torch.mm + the fused epilogue everywhere), FlashInfer's strided cache
-layout. Exit 0 if every launch ran. `--fused-only`: only the M the fused front serves (racecheck: on the GEMM path it
+padding slots (-1), a slot past the end of the cache, positions past the end of the table and negative, at the
+smallest and the largest M each planned front build serves (`planned_ms`: every build per N, its most padded and its
+fullest token tiles) and M = 100 (torch.mm + the fused epilogue everywhere), FlashInfer's strided cache layout.
+Exit 0 if every launch ran. `--fused-only`: only the M the fused front serves (racecheck: on the GEMM path it
 reports hazards inside cuBLAS's own nvjet kernels, which are not musekern's; bench/sanitize_qkv_epilogue.py checks the
 epilogue).
 
@@ -15,8 +15,20 @@ import torch
 
 import musekern
 from musekern.config import load_config
+from musekern.targets import local_target
 
 HIDDEN, HD = 8192, 64
+
+
+def planned_ms(n: int, num_kv_heads: int, target) -> list:
+    """The smallest and the largest M of every front build the plan takes for N (M up to FRONT_MAX_TOKENS)."""
+    from musekern.variants import FRONT_MAX_TOKENS, front_serves, variant
+
+    by_build = {}
+    for m in range(1, FRONT_MAX_TOKENS + 1):
+        if front_serves(n, m, target):
+            by_build.setdefault(variant(n, m, num_kv_heads, target), []).append(m)
+    return sorted({m for ms in by_build.values() for m in (ms[0], ms[-1])})
 
 
 def main() -> int:
@@ -28,9 +40,10 @@ def main() -> int:
     max_pos, nb, bs = 256, 8, 16
     cs = torch.randn(max_pos, HD, device="cuda")
     n_launch = 0
+    target = local_target()
     for shard in model.shards():
         w = (torch.randn(shard.n, HIDDEN, device="cuda") / 90).to(torch.bfloat16)
-        for m in (1, 8, 16, 24, 40, 56, 100):
+        for m in planned_ms(shard.n, shard.num_kv_heads, target) + [100]:
             if fused_only and not _fused(shard.n, m, torch.cuda.current_device()):
                 continue
             x = torch.randn(m, HIDDEN, device="cuda").to(torch.bfloat16)

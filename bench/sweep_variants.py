@@ -147,6 +147,8 @@ def main(argv=None) -> int:
         v = variant_from_label(lbl)
         jobs += [(v, m) for m in ms if holds(v, m)]
     if a.n:
+        if max(ms) > 16:  # (above, a build's tile count and warp split depend on S: give labels)
+            ap.error("--n builds the decode variants (M <= 16, mma.sync); give labels for larger M")
         for st, sp, m in itertools.product(a.stages.split(","), a.splits.split(","), ms):
             jobs.append((QkvFrontVariant(a.n, a.kv, token_tiles(m, a.n, H200), int(st), int(sp), fixed_rows(m)), m))
     bw = copy_bandwidth()  # also makes torch's CUDA context current (the predecessor loads into it)

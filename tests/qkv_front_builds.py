@@ -41,7 +41,7 @@ OTHER_SPLIT = {"rows": "k", "k": "rows", "wg": "k"}
 
 def other_warp_split(v):
     """`v` with a warp split the plan did not pick ("rows" <-> "k", "wg" -> "k"), or None where no other split
-    builds (6 tiles: wgmma only; 8 tiles under "k" needs a deeper ring than the plan's)."""
+    builds (3, 5, 6 tiles: wgmma only; 8 tiles under "k" needs a deeper ring than the plan's)."""
     try:
         return replace(v, warp_split=OTHER_SPLIT[v.warp_split])
     except ValueError:

@@ -304,15 +304,31 @@ def test_first_call_script_parses_and_inputs_match_the_ops_signature():
     assert order == list(inspect.signature(ops.launch).parameters)
 
 
-def _sweep_module():
+def _sweep_module(name="sweep_variants"):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "sweep_variants.py"
-    spec = importlib.util.spec_from_file_location("sweep_variants", path)
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def test_sanitizer_launches_every_planned_front_build():
+    """bench/sanitize_qkv_front.py's M values reach every planned qkv_front build of every shard, each at the smallest
+    and the largest M it serves (a fixed M list once missed the builds a rule change added)."""
+    from musekern.config import load_config
+    from musekern.targets import get_target
+    from musekern.variants import FRONT_MAX_TOKENS, front_serves, qkv_front_variants, variant
+
+    san, t = _sweep_module("sanitize_qkv_front"), get_target("h200")
+    for s in load_config().shards():
+        ms = san.planned_ms(s.n, s.num_kv_heads, t)
+        assert all(front_serves(s.n, m, t) for m in ms)
+        built = {variant(s.n, m, s.num_kv_heads, t) for m in ms}
+        assert built == set(qkv_front_variants(s.n, s.num_kv_heads, t, FRONT_MAX_TOKENS)), s.tp
+        assert 1 in ms and 16 in ms and (s.tp == 1 or 17 in ms)
 
 
 def test_sweep_merges_repeats_into_medians_and_keeps_every_sample():

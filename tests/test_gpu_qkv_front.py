@@ -148,11 +148,11 @@ def test_every_m_every_planned_n(weights, record_property, tp, m):
 
 
 # The product call (musekern.qkv_front: the fused front or cuBLAS + the fused epilogue, by the planner's rule) at the
-# issue's M grid above 16 on every planned N: each side of every tile count (4, 6, 8 tiles), of the front's range
-# (64 / 65; TP2 48 / 49, TP1 16 / 17) and of the epilogue's build switch, rows that end mid-CTA, and prefill sizes;
-# against fp64, the caches bit for bit outside the slots, with no host sync (sync debug mode "error"). Both cache
-# layouts alternate over M.
-PRODUCT_MS = [17, 24, 31, 32, 33, 40, 48, 49, 56, 63, 64, 65, 100, 128, 255, 256, 1000, 4096]
+# issue's M grid above 16 on every planned N: each side of every tile count (3 to 6 and 8 tiles), of the front's
+# range (64 / 65; TP2 48 / 49, TP1 16 / 17) and of the epilogue's build switch, rows that end mid-CTA, and prefill
+# sizes; against fp64, the caches bit for bit outside the slots, with no host sync (sync debug mode "error"). Both
+# cache layouts alternate over M.
+PRODUCT_MS = [17, 24, 25, 31, 32, 33, 40, 41, 48, 49, 56, 63, 64, 65, 100, 128, 255, 256, 1000, 4096]
 
 
 @pytest.mark.parametrize("tp", [8, 4, 2, 1])
@@ -237,9 +237,9 @@ def test_other_warp_split_is_correct_deterministic_and_ring_independent(weights,
 
 # Caches with >= 2^31 slots take a 64-bit slot division, all others a 32-bit one: the same launch with a
 # num_blocks that only moves the bound past 2^31 (the slots stay inside the real cache) must write the same bits. Both
-# epilogues: a lane per RoPE pair (M = 5, 16) and eight lanes a token (the wgmma builds with 16 owned tokens or more:
-# TP8 4 and 8 tiles, TP4 6 tiles).
-@pytest.mark.parametrize("tp,m", [(8, 5), (1, 16), (8, 30), (8, 64), (4, 40)])
+# epilogues: a lane per RoPE pair (M = 5, 16, and the 3-tile builds' 12 owned tokens, M = 20) and eight lanes a token
+# (the wgmma builds with 16 owned tokens or more: TP8 4 and 8 tiles, TP4 5 and 6 tiles).
+@pytest.mark.parametrize("tp,m", [(8, 5), (1, 16), (8, 20), (8, 30), (8, 64), (4, 40), (4, 44)])
 def test_huge_cache_slot_path_matches(weights, tp, m):
     from musekern.runtime import get_kernel
     from musekern.targets import local_target
@@ -332,8 +332,8 @@ def test_above_16_every_m(weights, record_property, tp, m):
 # Both engine layouts, padding slots (-1), a slot past the end and the last slot of the cache, positions 0 and
 # max_pos - 1, at every shard.
 @pytest.mark.parametrize("layout", ["vllm", "flashinfer"])
-@pytest.mark.parametrize("tp,m", [(8, 17), (8, 32), (8, 47), (8, 64), (4, 29), (4, 52), (2, 32), (2, 64), (1, 24),
-                                  (1, 40)])
+@pytest.mark.parametrize("tp,m", [(8, 17), (8, 32), (8, 47), (8, 64), (4, 29), (4, 37), (4, 52), (2, 32), (2, 36),
+                                  (2, 64), (1, 24), (1, 40)])
 def test_above_16_cache_layouts_padding_and_edges(weights, layout, tp, m):
     nkv = SHARDS[tp].num_kv_heads
     max_pos = 4096
@@ -348,7 +348,8 @@ def test_above_16_cache_layouts_padding_and_edges(weights, layout, tp, m):
     check_against_truth(p, weights[tp], nkv, y)
 
 
-@pytest.mark.parametrize("tp,m", [(8, 32), (8, 64), (4, 17), (4, 32), (4, 45), (2, 25), (2, 60), (1, 17), (1, 64)])
+@pytest.mark.parametrize("tp,m", [(8, 32), (8, 64), (4, 17), (4, 32), (4, 37), (4, 45), (2, 25), (2, 36), (2, 60),
+                                  (1, 17), (1, 64)])
 def test_above_16_bitwise_deterministic(weights, tp, m):
     nkv = SHARDS[tp].num_kv_heads
     v = _front(tp, m)
@@ -369,9 +370,9 @@ def _levers(cases):
         variant(SHARDS[tp].n, m, SHARDS[tp].num_kv_heads, get_target("h200")))]
 
 
-# every lever of every new build that must not change a bit
-@pytest.mark.parametrize("tp,m,what", _levers(((8, 24), (8, 40), (8, 64), (4, 32), (4, 19), (4, 48), (4, 61), (2, 20),
-                                                (2, 44), (1, 32), (1, 56))))
+# every lever of every build above 16 tokens that must not change a bit (one M per planned build, and TP1's)
+@pytest.mark.parametrize("tp,m,what", _levers(((8, 24), (8, 30), (8, 40), (8, 64), (4, 32), (4, 19), (4, 37), (4, 48),
+                                                (4, 61), (2, 20), (2, 30), (2, 36), (2, 44), (1, 32), (1, 56))))
 def test_above_16_levers_do_not_change_a_bit(weights, tp, m, what):
     v = _front(tp, m)
     alts = same_bits_alternatives(v)

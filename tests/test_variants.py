@@ -31,7 +31,8 @@ H200 = get_target("h200")
 
 
 # Each side of every tile boundary: the planned tile counts (1-6 and 8: 7 measured slower after a norm) where the
-# shape has a build (TP8 from 5 tiles S = 4, even counts only), and without wgmma (sm_100a) mma.sync's 1, 2, 4, 8.
+# shape has a build (TP8 from 5 tiles S = 4, even counts only), and without wgmma (sm_100a) mma.sync's 1, 2, 4, up to
+# 32 tokens (None: no build holds M).
 TILE_EDGES = (1, 7, 8, 9, 16, 17, 24, 25, 32, 33, 40, 41, 48, 49, 56, 57, 64)
 
 
@@ -39,14 +40,27 @@ TILE_EDGES = (1, 7, 8, 9, 16, 17, 24, 25, 32, 33, 40, 41, 48, 49, 56, 57, 64)
     (4352, "h200", (1, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 8, 8, 8, 8)),
     (8704, "h200", (1, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 8, 8, 8, 8)),
     (2176, "h200", (1, 1, 1, 2, 2, 3, 3, 4, 4, 6, 6, 6, 6, 8, 8, 8, 8)),
-    (4352, "b200", (1, 1, 1, 2, 2, 4, 4, 4, 4, 8, 8, 8, 8, 8, 8, 8, 8))])
+    (4352, "b200", (1, 1, 1, 2, 2, 4, 4, 4, 4) + (None,) * 8)])
 def test_token_tiles_and_fixed_rows(n, target, tiles):
     t = get_target(target)
-    assert tuple(token_tiles(m, n, t) for m in TILE_EDGES) == tiles
+    for m, want in zip(TILE_EDGES, tiles, strict=True):
+        if want is None:
+            with pytest.raises(ValueError, match="without wgmma the front stops at 32 tokens"):
+                token_tiles(m, n, t)
+        else:
+            assert token_tiles(m, n, t) == want, m
     assert [fixed_rows(m) for m in TILE_EDGES] == [8 if m == 8 else 0 for m in TILE_EDGES]
-    for m in filter(lambda m: front_serves(n, m, t), range(1, FRONT_MAX_TOKENS + 1)):  # the build taken holds M
-        v = variant(n, m, {2176: 1, 4352: 2, 8704: 4}[n], t)
-        assert v.tiles == token_tiles(m, n, t) and m <= v.tiles * 8
+
+
+# Every target, every shard of the bundled model, every M: where the front serves M the rules give a valid variant
+# that holds M, with the planned tile count, that fits the target's shared memory.
+@pytest.mark.parametrize("target", ["h200", "h100", "h100-pcie", "h20", "b200"])
+@pytest.mark.parametrize("n,nkv", [(2176, 1), (4352, 2), (8704, 4), (17408, 8)])
+def test_every_served_m_has_a_valid_build(target, n, nkv):
+    t = get_target(target)
+    for m in filter(lambda m: front_serves(n, m, t), range(1, FRONT_MAX_TOKENS + 1)):
+        v = variant(n, m, nkv, t)
+        assert v.tiles == token_tiles(m, n, t) and m <= v.tiles * 8 and smem_bytes(v) <= t.max_smem_optin, m
 
 
 @pytest.mark.parametrize("m", [0, 65, -1])
@@ -56,7 +70,7 @@ def test_token_tiles_range(m):
 
 
 def test_odd_tiles_need_wgmma_and_whole_shares():
-    """The variant itself refuses what `tiles_build` skips: an odd tile count under mma.sync, or an owner share
+    """The variant itself refuses what `has_tiles_build` skips: an odd tile count under mma.sync, or an owner share
     the four consumer warps cannot split (S = 4 with odd tiles)."""
     base = variant(4352, 24, 2, H200)
     assert (base.tiles, base.warp_split, base.splits, base.x_mcast) == (3, "wg", 2, False)
@@ -207,8 +221,6 @@ def test_plan_is_deterministic_across_hash_seeds():
     assert len(doc["variants"]) == 64  # 32 a target (test_default_plan) on h200 and on h20
 
 
-# each field of QkvFrontVariant that __post_init__ guards, with a value outside its domain (splits 4 / 8 and the
-# trigger "wait" were levers once: measured slower, removed)
 # From 5 token tiles on (M > 32) S = 4 where heads x 4 CTAs fit one wave at two per SM (TP8 on the H200 and H20),
 # else the small-M rule; below 5 tiles never 4 (bench/NOTES.md "k_split").
 @pytest.mark.parametrize("n,target,tiles,s", [(2176, "h200", 5, 4), (2176, "h200", 6, 4), (2176, "h200", 8, 4),
@@ -232,10 +244,8 @@ def test_recv_in_ring_rule(n, nkv, m, rir):
     v = variant(n, m, nkv, H200)
     assert v.recv_in_ring == rir
     assert v.stages == ring_stages(v.splits, H200, v.tiles, n, recv_in_ring=rir)
-    if rir:
-        assert v.stages > ring_stages(v.splits, H200, v.tiles, n) == 2
-    else:
-        assert v.tiles < 5 or ring_stages(v.splits, H200, v.tiles, n, recv_in_ring=True) >= v.stages
+    plain, in_ring = ring_stages(v.splits, H200, v.tiles, n), ring_stages(v.splits, H200, v.tiles, n, True)
+    assert rir == (plain == 2 and in_ring > plain)  # (TP4 5 tiles: in_ring 4 > plain 3, not taken)
 
 
 # x multicast between head pairs: the wgmma builds with a cluster from 8 tiles (TP8, TP4) and from 6 at S = 4 (TP8);
@@ -255,10 +265,13 @@ def test_x_mcast_rule(n, nkv, m, target, xmc):
     assert not xmc or (v.warp_split == "wg" and v.splits >= 2 and v.tiles >= 6)
 
 
+# each field of QkvFrontVariant that __post_init__ guards, with a value outside its domain (the trigger "wait" was a
+# lever once: measured slower, removed); 3 and 6 tiles need wgmma, the M = 1 build is mma.sync's "rows"
 @pytest.mark.parametrize("field,value,msg", [("warp_split", "cols", "warp_split"), ("trigger", "wait", "trigger"),
                                              ("stages", 33, "stages"), ("stages", 1, "stages"),
-                                             ("splits", 3, "splits"), ("tiles", 3, "tiles"), ("tiles", 6, "tiles"),
-                                             ("tiles", 9, "tiles"), ("tiles", 0, "tiles"),
+                                             ("splits", 3, "splits"), ("tiles", 3, "need warp_split 'wg'"),
+                                             ("tiles", 6, "need warp_split 'wg'"), ("tiles", 9, "tiles must be one of"),
+                                             ("tiles", 0, "tiles must be one of"),
                                              ("fixed_m", 16, "fixed_m"), ("n", 2175, "q|k|v|gate"),
                                              ("trigger_ahead", 26, "trigger_ahead"),
                                              ("trigger_ahead", -1, "trigger_ahead"),
@@ -300,7 +313,7 @@ def test_gpu_test_builds_move_one_lever():
             assert (alt.n, alt.tiles, alt.splits, alt.warp_split) == (v.n, v.tiles, v.splits, v.warp_split)
         other = other_warp_split(v)
         assert other is None or other.warp_split != v.warp_split
-        assert other is not None or v.warp_split == "wg"  # 6 tiles: wgmma only; 8: "k" needs a deeper ring
+        assert other is not None or v.warp_split == "wg"  # 3, 5, 6 tiles: wgmma only; 8: "k" needs a deeper ring
     builds = gpu_test_builds(planned)
     assert len(builds) == len(set(builds)) and not set(builds) & set(planned)
 
@@ -324,19 +337,17 @@ def test_warp_split_by_tile_count(tiles, split, stages, ok):
 @pytest.mark.parametrize("n,nkv,served,tiles", [(2176, 1, True, [3, 4, 6, 8]), (4352, 2, True, [3, 4, 5, 6, 8]),
                                                 (8704, 4, True, [3, 4, 5, 6]), (17408, 8, False, [])])
 def test_front_variants_above_16(n, nkv, served, tiles):
-    from musekern.variants import front_serves
-
     small = qkv_front_variants(n, nkv, H200)
     full = qkv_front_variants(n, nkv, H200, FRONT_MAX_TOKENS)
     assert full[:len(small)] == small
     wide = served and n != 8704  # TP2 (S = 1): above 6 tiles cuBLAS's M > 48 kernel wins
     assert [v.tiles for v in full[len(small):]] == tiles
-    for m, tiles in ((17, 3), (24, 3), (25, 4), (32, 4), (33, 5), (40, 5), (41, 6), (48, 6), (49, 8), (64, 8)):
-        if n == 2176 and tiles == 5:
-            tiles = 6  # S = 4 from 5 tiles: no odd tile count
+    for m, t in ((17, 3), (24, 3), (25, 4), (32, 4), (33, 5), (40, 5), (41, 6), (48, 6), (49, 8), (64, 8)):
+        if n == 2176 and t == 5:
+            t = 6  # S = 4 from 5 tiles: no odd tile count
         v = variant(n, m, nkv, H200)  # a build exists either way (the GPU tests keep it correct)
-        on = served and (tiles <= 6 or wide)
-        assert front_serves(n, m, H200) == on and (v in full) == on and v.tiles == tiles
+        on = served and (t <= 6 or wide)
+        assert front_serves(n, m, H200) == on and (v in full) == on and v.tiles == t
         assert v.warp_split == "wg"
         assert smem_bytes(v) <= H200.max_smem_optin
     assert all(front_serves(n, m, H200) for m in range(1, 17))

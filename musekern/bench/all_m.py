@@ -28,7 +28,7 @@ from . import report
 # every tile / path edge of the rules, and prefill
 ALL_M = (1, 16, 17, 24, 25, 32, 33, 40, 41, 48, 49, 56, 57, 64, 65, 128, 256, 1024, 4096, 16384)
 ALL_M_TPS = (8, 4, 1)  # N = 2176, 4352, 17408
-# where the path or the tile count changes (every 8 tokens from 16 to 64: tests/test_bench_all_m.py checks the rules)
+# every 8 tokens from 16 to 65: a superset of where a shard's path or build changes (tests/test_bench_all_m.py)
 CLIFF_PAIRS = ((16, 17), (24, 25), (32, 33), (40, 41), (48, 49), (56, 57), (64, 65))
 GRAPHS = ("musekern", "front", "gemm_epilogue", "epilogue", "copy", "cublas", "unfused", "compiled")
 TARGETS = {

@@ -21,7 +21,7 @@ MMA's M, tokens = N, K = 16 per step, FP32 accumulate), operands loaded by ldmat
 swizzled ring (variant warp_split "rows"). With warp_split "k" consumer warp w instead computes all
 64 rows over k columns [32w, 32w+32) of every k-tile (x is read from shared memory once per CTA,
 not once per warp; 4 x tiles independent accumulators) and the four warps' partials are summed in
-warp order in the idle W ring after the last k-tile. With warp_split "wg" (4 token tiles and more) the four
+warp order in the idle W ring after the last k-tile. With warp_split "wg" (3 token tiles and more) the four
 consumer warps are warpgroup 0 and issue wgmma m64nTTk16 with both operands straight from the swizzled ring
 (musekern/kernels/qkv_front_mma.py has the consumer roles). After the last k-tile each consumer thread
 sends its FP32 partial of token t to the owner CTA of its head, rank t % S, with st.async (DSMEM,
@@ -380,8 +380,9 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
     @cute.jit
     def _finish_pairs(self, recv, cs, slots, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
                       v_block_stride, eps, place, warp_idx, lane, is_qk, is_k, is_v, kv_head):
-        """The epilogue of the builds with fewer than 16 owned tokens (every mma.sync build, and the wgmma builds of TP8
-        at 6 tiles): warp w owns tokens w, w + 4, ...; lane l holds columns (2l, 2l+1) = RoPE pair l."""
+        """The epilogue of the builds with fewer than 16 owned tokens (every mma.sync build, the 3-tile wgmma builds
+        at S = 2 and TP8's 6 tiles at S = 4: 12 owned): warp w owns tokens w, w + 4, ...; lane l holds columns
+        (2l, 2l+1) = RoPE pair l."""
         head, rank = place.head, place.rank
         mY = cute.make_tensor(y_ptr, cute.make_layout((self.tt, self.n), stride=(self.n, 1)))
         # Every warp owns `rounds` tokens: all their math first (padded tokens t >= M too: their partials are the

@@ -19,7 +19,8 @@ OCT = 8  # columns a lane (16 bytes of bf16), lanes a token
 QUAD = 4  # fp32 a 16-byte vector
 TOKENS_A_WARP = 32 // OCT
 # Taken where every consumer warp gets a group of four tokens (bench/NOTES.md "The owner epilogue"): with 12 owned
-# tokens (TP8, 6 tiles, S = 4) a warp idles and the one-pair-a-lane epilogue measured 0.8% faster.
+# tokens (TP8, 6 tiles, S = 4) a warp idles and the one-pair-a-lane epilogue measured 0.8% faster. The 5-tile builds
+# (20 or 40 owned: five or ten groups, a warp idles in the last round) take it too, not timed against the other.
 OCTET_MIN_OWNED = CONSUMER_WARPS * TOKENS_A_WARP
 
 

@@ -23,14 +23,15 @@ TOKEN_TILE = 8  # tokens per MMA N-tile (mma.sync m16n8k16 / wgmma m64nNk16: W r
 MAX_TOKENS = 16  # the decode builds (1-2 tiles, every shard); above it the front serves where the rules say, up to
 # FRONT_MAX_TOKENS (qkv_front_rules.front_serves), else cuBLAS + the fused epilogue
 FRONT_MAX_TOKENS = 64  # the largest M one build serves (8 token tiles)
-TILE_CHOICES = tuple(range(1, 9))  # 8-token tiles of a build: M is padded up to the next one the rules use
+TILE_CHOICES = tuple(range(1, FRONT_MAX_TOKENS // TOKEN_TILE + 1))  # 8-token tiles a build may have (the rules plan
+# qkv_front_rules.PLANNED_TILES: M is padded up to the next one the shape has a build of)
 SYNC_TILE_CHOICES = (1, 2, 4, 8)  # the tiles an mma.sync build ("rows", "k") takes: its x ldmatrix is x2 or x4
 K_TILE = 128  # K columns per ring stage: two 64-wide 128B-swizzled TMA boxes
 K_TILES = HIDDEN // K_TILE
 W_STAGE_BYTES = HEAD_COLS * K_TILE * 2  # 16 KiB of bf16 weights per stage
 X_TILE_STAGE_BYTES = TOKEN_TILE * K_TILE * 2  # 2 KiB of bf16 activations per token tile per stage
 MIN_RING_STAGES = 2
-SPLIT_CHOICES = (1, 2, 4)  # power-of-two clusters that are co-resident (k_split picks 1 or 2; 4 from 6 tiles)
+SPLIT_CHOICES = (1, 2, 4)  # power-of-two clusters that are co-resident (k_split picks 1 or 2; 4 from 5 tiles, even)
 # Where the front lets the next grid (PDL) launch: "early" right after init (its W prefill overlaps this whole
 # grid), "late" once this CTA's producer has issued its last load (trigger_ahead k-tiles before it, if > 0),
 # "exit" never explicitly (a CTA counts as triggered when it exits).

@@ -44,23 +44,29 @@ XMC_WIDE_TILES = 6  # 6 with S = 4 (NOTES "x_mcast")
 
 
 # NOTES "token tiles and fixed_rows": one build per planned 8-token tile count (M padded up to whole tiles), M == 8 its
-# own static-M build; M pads further where no build of that tile count exists for the shape (`tiles_build`).
+# own static-M build; M pads further where the shape has no build of that tile count (`has_tiles_build`).
 def token_tiles(m: int, n: int, target: Target) -> int:
     """8-token MMA tiles the build for M tokens and weight rows N computes on `target`: the fewest of
-    PLANNED_TILES that hold M and that a build of this shape can take."""
+    PLANNED_TILES that hold M and that the shape has a build of."""
     if not 1 <= m <= FRONT_MAX_TOKENS:
         raise ValueError(f"M must be in 1..{FRONT_MAX_TOKENS}, got {m}")
     need = (m + TOKEN_TILE - 1) // TOKEN_TILE
-    return next(t for t in PLANNED_TILES if t >= need and tiles_build(n, target, t))
+    for t in PLANNED_TILES:
+        if t >= need and has_tiles_build(n, target, t):
+            return t
+    raise ValueError(f"no qkv_front build holds M = {m} on {target.name} (without wgmma the front stops at "
+                     f"{SYNC_MAX_TILES * TOKEN_TILE} tokens)")
 
 
-def tiles_build(n: int, target: Target, tiles: int) -> bool:
-    """Is there a build of this many token tiles for weight rows N on `target`? mma.sync takes 1, 2, 4 or 8 tiles
-    (its x ldmatrix), wgmma any; an owner's tokens (TT / S) must split evenly among the four consumer warps, so
-    S = 4 (TP8 from WIDE_TILES) takes even tile counts only."""
-    if tiles not in SYNC_TILE_CHOICES and (tiles < WG_FROM_TILES or target.arch not in WGMMA_ARCHES):
+def has_tiles_build(n: int, target: Target, tiles: int) -> bool:
+    """Does the plan have a build of this many token tiles for weight rows N on `target`? mma.sync (no wgmma, or
+    below WG_FROM_TILES) 1, 2 or 4 (its x ldmatrix takes 8 too, but its consumer sets the pace above 4); wgmma any;
+    an owner's tokens (TT / S) must split evenly among the four consumer warps, so S = 4 (TP8 from WIDE_TILES) takes
+    even counts only."""
+    s = k_split(n, target, tiles)
+    if warp_split(n, s, target, tiles) != "wg" and (tiles not in SYNC_TILE_CHOICES or tiles > SYNC_MAX_TILES):
         return False
-    return owned_tokens(tiles, k_split(n, target, tiles)) % CONSUMER_WARPS == 0
+    return owned_tokens(tiles, s) % CONSUMER_WARPS == 0
 
 
 def fixed_rows(m: int) -> int:
@@ -185,9 +191,9 @@ def front_serves(n: int, m: int, target: Target) -> bool:
         return False
     if m <= MAX_TOKENS:
         return True
-    tiles = token_tiles(m, n, target)
-    if tiles > SYNC_MAX_TILES and target.arch not in WGMMA_ARCHES:
+    if m > SYNC_MAX_TILES * TOKEN_TILE and target.arch not in WGMMA_ARCHES:
         return False  # no wgmma: mma.sync builds stop at 4 tiles
+    tiles = token_tiles(m, n, target)
     s = k_split(n, target, tiles)
     # above 6 tiles without a cluster (TP2): one CTA owns all its head's tokens, and cuBLAS's M > 48 kernel wins
     return one_wave_at_two_per_sm(n, s, target) and (s > 1 or tiles <= UNSPLIT_MAX_TILES)

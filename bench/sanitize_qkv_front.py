@@ -22,13 +22,10 @@ HIDDEN, HD = 8192, 64
 
 def planned_ms(n: int, num_kv_heads: int, target) -> list:
     """The smallest and the largest M of every front build the plan takes for N (M up to FRONT_MAX_TOKENS)."""
-    from musekern.variants import FRONT_MAX_TOKENS, front_serves, variant
+    from musekern.variants import FRONT_MAX_TOKENS, served_tokens
 
-    by_build = {}
-    for m in range(1, FRONT_MAX_TOKENS + 1):
-        if front_serves(n, m, target):
-            by_build.setdefault(variant(n, m, num_kv_heads, target), []).append(m)
-    return sorted({m for ms in by_build.values() for m in (ms[0], ms[-1])})
+    builds = served_tokens(n, num_kv_heads, target, FRONT_MAX_TOKENS)
+    return sorted({m for ms in builds.values() for m in (ms[0], ms[-1])})
 
 
 def main() -> int:

@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from ..variants import FRONT_MAX_TOKENS, PlanEntry, front_serves, plan_model, shard_plan, variant, variant_from_label
+from ..variants import FRONT_MAX_TOKENS, PlanEntry, plan_model, served_tokens, shard_plan, variant_from_label
 from ..variants.qkv_epilogue import rows_served
 from .common import (
     Failure,
@@ -53,8 +53,7 @@ def _plan_rows(entries: list[PlanEntry], model) -> list[dict]:
 def _tokens_served(v, target, max_tokens: int) -> str:
     """The M values the rules send to this qkv_front variant on `target`, e.g. '1-7', '8', '9-16' ('' for a build
     the plan does not take, e.g. one given by --variant)."""
-    ms = [m for m in range(1, min(max_tokens, FRONT_MAX_TOKENS) + 1)
-          if front_serves(v.n, m, target) and variant(v.n, m, v.num_kv_heads, target) == v]
+    ms = served_tokens(v.n, v.num_kv_heads, target, max_tokens).get(v, [])
     if not ms:
         return ""
     return str(ms[0]) if len(ms) == 1 else f"{ms[0]}-{ms[-1]}"

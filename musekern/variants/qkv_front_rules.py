@@ -199,13 +199,16 @@ def front_serves(n: int, m: int, target: Target) -> bool:
     return one_wave_at_two_per_sm(n, s, target) and (s > 1 or tiles <= UNSPLIT_MAX_TILES)
 
 
+def served_tokens(n: int, num_kv_heads: int, target: Target, max_tokens: int = MAX_TOKENS) -> dict:
+    """{variant: the M values (ascending) that take it} for the calls M = 1..max_tokens the front serves, the
+    variants in the order of their first M."""
+    out = {}
+    for m in range(1, min(max_tokens, FRONT_MAX_TOKENS) + 1):
+        if front_serves(n, m, target):
+            out.setdefault(variant(n, m, num_kv_heads, target), []).append(m)
+    return out
+
+
 def qkv_front_variants(n: int, num_kv_heads: int, target: Target, max_tokens: int = MAX_TOKENS):
     """Every distinct variant the calls M = 1..max_tokens take where the front serves them, in a stable order."""
-    seen = []
-    for m in range(1, min(max_tokens, FRONT_MAX_TOKENS) + 1):
-        if not front_serves(n, m, target):
-            continue
-        v = variant(n, m, num_kv_heads, target)
-        if v not in seen:
-            seen.append(v)
-    return tuple(seen)
+    return tuple(served_tokens(n, num_kv_heads, target, max_tokens))

@@ -8,10 +8,12 @@ side in one run:
 - lt_bias:  torch.addmm(zeros[N], x, W^T, out=y)             (torch routes a 1-D bias to cublasLt's gemm + bias)
 - lt:       torch.mm under preferred_blas_library("cublaslt") (cublasLt's heuristic, no bias)
 - pad<P>:   x copied into a [ceil(M / P) * P, 8192] buffer, torch.mm on it (y the first M rows), the copy included
+            (--pad)
 
-Every method's y is checked against mm's (fp32 accumulation in both: max relative difference printed).
+Every method's y is checked against mm's (fp32 accumulation in both: max relative difference recorded), and the
+kernels one call of it launches are recorded (torch.profiler).
 
-  python3 bench/probes/gemm_dispatch.py OUT.json [--n 2176,4352,17408] [--m 48,56,...]   (GPU machine)
+  python3 bench/probes/gemm_dispatch.py OUT.json [--n 2176,4352,17408] [--m 48,56,...] [--pad]   (GPU machine)
 """
 from __future__ import annotations
 
@@ -41,14 +43,25 @@ def _lt(f):
     return g
 
 
-def methods(n: int, m: int, W: list, x: torch.Tensor) -> dict:
+def kernel_names(f) -> list[str]:
+    """The CUDA kernels one call of f launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        f()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and "emory" not in e.name]
+
+
+def methods(n: int, m: int, W: list, x: torch.Tensor, pad: bool) -> dict:
     """name -> (closures over the 8 layers, the y each leaves for layer 0's check)."""
     y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     zb = torch.zeros(n, dtype=torch.bfloat16, device="cuda")
     out = {"mm": ([lambda w=w: torch.mm(x, w.t(), out=y) for w in W], y),
            "lt_bias": ([lambda w=w: torch.addmm(zb, x, w.t(), out=y) for w in W], y),
            "lt": ([_lt(lambda w=w: torch.mm(x, w.t(), out=y)) for w in W], y)}
-    for p in (64, 128):
+    for p in (64, 128) if pad else ():
         mp = -(-m // p) * p
         if mp == m:
             continue
@@ -68,6 +81,7 @@ def main(argv) -> int:
     ap.add_argument("--n", default=",".join(map(str, NS)))
     ap.add_argument("--m", default=",".join(map(str, MS)))
     ap.add_argument("--samples", type=int, default=7)
+    ap.add_argument("--pad", action="store_true", help="also time M padded to 64 / 128 rows (a copy of x first)")
     a = ap.parse_args(argv)
     ns, ms = [int(v) for v in a.n.split(",")], [int(v) for v in a.m.split(",")]
     torch.manual_seed(0)
@@ -78,19 +92,20 @@ def main(argv) -> int:
         for m in ms:
             x = torch.randn(m, HIDDEN, device="cuda").to(torch.bfloat16)
             ref = None
-            graphs, errs = [], {}
-            for name, (closures, y) in methods(n, m, W, x).items():
+            graphs, errs, names = [], {}, {}
+            for name, (closures, y) in methods(n, m, W, x, a.pad).items():
                 closures[0]()
                 torch.cuda.synchronize()
                 got = y.float()
                 if ref is None:
                     ref = got.clone()
                 errs[name] = float(((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item())
+                names[name] = kernel_names(closures[1])
                 est = n * HIDDEN * 2 / (copy * 1e12) * 1.5  # the weight stream, seconds a layer (loops only)
                 graphs.append(Graph(name, closures, loops_for(est * LAYERS), LAYERS))
             t = time_graphs(graphs, a.samples)
             row = {"N": n, "M": m, "us": {k: round(v["us"], 3) for k, v in t.items()},
-                   "samples": {k: v["samples"] for k, v in t.items()}, "max_rel_diff_vs_mm": errs}
+                   "samples": {k: v["samples"] for k, v in t.items()}, "max_rel_diff_vs_mm": errs, "kernels": names}
             rows.append(row)
             best = min(row["us"], key=row["us"].get)
             print(f"N={n:5d} M={m:4d} " + " ".join(f"{k}={v:7.2f}" for k, v in row["us"].items())

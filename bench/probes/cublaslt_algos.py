@@ -2,9 +2,10 @@
 """Every algorithm cuBLASLt's heuristic offers for y = x @ W^T at each (N, M) of the GEMM path, timed (bench/NOTES.md
 "Every M"): torch.mm takes the heuristic's first answer, which steps where the bytes do not (TP4 M = 65: 27.3 us with
 torch.mm, 40.4 with cuBLASLt's first algorithm, 22.0 at M = 80; `bench/results/h200-gemm-dispatch.json`). Is there an
-algorithm in the list that is fast at every M? Per (N, M): the heuristic's first 32 algorithms (32 MiB workspace),
-each captured in a CUDA graph over 8 layers of distinct weights, medians, beside torch.mm; per algorithm its kernels
-(torch.profiler), workspace, config id, tile, split-K and stages, and its y against torch.mm's.
+algorithm in the list that is fast at every M? Per (N, M): the algorithms the heuristic offers with a workspace of 32,
+4, 1 and 0 MiB (at most 8 each), each captured in a CUDA graph over 8 layers of distinct weights, medians, beside
+torch.mm; per algorithm its kernels (torch.profiler), workspace, config id, tile, split-K and stages, and its y against
+torch.mm's.
 
 cuBLASLt is called through ctypes on the library torch loaded (the column-major form: y^T [N, M] = W [K, N]^T x^T).
 
@@ -23,6 +24,7 @@ from musekern.bench.report import commit_info
 from musekern.bench.timing import Graph, time_graphs
 
 HIDDEN, LAYERS, LOOPS, WORKSPACE = 8192, 8, 6, 32 << 20
+WORKSPACE_CAPS = (WORKSPACE, 4 << 20, 1 << 20, 0)
 MS = (1, 16, 17, 24, 32, 33, 48, 49, 56, 57, 64, 65, 72, 80, 88, 96, 112, 128, 192, 256)
 NS = (2176, 4352, 8704, 17408)
 # cublasLt.h / library_types.h / cublas_api.h constants
@@ -92,11 +94,11 @@ class LtGemm:
         _ok(lib.cublasLtMatrixLayoutCreate(C.byref(self.d), R_16BF, n, m, n), "D")  # y^T: N x M, ld N
         self.alpha, self.beta = C.c_float(1.0), C.c_float(0.0)
 
-    def algos(self, count: int) -> list[Heuristic]:
+    def algos(self, count: int, workspace: int = WORKSPACE) -> list[Heuristic]:
         lib, vp = self.lib, C.c_void_p
         pref = vp()
         _ok(lib.cublasLtMatmulPreferenceCreate(C.byref(pref)), "pref")
-        ws = C.c_uint64(WORKSPACE)
+        ws = C.c_uint64(workspace)
         _ok(lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE, C.byref(ws), 8), "pref ws")
         res = (Heuristic * count)()
         got = C.c_int(0)
@@ -135,7 +137,12 @@ def measure(lib, h, ws, W: list, n: int, m: int, count: int, samples: int) -> di
     y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     ref = torch.mm(x, W[0].t()).float()
     g = LtGemm(lib, h, n, m)
-    hs = g.algos(count)
+    hs, seen = [], set()
+    for cap in WORKSPACE_CAPS:  # the heuristic returns at most 8 a call, and a smaller workspace excludes split-K
+        for hr in g.algos(count, cap):
+            if bytes(hr.algo) not in seen:
+                seen.add(bytes(hr.algo))
+                hs.append(hr)
     graphs = [Graph("mm", [lambda w=w: torch.mm(x, w.t(), out=y) for w in W], LOOPS, LAYERS)]
     info, calls = {"mm": {}}, {"mm": lambda: torch.mm(x, W[1].t(), out=y)}
     for i, hr in enumerate(hs):

@@ -3,10 +3,11 @@
 For each (N, M) the same harness as the decode table (CUDA-graph replay over LAYERS distinct weights, medians,
 copy bandwidth of the same run) times, side by side:
 
-- musekern:       the product call, `ops.qkv_front.launch` (the planner's path: the fused front, or torch.mm + the
-                  fused epilogue), as an engine launches it (the manifests' PDL attributes);
+- musekern:       the product call, `ops.qkv_front.launch` (the planner's path: the fused front, or cuBLAS's GEMM +
+                  the fused epilogue), as an engine launches it (the manifests' PDL attributes);
 - front:          the fused front, where a planned build serves this M (`front_serves`);
-- gemm_epilogue:  torch.mm + the fused epilogue, at every M (so that both paths are timed where the rule chooses);
+- gemm_epilogue:  the GEMM path's GEMM (gemm_best) + the fused epilogue, at every M (so that both paths are timed
+                  where the rule chooses);
 - epilogue:       the fused epilogue alone, on a GEMM result (its bytes: `variants.qkv_epilogue.epilogue_bytes`), one y
                   per layer as the weights are (a y the size of the L2, 60 MB, must not stay there between launches);
 - copy:           M >= 1024: torch's device copy of as many bytes (read + written) as the epilogue moves, one buffer
@@ -17,6 +18,8 @@ epilogue's fraction of copy bandwidth also compares two numbers of the same minu
 a bench's end than at its start: `copy_TBps`, `copy_TBps_end`). (A 2 GiB copy captured in a graph runs at ~2.7 TB/s,
 a different path: not a reference.)
 - cublas:         torch.mm alone;  unfused: torch.mm + the plain-torch epilogue (bench/unfused.py);
+- gemm_best:      the GEMM path's GEMM alone (`ops.gemm.mm`: the cuBLAS algorithm `ops.gemm.tune` measured fastest for
+                  this (N, M) before the graphs, or torch.mm): the fastest bare GEMM cuBLAS offers;
 - compiled:       torch.mm + `torch.compile(reference.fused_qknorm_rope_kv_insert, dynamic=True)` (M >= 2).
 
 The row math, targets and table below are pure (tested on the CPU); `measure_all_m` needs the GPU.
@@ -25,12 +28,12 @@ from __future__ import annotations
 
 from . import report
 
-# every tile / path edge of the rules, and prefill
-ALL_M = (1, 16, 17, 24, 25, 32, 33, 40, 41, 48, 49, 56, 57, 64, 65, 128, 256, 1024, 4096, 16384)
+# every tile / path edge of the rules, inside cuBLAS's tiles past 64 (72, 100), and prefill
+ALL_M = (1, 16, 17, 24, 25, 32, 33, 40, 41, 48, 49, 56, 57, 64, 65, 72, 100, 128, 256, 1024, 4096, 16384)
 ALL_M_TPS = (8, 4, 1)  # N = 2176, 4352, 17408
 # every 8 tokens from 16 to 65: a superset of where a shard's path or build changes (tests/test_bench_all_m.py)
 CLIFF_PAIRS = ((16, 17), (24, 25), (32, 33), (40, 41), (48, 49), (56, 57), (64, 65))
-GRAPHS = ("musekern", "front", "gemm_epilogue", "epilogue", "copy", "cublas", "unfused", "compiled")
+GRAPHS = ("musekern", "front", "gemm_epilogue", "epilogue", "copy", "cublas", "gemm_best", "unfused", "compiled")
 TARGETS = {
     "epilogue_min_frac": 0.85, "epilogue_frac_from_m": 1024,  # the epilogue streams its bytes at M >= 1024
     "epilogue_max_us": 2.5, "epilogue_small_m": 64,  # and costs <= 2.5 us at M <= 64
@@ -59,7 +62,8 @@ def row(tp: int, n: int, nkv: int, m: int, us: dict, path: str, copy_tbps: float
          "epilogue_frac_of_copy_bw_here": _frac(epi_bytes, us.get("epilogue"), copy_tbps_here) if copy_tbps_here
          else None,
          "epilogue_frac_of_same_bytes_copy": report.ratio(us.get("copy"), us.get("epilogue")),
-         "x_cublas": report.ratio(mus, cub), "speedup_vs_unfused": report.ratio(us.get("unfused"), mus),
+         "x_cublas": report.ratio(mus, cub), "x_gemm_best": report.ratio(mus, us.get("gemm_best")),
+         "speedup_vs_unfused": report.ratio(us.get("unfused"), mus),
          "speedup_vs_compiled": report.ratio(us.get("compiled"), mus),
          "gemm_epilogue_x_cublas": report.ratio(us.get("gemm_epilogue"), cub)}
     t, checks = TARGETS, []
@@ -111,11 +115,12 @@ def format_all_m(doc: dict) -> str:
     if not rows:
         return ""
     hdr = (f"{'tp':>3s} {'M':>6s} {'path':6s} {'musekern':>9s} {'front':>8s} {'mm+epi':>8s} {'epi':>7s} "
-           f"{'epiBW':>5s} {'BWnow':>5s} {'vsCpy':>5s} {'cuBLAS':>8s} {'unfused':>8s} {'compiled':>8s} {'xcuBLAS':>7s} "
-           f"{'xunfus':>6s}  status")
+           f"{'epiBW':>5s} {'BWnow':>5s} {'vsCpy':>5s} {'cuBLAS':>8s} {'bestGEMM':>8s} {'unfused':>8s} "
+           f"{'compiled':>8s} {'xcuBLAS':>7s} {'xunfus':>6s}  status")
     out = ["all M: us per layer (8 distinct layers, graph replay); path = what the planner picks; epiBW = the "
            "fused epilogue's bytes / time / copy BW (2 GiB, the run's start); BWnow = the same against the 2 GiB copy "
-           "measured right before the row; vsCpy = a copy of its bytes' time / its time", hdr,
+           "measured right before the row; vsCpy = a copy of its bytes' time / its time; cuBLAS = torch.mm; bestGEMM = "
+           "the cuBLAS algorithm measured fastest (ops.gemm)", hdr,
            "-" * len(hdr)]
     f = report._f
     for r in rows:
@@ -125,7 +130,7 @@ def format_all_m(doc: dict) -> str:
                    f"{f(u.get('front'), '8.2f')} {f(u.get('gemm_epilogue'), '8.2f')} {f(u.get('epilogue'), '7.2f')} "
                    f"{f(r['epilogue_frac_of_copy_bw'], '5.2f')} {f(r.get('epilogue_frac_of_copy_bw_here'), '5.2f')} "
                    f"{f(r.get('epilogue_frac_of_same_bytes_copy'), '5.2f')} "
-                   f"{f(u.get('cublas'), '8.2f')} "
+                   f"{f(u.get('cublas'), '8.2f')} {f(u.get('gemm_best'), '8.2f')} "
                    f"{f(u.get('unfused'), '8.2f')} {f(u.get('compiled'), '8.2f')} {f(r['x_cublas'], '7.2f')} "
                    f"{f(r['speedup_vs_unfused'], '6.2f')}  {r['status']}" + (f" ({miss})" if miss else "")
                    + (f"  ERROR {r['error'][:60]}" if r.get("error") else ""))
@@ -175,6 +180,7 @@ def measure_all_m(shard, m: int, copy_tbps: float, samples: int, compiled) -> di
     """Graphs of every applicable GRAPHS entry for one (N, M), an output check, the medians."""
     import torch
 
+    from ..ops import gemm
     from ..ops import qkv_epilogue as epi
     from ..ops import qkv_front as ops
     from ..variants.qkv_epilogue import epilogue_bytes
@@ -187,11 +193,13 @@ def measure_all_m(shard, m: int, copy_tbps: float, samples: int, compiled) -> di
     y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     dev = torch.cuda.current_device()
     fused = ops._fused(n, m, dev)
+    choice = gemm.tune(n, [m], dev)[0]  # what `prepare` does for the GEMM path (here for every M: gemm_best)
     ys = [torch.empty_like(y) for _ in W]  # the epilogue's own inputs, one a layer (filled below, after the check)
     seq = {"musekern": [lambda w=w: ops.launch(p["x"], w, *tok, nkv, eps, y) for w in W],
            "gemm_epilogue": [lambda w=w: ops.launch_gemm_epilogue(p["x"], w, *tok, nkv, eps, y) for w in W],
            "epilogue": [lambda y_=y_: epi.launch(y_, *tok, nkv, eps) for y_ in ys],
            "cublas": [lambda w=w: torch.mm(p["x"], w.t(), out=y) for w in W],
+           "gemm_best": [lambda w=w: gemm.mm(p["x"], w, y) for w in W],
            "unfused": [lambda w=w: unfused_epilogue(torch.mm(p["x"], w.t()), *tok, nkv, eps) for w in W]}
     if m >= TARGETS["epilogue_frac_from_m"]:
         seq["copy"] = copy_closures(epilogue_bytes(m, n, nkv), len(W))
@@ -211,7 +219,7 @@ def measure_all_m(shard, m: int, copy_tbps: float, samples: int, compiled) -> di
     timed = time_graphs(graphs, samples)
     del graphs
     out = {"us": {k: t["us"] for k, t in timed.items()}, "samples": {k: t["samples"] for k, t in timed.items()},
-           "path": "front" if fused else "gemm", "max_rel_err_vs_unfused": err}
+           "path": "front" if fused else "gemm", "max_rel_err_vs_unfused": err, "gemm_choice": choice.chosen}
     if not err <= 2.0 ** -6:  # NaN (an unwritten y) fails too
         out["error"] = f"output check: max |y - unfused| / max |unfused| = {err:.3g}"
     return out

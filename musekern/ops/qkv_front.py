@@ -20,7 +20,7 @@ import torch
 
 from ..variants.qkv_front import HIDDEN, QkvFrontVariant, launch_grid, supports_shape
 from ..variants.qkv_front_rules import front_serves, variant
-from . import checks, qkv_epilogue
+from . import checks, gemm, qkv_epilogue
 from ._bind import Plans, binder, take
 from .checks import ALIGN, BF16, F32, I64, INF, is_tensor, overlaps
 
@@ -123,7 +123,7 @@ def _fast(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_ca
         out = x.new_empty(m, n)  # x's dtype (bf16) and device; int sizes parse faster than a tuple
         y0 = out.data_ptr()
     if run is _GEMM:  # y = x @ W^T by cuBLAS, then the epilogue in place with the values read here
-        torch.mm(x, weight.t(), out=out)
+        gemm.mm(x, weight, out)
         qkv_epilogue.launch_read(key, y0, tc, eps)
     else:
         run([(w0, n, HIDDEN, HIDDEN), (x0, m, HIDDEN, HIDDEN), m, w0, y0, *tc, eps])  # `_VALUES` order
@@ -225,8 +225,9 @@ def launch_front(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, v
 
 def launch_gemm_epilogue(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads,
                          eps, out) -> torch.Tensor:
-    """No checks: cuBLAS's GEMM into `out`, then the fused epilogue on it in place (every M)."""
-    torch.mm(x, weight.t(), out=out)
+    """No checks: cuBLAS's GEMM into `out` (the algorithm `prepare` measured fastest, else torch.mm's), then the fused
+    epilogue on it in place (every M)."""
+    gemm.mm(x, weight, out)
     return qkv_epilogue.launch(out, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads,
                                eps)
 
@@ -306,7 +307,9 @@ def prepare_args(N: int, rows, num_kv_heads: int | None, device) -> tuple[int, i
 
 def prepare(N: int, rows=16, num_kv_heads: int | None = None, device=None) -> list:
     """Load every build the calls with weight rows N and M in `rows` take, fused front or GEMM + epilogue, and
-    create cuBLAS's handle for the GEMM path: after this, those calls capture in a CUDA graph.
+    measure cuBLAS's algorithms for the GEMM path's M values up to `gemm.TUNE_MAX_ROWS` (`ops.gemm.tune`: a few
+    hundredths of a second an M, scratch weights of about twice the L2 while it runs): after this, those calls
+    capture in a CUDA graph and the GEMM path runs the algorithm measured fastest.
 
     `rows`: an int (every M in 1..rows) or an iterable of M values. `num_kv_heads` defaults to the bundled
     model's shard of this N. Returns the loaded kernels (raises MissingKernelError, naming the `musekern
@@ -316,12 +319,10 @@ def prepare(N: int, rows=16, num_kv_heads: int | None = None, device=None) -> li
     fused = [m for m in ms if _fused(N, m, dev)]
     # the front's launch plans (kernel, grid, binder) resolved here, so nothing but the launch is left for capture
     kernels = list(dict.fromkeys(_front_plan(N, m, num_kv_heads, dev)[0] for m in fused))
-    gemm = [m for m in ms if m not in fused]
-    if gemm:
-        kernels += qkv_epilogue.prepare(N, gemm, num_kv_heads, dev)
-        with torch.cuda.device(dev):  # cuBLAS's handle and workspace for this stream, outside any capture
-            a = torch.zeros(8, HIDDEN, dtype=torch.bfloat16, device=f"cuda:{dev}")
-            torch.mm(a, a.t())
+    rest = [m for m in ms if m not in fused]
+    if rest:
+        kernels += qkv_epilogue.prepare(N, rest, num_kv_heads, dev)
+        gemm.tune(N, rest, dev)  # cuBLAS's handles made and its algorithm measured per M, outside any capture
     return kernels
 
 

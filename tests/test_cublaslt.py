@@ -1,0 +1,62 @@
+"""runtime/cublaslt.py on the CPU: the C structures' sizes against cublasLt.h, where the library is looked for, the
+error without one, and the candidates' records. (Its calls run on the GPU: tests/test_gpu_gemm.py.)"""
+import ctypes
+
+import pytest
+
+from musekern.runtime import cublaslt
+
+
+def test_structures_match_the_header():
+    # cublasLtMatmulAlgo_t is uint64_t data[8]; cublasLtMatmulHeuristicResult_t adds size_t workspaceSize,
+    # cublasStatus_t state, float wavesCount, int reserved[4]
+    assert ctypes.sizeof(cublaslt.Algo) == 64
+    assert ctypes.sizeof(cublaslt.Heuristic) == 96
+    assert cublaslt.Heuristic.workspaceSize.offset == 64
+    assert cublaslt.Heuristic.wavesCount.offset == 76
+
+
+def test_library_paths_prefer_the_mapped_copy(tmp_path, monkeypatch):
+    maps = tmp_path / "maps"
+    mapped = "/opt/torch/lib/nvidia/cu13/lib/libcublasLt.so.13"
+    maps.write_text(f"7f00-7f01 r-xp 0 08:01 1 {mapped}\n7f02-7f03 r-xp 0 08:01 2 /usr/lib/libc.so.6\n"
+                    f"7f04-7f05 r--p 0 08:01 1 {mapped}\n")
+    wheel = tmp_path / "site" / "nvidia" / "cublas" / "lib"
+    wheel.mkdir(parents=True)
+    (wheel / "libcublasLt.so.12").write_bytes(b"")
+    monkeypatch.setattr("sys.path", [str(tmp_path / "site")])
+    assert cublaslt.library_paths(str(maps)) == [mapped, str(wheel / "libcublasLt.so.12")]
+    assert cublaslt.library_paths(str(tmp_path / "no-maps")) == [str(wheel / "libcublasLt.so.12")]
+
+
+def test_no_library_is_a_one_line_error(monkeypatch):
+    monkeypatch.setattr(cublaslt, "library_paths", lambda: [])
+    cublaslt.library.cache_clear()
+    try:
+        with pytest.raises(cublaslt.CublasLtError, match="no libcublasLt found.*pip install torch"):
+            cublaslt.library()
+    finally:
+        cublaslt.library.cache_clear()
+
+
+def test_an_unloadable_path_is_skipped(tmp_path, monkeypatch):
+    bad = tmp_path / "libcublasLt.so.13"
+    bad.write_bytes(b"not an ELF")
+    monkeypatch.setattr(cublaslt, "library_paths", lambda: [str(bad)])
+    cublaslt.library.cache_clear()
+    try:
+        with pytest.raises(cublaslt.CublasLtError, match="no libcublasLt found"):
+            cublaslt.library()
+    finally:
+        cublaslt.library.cache_clear()
+
+
+def test_status_names_the_failure():
+    with pytest.raises(cublaslt.CublasLtError, match="cublasLtMatmul failed: CUBLAS_STATUS_NOT_SUPPORTED"):
+        cublaslt.Library.check(15, "cublasLtMatmul")
+    cublaslt.Library.check(0, "cublasLtMatmul")  # success raises nothing
+
+
+def test_candidate_name_says_what_it_is():
+    c = cublaslt.Candidate(b"\0" * 64, workspace=1 << 20, tile=313, splitk=3)
+    assert c.name == "lt[tile=313,splitk=3,ws=1048576]"

@@ -1,0 +1,28 @@
+"""ops/gemm.py on the CPU: which measured candidate it keeps, and an untuned shape is torch.mm's product. (Tuning
+and the cuBLASLt launches run on the GPU: tests/test_gpu_gemm.py.)"""
+import pytest
+import torch
+
+from musekern.ops import gemm
+
+
+# the margin's edges: a candidate must beat torch.mm by more than 1% to replace it
+@pytest.mark.parametrize("us, want", [
+    ({"mm": 25.0, "lt[a]": 21.0, "lt[b]": 22.0}, "lt[a]"),   # clearly faster
+    ({"mm": 25.0, "lt[a]": 24.9}, "mm"),                     # within the margin: noise keeps torch.mm
+    ({"mm": 25.0, "lt[a]": 24.7}, "lt[a]"),                  # 1.2% faster
+    ({"mm": 20.0, "lt[a]": 21.0}, "mm"),                     # slower
+    ({"lt[a]": 21.0, "lt[b]": 20.0}, "lt[b]"),               # torch.mm not timed (refused): the fastest
+])
+def test_pick(us, want):
+    assert gemm.pick(us) == want
+
+
+def test_an_untuned_shape_is_torch_mm():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, gemm.HIDDEN, generator=g).to(torch.bfloat16)
+    w = torch.randn(24, gemm.HIDDEN, generator=g).to(torch.bfloat16)
+    out = torch.empty(5, 24, dtype=torch.bfloat16)
+    assert gemm.mm(x, w, out) is out
+    assert torch.equal(out, torch.mm(x, w.t()))
+

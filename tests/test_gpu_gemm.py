@@ -1,0 +1,72 @@
+"""ops/gemm.py on the GPU (marked `gpu`): tuning times torch.mm beside cuBLASLt's candidates and keeps the fastest;
+the kept algorithm's y against an fp64 GEMM (error <= 2x torch.mm's own + a tiny atol; y poisoned first), bit for bit
+the same call to call, capturable in a CUDA graph and free of host syncs; the product's GEMM path after `prepare`."""
+import pytest
+import torch
+
+from musekern.ops import gemm
+from musekern.ops import qkv_front as front
+
+pytestmark = pytest.mark.gpu
+
+ATOL = 1e-3
+SHARD_N = (2176, 4352, 8704, 17408)  # TP 8, 4, 2, 1
+# M: the GEMM path's edges (17: past TP1's front; 49, 65: past TP2's / TP4's and TP8's; 100: inside a cuBLAS tile;
+# 128, 256: where torch.mm's choice stepped, bench/results/h200-gemm-dispatch.json; 512: the largest tuned)
+MS = (17, 49, 65, 100, 128, 256, 512)
+
+
+def _operands(n, m, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, gemm.HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, gemm.HIDDEN, device="cuda", generator=g) / gemm.HIDDEN ** 0.5).to(torch.bfloat16)
+    return x, w
+
+
+@pytest.mark.parametrize("n", SHARD_N)
+@pytest.mark.parametrize("m", MS)
+def test_tuned_gemm_matches_fp64_and_repeats_bit_for_bit(n, m):
+    choice = gemm.tune(n, [m], torch.cuda.current_device())[0]
+    assert "mm" in choice.us and len(choice.us) > 1, choice  # torch.mm and cuBLASLt's candidates were timed
+    assert choice.chosen == gemm.pick(choice.us)
+    x, w = _operands(n, m, seed=m + n)
+    truth = x.double() @ w.double().t()
+    torch_err = (torch.mm(x, w.t()).double() - truth).abs().max().item()
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gemm.mm(x, w, out)
+    err = (out.double() - truth).abs().max().item()
+    assert err <= 2 * torch_err + ATOL, (choice.chosen, err, torch_err)
+    again = torch.full_like(out, float("nan"))
+    gemm.mm(x, w, again)
+    assert torch.equal(out, again)
+
+
+@pytest.mark.parametrize("n, m", [(4352, 65), (2176, 128), (8704, 24)])  # shapes where cuBLASLt's pick won
+def test_tuned_gemm_captures_and_never_syncs(n, m):
+    gemm.tune(n, [m], torch.cuda.current_device())
+    x, w = _operands(n, m, seed=3)
+    want = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    gemm.mm(x, w, want)
+    out = torch.full_like(want, float("nan"))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gemm.mm(x, w, out)  # eager: no host sync
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            gemm.mm(x, w, out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
+
+def test_prepare_tunes_the_gemm_path():
+    n, m = 4352, 65  # TP4, the first M past the fused front
+    dev = torch.cuda.current_device()
+    assert not front._fused(n, m, dev)
+    front.prepare(n, [m], num_kv_heads=2)
+    tuned = {(c.n, c.m, c.device): c for c in gemm.choices()}
+    assert (n, m, dev) in tuned and tuned[(n, m, dev)].us

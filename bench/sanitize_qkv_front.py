@@ -2,10 +2,11 @@
 """One launch of every default-model qkv_front variant (and qk_norm) with hostile inputs, for compute-sanitizer:
 padding slots (-1), a slot past the end of the cache, positions past the end of the table and negative, at the
 smallest and the largest M each planned front build serves (`planned_ms`: every build per N, its most padded and its
-fullest token tiles) and M = 100 (torch.mm + the fused epilogue everywhere), FlashInfer's strided cache layout.
-Exit 0 if every launch ran. `--fused-only`: only the M the fused front serves (racecheck: on the GEMM path it
-reports hazards inside cuBLAS's own nvjet kernels, which are not musekern's; bench/sanitize_qkv_epilogue.py checks the
-epilogue).
+fullest token tiles) and M = 100 (torch.mm + the fused epilogue everywhere), FlashInfer's strided cache layout; at
+M = 100 also every cuBLASLt algorithm the GEMM path may choose (`ops.gemm`: each candidate launched once through
+runtime/cublaslt.py, so the binding's layouts and workspace are checked). Exit 0 if every launch ran.
+`--fused-only`: only the M the fused front serves (racecheck: on the GEMM path it reports hazards inside cuBLAS's own
+nvjet kernels, which are not musekern's; bench/sanitize_qkv_epilogue.py checks the epilogue).
 
   compute-sanitizer --tool memcheck python3 bench/sanitize_qkv_front.py
 """
@@ -26,6 +27,22 @@ def planned_ms(n: int, num_kv_heads: int, target) -> list:
 
     builds = served_tokens(n, num_kv_heads, target, FRONT_MAX_TOKENS)
     return sorted({m for ms in builds.values() for m in (ms[0], ms[-1])})
+
+
+def lt_candidates(w, x) -> int:
+    """Every algorithm cuBLASLt offers for this (N, M), launched once (the GEMM path's binding under the sanitizer)."""
+    from musekern.runtime import cublaslt
+    from musekern.runtime.loader import current_stream_getter
+
+    dev = torch.cuda.current_device()
+    mat = cublaslt.Matmul(cublaslt.library(), w.shape[0], x.shape[0], dev)
+    y = torch.empty(x.shape[0], w.shape[0], device="cuda", dtype=torch.bfloat16)
+    cands = mat.candidates()
+    for c in cands:
+        ws = torch.empty(max(c.workspace, 1), device="cuda", dtype=torch.uint8)
+        mat.launcher(c)(w.data_ptr(), x.data_ptr(), y.data_ptr(), ws.data_ptr(), current_stream_getter()(dev))
+    torch.cuda.synchronize()
+    return len(cands)
 
 
 def main() -> int:
@@ -55,6 +72,8 @@ def main() -> int:
             kv = torch.zeros(nb, 2, bs, shard.num_kv_heads, HD, device="cuda", dtype=torch.bfloat16)
             musekern.qkv_front(x, w, pos, cs, slots, kv[:, 0], kv[:, 1], shard.num_kv_heads, 1e-5)
             n_launch += 1
+            if m == 100:
+                n_launch += lt_candidates(w, x)
         torch.cuda.synchronize()
     for hd in (64, 128):
         q = torch.randn(33, 4 * hd + 24, device="cuda").to(torch.bfloat16)[:, : 4 * hd]

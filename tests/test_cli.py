@@ -98,8 +98,12 @@ def test_doctor_reports_missing_then_ok(run, tmp_path):
     doc = json.loads(run("doctor", "--target", "h200", "--json", code=1).stdout)
     assert doc["nvidia-cutlass-dsl"] == keys.dsl_version() and len(doc["missing"]) == 32 and not doc["ok"]
     assert doc["cache_dir"] == str(tmp_path / "cache")
+    from musekern.runtime.cublaslt import library_paths  # where the GEMM path's cuBLASLt would load from, or None
+
+    assert doc["cublaslt"] == (library_paths()[0] if library_paths() else None)
     r = run("doctor", "--target", "h200", code=1)
     assert "32 planned variant(s) missing from the cache" in r.stdout
+    assert "cublaslt" in r.stdout
     assert all(m["variant"] in r.stdout for m in doc["missing"])  # every one, not "e.g." the first
     assert "fix: musekern prepare --target h200" in r.stderr  # fix commands go with the errors
 

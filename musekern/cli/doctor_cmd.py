@@ -101,6 +101,9 @@ def doctor_cmd(model_path, target_names, tp, cache_dir, as_json):
             missing.append({"target": e.target.name, "variant": e.variant.label})
     bindings = dist_version("cuda-bindings") or dist_version("cuda-python")
     driver = _driver_version()
+    from ..runtime.cublaslt import library_paths  # no torch, no CUDA: where the GEMM path's cuBLASLt would load from
+
+    lt = library_paths()
     problems = [p for p in (bindings_driver_problem(bindings, driver),) if p]
     report = {
         "musekern": __version__,
@@ -108,6 +111,7 @@ def doctor_cmd(model_path, target_names, tp, cache_dir, as_json):
         "nvidia-cutlass-dsl": dist_version("nvidia-cutlass-dsl"),
         "cuda-bindings": bindings,
         "torch": dist_version("torch"),
+        "cublaslt": lt[0] if lt else None,
         "driver_version": driver,
         "gpus": gpus,
         "gpu_error": gpu_error,
@@ -131,6 +135,7 @@ def doctor_cmd(model_path, target_names, tp, cache_dir, as_json):
             "nvidia-cutlass-dsl", "cuda-bindings", "torch") else "none"]
             for k in ("musekern", "python", "nvidia-cutlass-dsl", "cuda-bindings", "torch", "driver_version",
                       "cache_dir", "cache_writable", "cache_entries", "model")]
+        rows.append(["cublaslt", report["cublaslt"] or "not found (the GEMM path takes torch.mm's algorithm)"])
         rows.append(["gpus", "; ".join(f"{g['name']} ({g['arch']}, {g['sm_count']} SMs, target {g['target']})"
                                       for g in gpus) or (gpu_error or "none")])
         rows.append(["targets", ", ".join(report["targets"])])

@@ -93,7 +93,7 @@ def tune(n: int, ms, device: int) -> list[Choice]:
             for w in W:
                 w.normal_().div_(HIDDEN ** 0.5)
             for m in timed:
-                _CHOICES[(n, m, device)] = _tune_one(cublaslt.Matmul(lib, n, m), W, n, m, device)
+                _CHOICES[(n, m, device)] = _tune_one(cublaslt.Matmul(lib, n, m, device), W, n, m, device)
             del W
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()

@@ -83,7 +83,8 @@ def library_paths(maps: str = "/proc/self/maps") -> list[str]:
 
 
 class Library:
-    """The library's entry points, typed; one handle for the process (cuBLASLt handles are thread-safe)."""
+    """The library's entry points, typed, and one handle per device (made on first use, with that device current;
+    a handle is thread-safe)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -95,8 +96,16 @@ class Library:
                 fn.restype = C.c_int
         self.dll.cublasLtGetVersion.restype = C.c_size_t
         self.version = int(self.dll.cublasLtGetVersion())
-        self.handle = _VP()
-        self.check(self.dll.cublasLtCreate(C.byref(self.handle)), "cublasLtCreate")
+        self._handles: dict = {}
+
+    def handle(self, device: int) -> C.c_void_p:
+        """The handle of `device` (created the first time with `device` current: the caller sets it)."""
+        h = self._handles.get(device)
+        if h is None:
+            h = _VP()
+            self.check(self.dll.cublasLtCreate(C.byref(h)), "cublasLtCreate")
+            h = self._handles.setdefault(device, h)
+        return h
 
     @staticmethod
     def check(status: int, what: str) -> None:
@@ -131,10 +140,12 @@ class Candidate:
 
 
 class Matmul:
-    """The descriptors of one (N, M): y [M, N] = x [M, 8192] @ W [N, 8192]^T, bf16 in and out, fp32 accumulate."""
+    """The descriptors of one (N, M) on one device: y [M, N] = x [M, 8192] @ W [N, 8192]^T, bf16 in and out, fp32
+    accumulate."""
 
-    def __init__(self, lib: Library, n: int, m: int):
+    def __init__(self, lib: Library, n: int, m: int, device: int):
         self.lib, self.n, self.m = lib, n, m
+        self.h = lib.handle(device)
         d, ok = lib.dll, lib.check
         self.desc = _VP()
         ok(d.cublasLtMatmulDescCreate(C.byref(self.desc), COMPUTE_32F, R_32F), "cublasLtMatmulDescCreate")
@@ -145,7 +156,7 @@ class Matmul:
         for lay, rows, cols, ld in ((self.a, HIDDEN, n, HIDDEN), (self.b, HIDDEN, m, HIDDEN), (self.d, n, m, n)):
             ok(d.cublasLtMatrixLayoutCreate(C.byref(lay), R_16BF, rows, cols, ld), "cublasLtMatrixLayoutCreate")
         self._alpha, self._beta = C.c_float(1.0), C.c_float(0.0)
-        self._args = (lib.handle, self.desc, C.byref(self._alpha))  # the call's fixed leading arguments
+        self._args = (self.h, self.desc, C.byref(self._alpha))  # the call's fixed leading arguments
         self._fn = d.cublasLtMatmul
 
     def __del__(self):
@@ -168,7 +179,7 @@ class Matmul:
                 ok(d.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE, C.byref(ws), 8),
                    "cublasLtMatmulPreferenceSetAttribute")
                 res, got = (Heuristic * HEURISTIC_MAX)(), C.c_int(0)
-                st = d.cublasLtMatmulAlgoGetHeuristic(self.lib.handle, self.desc, self.a, self.b, self.d, self.d,
+                st = d.cublasLtMatmulAlgoGetHeuristic(self.h, self.desc, self.a, self.b, self.d, self.d,
                                                       pref, HEURISTIC_MAX, res, C.byref(got))
             finally:
                 d.cublasLtMatmulPreferenceDestroy(pref)

@@ -6,11 +6,11 @@ import torch
 from musekern.ops import gemm
 
 
-# the margin's edges: a candidate must beat torch.mm by more than 1% to replace it
+# the margin's edges: a candidate must beat torch.mm by more than 3% to replace it
 @pytest.mark.parametrize("us, want", [
     ({"mm": 25.0, "lt[a]": 21.0, "lt[b]": 22.0}, "lt[a]"),   # clearly faster
-    ({"mm": 25.0, "lt[a]": 24.9}, "mm"),                     # within the margin: noise keeps torch.mm
-    ({"mm": 25.0, "lt[a]": 24.7}, "lt[a]"),                  # 1.2% faster
+    ({"mm": 25.0, "lt[a]": 24.3}, "mm"),                     # 2.8%: within the margin, noise keeps torch.mm
+    ({"mm": 25.0, "lt[a]": 24.2}, "lt[a]"),                  # 3.2% faster
     ({"mm": 20.0, "lt[a]": 21.0}, "mm"),                     # slower
     ({"lt[a]": 21.0, "lt[b]": 20.0}, "lt[b]"),               # torch.mm not timed (refused): the fastest
 ])

@@ -26,8 +26,9 @@ def test_targets_apply_where_the_issue_sets_them(tp, m, names):
 
 def test_row_math():
     r = all_m.row(8, 2176, 1, 4096, _us(musekern=200.0, cublas=190.0, gemm_epilogue=200.0, epilogue=6.0,
-                                         unfused=420.0), "gemm", COPY)
+                                         unfused=420.0, gemm_best=180.0), "gemm", COPY)
     assert r["x_cublas"] == pytest.approx(200 / 190) and r["speedup_vs_unfused"] == pytest.approx(2.1)
+    assert r["x_gemm_best"] == pytest.approx(200 / 180)  # against the tuned GEMM alone: recorded, no target
     # the epilogue's bytes (variants.qkv_epilogue.epilogue_bytes): 5008 B a token at TP8 (NOTES "qkv_epilogue")
     assert r["epilogue_bytes"] == 5008 * 4096
     assert r["epilogue_frac_of_copy_bw"] == pytest.approx(5008 * 4096 / 6e-6 / 1e12 / COPY)
@@ -77,6 +78,7 @@ def test_table_has_a_line_per_row_and_per_step():
     text = all_m.format_all_m({"all_m": rows, "all_m_cliffs": all_m.cliffs(rows, COPY)})
     lines = text.splitlines()
     assert len(lines) == 3 + 2 + 1 and "ERROR output check" in lines[4] and lines[-1].startswith("step TP8 M 16->17")
+    assert "bestGEMM" in lines[1]  # the tuned cuBLAS GEMM's column beside torch.mm's
     assert all_m.format_all_m({}) == ""
 
 

@@ -26,3 +26,17 @@ def test_an_untuned_shape_is_torch_mm():
     assert gemm.mm(x, w, out) is out
     assert torch.equal(out, torch.mm(x, w.t()))
 
+
+
+def test_a_misaligned_call_is_torch_mm(monkeypatch):
+    # a tuned shape whose x is a view 16 bytes into its storage (qkv_front accepts 16-byte alignment; cuBLASLt's
+    # heuristic assumed 256): torch.mm takes it, the tuned launch is never called
+    called = []
+    monkeypatch.setitem(gemm._RUNS, (24, 5, -1), (lambda *a: called.append(a), 0))
+    g = torch.Generator().manual_seed(1)
+    store = torch.randn(5 * gemm.HIDDEN + 8, generator=g).to(torch.bfloat16)
+    x = store[8:].view(5, gemm.HIDDEN)
+    w = torch.randn(24, gemm.HIDDEN, generator=g).to(torch.bfloat16)
+    out = torch.empty(5, 24, dtype=torch.bfloat16)
+    assert x.data_ptr() % 256 and gemm.mm(x, w, out) is out
+    assert not called and torch.equal(out, torch.mm(x, w.t()))

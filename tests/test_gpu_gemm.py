@@ -6,6 +6,7 @@ import torch
 
 from musekern.ops import gemm
 from musekern.ops import qkv_front as front
+from musekern.runtime import cublaslt
 
 pytestmark = pytest.mark.gpu
 
@@ -41,9 +42,12 @@ def test_tuned_gemm_matches_fp64_and_repeats_bit_for_bit(n, m):
     assert torch.equal(out, again)
 
 
-@pytest.mark.parametrize("n, m", [(4352, 65), (2176, 128), (8704, 24)])  # shapes where cuBLASLt's pick won
+# shapes where a cuBLASLt algorithm won by 10-30% on the H200 (bench/results/h200-cublaslt-algos.json), so the capture
+# and sync checks run musekern's own cuBLASLt launch, not torch.mm
+@pytest.mark.parametrize("n, m", [(4352, 65), (2176, 128), (8704, 24)])
 def test_tuned_gemm_captures_and_never_syncs(n, m):
-    gemm.tune(n, [m], torch.cuda.current_device())
+    choice = gemm.tune(n, [m], torch.cuda.current_device())[0]
+    assert choice.chosen != "mm", choice
     x, w = _operands(n, m, seed=3)
     want = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     gemm.mm(x, w, want)
@@ -70,3 +74,36 @@ def test_prepare_tunes_the_gemm_path():
     front.prepare(n, [m], num_kv_heads=2)
     tuned = {(c.n, c.m, c.device): c for c in gemm.choices()}
     assert (n, m, dev) in tuned and tuned[(n, m, dev)].us
+
+
+# every algorithm the heuristic offers, not only the kept one: tuning rejects a wrong one, this says none is offered
+@pytest.mark.parametrize("n, m", [(2176, 49), (4352, 65), (17408, 100)])
+def test_every_cublaslt_candidate_matches_fp64(n, m):
+    dev = torch.cuda.current_device()
+    torch.mm(torch.zeros(8, 8, device="cuda", dtype=torch.bfloat16), torch.zeros(8, 8, device="cuda",
+                                                                                 dtype=torch.bfloat16))
+    mat = cublaslt.Matmul(cublaslt.library(), n, m, dev)
+    cands = mat.candidates()
+    assert len(cands) >= 4 and len({c.algo for c in cands}) == len(cands)
+    x, w = _operands(n, m, seed=11)
+    truth = x.double() @ w.double().t()
+    torch_err = (torch.mm(x, w.t()).double() - truth).abs().max().item()
+    for c in cands:
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        ws = torch.empty(max(c.workspace, 1), dtype=torch.uint8, device="cuda")
+        mat.launcher(c)(w.data_ptr(), x.data_ptr(), out.data_ptr(), ws.data_ptr(),
+                        torch.cuda.current_stream().cuda_stream)
+        err = (out.double() - truth).abs().max().item()
+        assert err <= 2 * torch_err + ATOL, (c.name, err, torch_err)
+
+
+def test_a_misaligned_view_takes_torch_mm_bit_for_bit():
+    n, m = 4352, 65
+    assert gemm.tune(n, [m], torch.cuda.current_device())[0].chosen != "mm"
+    x0, w = _operands(n, m, seed=5)
+    store = torch.empty(m * gemm.HIDDEN + 8, dtype=torch.bfloat16, device="cuda")
+    x = store[8:].view(m, gemm.HIDDEN)  # 16 bytes into its storage: not the 256 bytes cuBLASLt's heuristic assumed
+    x.copy_(x0)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gemm.mm(x, w, out)
+    assert torch.equal(out, torch.mm(x, w.t()))

@@ -19,7 +19,8 @@ a bench's end than at its start: `copy_TBps`, `copy_TBps_end`). (A 2 GiB copy ca
 a different path: not a reference.)
 - cublas:         torch.mm alone;  unfused: torch.mm + the plain-torch epilogue (bench/unfused.py);
 - gemm_best:      the GEMM path's GEMM alone (`ops.gemm.mm`: the cuBLAS algorithm `ops.gemm.tune` measured fastest for
-                  this (N, M) before the graphs, or torch.mm): the fastest bare GEMM cuBLAS offers;
+                  this (N, M) before the graphs, torch.mm unless another was 3% faster; torch.mm untimed above
+                  M = 512);
 - compiled:       torch.mm + `torch.compile(reference.fused_qknorm_rope_kv_insert, dynamic=True)` (M >= 2).
 
 The row math, targets and table below are pure (tested on the CPU); `measure_all_m` needs the GPU.

@@ -3,12 +3,13 @@
 `torch.mm` takes the first algorithm of cuBLAS's heuristic, and that choice steps where the bytes do not (TP4
 25.7 -> 26.9 us from M = 64 to 65 while other algorithms the heuristic offers take 21.0 -> 21.4; bench/NOTES.md
 "Every M: the GEMM's algorithm"). cuBLAS's algorithms and their speeds change with its version and the GPU, so no
-rule can name one ahead of time: `tune` (run by `ops.qkv_front.prepare`, before graph capture) times torch.mm and
-every algorithm cuBLASLt offers for the shape on scratch buffers (weights rotated past the L2, as a decode step
-streams them), and keeps the fastest. `mm` then launches it: one dict lookup and one cuBLASLt call (no sync, no
-allocation but the algorithm's workspace from torch's stream-ordered allocator, capturable). A shape never tuned, or
-a process without cuBLASLt, takes torch.mm. A tuned shape's result is bit-identical call to call (one algorithm, no
-atomics); a different process may measure another algorithm fastest, so its bits may differ in the last place.
+rule can name one ahead of time: `tune` (run by `ops.qkv_front.prepare`, before graph capture) checks every algorithm
+cuBLASLt offers for the shape against torch.mm's result, times them and torch.mm on scratch buffers (weights rotated
+past the L2, as a decode step streams them), and keeps the fastest. `mm` then launches it: one dict lookup and one
+cuBLASLt call (no sync, no allocation but the algorithm's workspace from torch's stream-ordered allocator,
+capturable). A shape never tuned, a process without cuBLASLt, or a call whose pointers are not 256-byte aligned takes
+torch.mm. A tuned shape's result is bit-identical call to call (tests/test_gpu_gemm.py); another process may measure
+another algorithm fastest, so its bits may differ in the last place.
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ ROUNDS, CALLS = 5, 8  # timing: median over ROUNDS of CALLS launches each, weigh
 # within 1-2%, bench/results/h200-gemm-dispatch.json; the other candidates were not timed there), and timing every
 # candidate would cost seconds a shape.
 TUNE_MAX_ROWS = 512
+# A candidate whose y differs from torch.mm's by more than this (relative to max |y|) is wrong, not rounded otherwise
+# (another summation order differs by about one bf16 ulp, 2^-8: bench/results/h200-gemm-dispatch.json, 3.5e-3)
+CHECK_RTOL = 2.0 ** -5
 
 
 @dataclass(frozen=True)
@@ -40,92 +44,118 @@ class Choice:
     device: int
     us: dict  # candidate name -> median us per call ("mm" is torch.mm)
     chosen: str  # "mm" or a cuBLASLt candidate's name
-    reason: str = ""  # why only torch.mm was timed (no cuBLASLt), else ""
+    reason: str = ""  # why only torch.mm was timed (no cuBLASLt, M too large, no memory), else ""
+    rejected: tuple = ()  # candidates whose result or launch failed the check, with why
 
 
 _RUNS: dict = {}  # (n, m, device) -> (launch(w, x, y, workspace, stream), workspace bytes)
 _CHOICES: dict = {}  # (n, m, device) -> Choice
-_KEEP: dict = {}  # (n, m, device) -> the cuBLASLt descriptors its launch uses
 _LOCK = threading.Lock()
 _stream = current_stream_getter()  # device index -> torch's current stream there, as a raw handle
+_ALIGN = 256  # runtime/cublaslt.ALIGNMENT (not imported here: the hot path stays one module)
 
 
 def choices() -> list[Choice]:
-    """Every shape tuned in this process (for `musekern doctor`, the bench's records)."""
+    """Every shape tuned in this process (for the bench's records)."""
     return list(_CHOICES.values())
 
 
 def mm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out = x @ weight^T (contiguous bf16 [M, 8192], [N, 8192], [M, N] on one device): the tuned algorithm, or
-    torch.mm for a shape `tune` has not measured (or where torch.mm was fastest)."""
-    m, n = x.shape[0], weight.shape[0]
-    run = _RUNS.get((n, m, x.get_device()))
-    if run is None:
+    torch.mm for a shape `tune` has not measured (or where torch.mm was fastest, or pointers not 256-byte aligned)."""
+    m, n, dev = x.shape[0], weight.shape[0], x.get_device()
+    run = _RUNS.get((n, m, dev))
+    x0, w0, y0 = x.data_ptr(), weight.data_ptr(), out.data_ptr()
+    if run is None or (x0 | w0 | y0) % _ALIGN:
         return torch.mm(x, weight.t(), out=out)
     launch, ws = run
+    if dev != torch.cuda.current_device():  # the handle and stream are x's device's: launch there
+        with torch.cuda.device(dev):
+            return mm(x, weight, out)
     workspace = torch.empty(ws, dtype=torch.uint8, device=x.device) if ws else None  # stream-ordered, as torch's
-    launch(weight.data_ptr(), x.data_ptr(), out.data_ptr(), workspace.data_ptr() if ws else 0,
-           _stream(x.get_device()))
+    launch(w0, x0, y0, workspace.data_ptr() if ws else 0, _stream(dev))
     return out
 
 
 def tune(n: int, ms, device: int) -> list[Choice]:
-    """Measure, for each M in `ms`, torch.mm and every algorithm cuBLASLt offers, and keep the fastest for `mm`.
-    Syncs the device and allocates scratch (the weights: about 2x the L2 or two layers, whichever is more): call
-    it before capture, never inside. Shapes already tuned are kept."""
-    todo = [m for m in sorted(set(ms)) if (n, m, device) not in _CHOICES]
-    if not todo:
-        return [_CHOICES[(n, m, device)] for m in ms]
+    """Check and time, for each M in `ms`, torch.mm and every algorithm cuBLASLt offers, and keep the fastest for
+    `mm`. Syncs the device and allocates scratch while it runs (weights of at least two layers, about twice the L2 at
+    TP8: 107 MB, 570 MB at TP1; no memory for them leaves torch.mm, with the reason): call it before capture, never
+    inside. About 0.1 s an M. Shapes already tuned are kept."""
+    ms = list(ms)
     with _LOCK, torch.cuda.device(device):
         dev = torch.device("cuda", device)
         a = torch.zeros(8, HIDDEN, dtype=torch.bfloat16, device=dev)
-        torch.mm(a, a.t())  # torch's cuBLAS(Lt) loaded and its handle made: the library found is torch's
-        from ..runtime import cublaslt
-
-        try:
-            lib, reason = cublaslt.library(), ""
-        except (cublaslt.CublasLtError, OSError) as e:
-            lib, reason = None, f"no cuBLASLt: {e}"
-        timed = [m for m in todo if lib is not None and m <= TUNE_MAX_ROWS]
-        for m in todo:
-            if m not in timed:  # torch.mm, untimed
-                _CHOICES[(n, m, device)] = Choice(n, m, device, {}, "mm",
-                                                  reason or f"M > {TUNE_MAX_ROWS}: torch.mm untimed")
-        if timed:
-            layers = max(2, -(-2 * torch.cuda.get_device_properties(device).L2_cache_size // (n * HIDDEN * 2)))
-            W = [torch.empty(n, HIDDEN, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
-            for w in W:
-                w.normal_().div_(HIDDEN ** 0.5)
-            for m in timed:
-                _CHOICES[(n, m, device)] = _tune_one(cublaslt.Matmul(lib, n, m, device), W, n, m, device)
-            del W
-            torch.cuda.synchronize(device)
-            torch.cuda.empty_cache()
+        torch.mm(a, a.t())  # torch's cuBLAS handle for this thread and stream, and its cuBLASLt loaded and found below
+        todo = [m for m in sorted(set(ms)) if (n, m, device) not in _CHOICES]
+        if todo:
+            _tune(n, todo, device, dev)
     return [_CHOICES[(n, m, device)] for m in ms]
+
+
+def _tune(n: int, todo: list, device: int, dev: torch.device) -> None:
+    from ..runtime import cublaslt
+
+    try:
+        lib, reason = cublaslt.library(), ""
+    except cublaslt.CublasLtError as e:
+        lib, reason = None, f"no cuBLASLt: {e}"
+    timed = [m for m in todo if lib is not None and m <= TUNE_MAX_ROWS]
+    for m in todo:
+        if m not in timed:  # torch.mm, untimed
+            _CHOICES[(n, m, device)] = Choice(n, m, device, {}, "mm", reason or f"M > {TUNE_MAX_ROWS}: torch.mm")
+    if not timed:
+        return
+    W = []
+    try:
+        layers = max(2, -(-2 * torch.cuda.get_device_properties(device).L2_cache_size // (n * HIDDEN * 2)))
+        for _ in range(layers):
+            W.append(torch.empty(n, HIDDEN, dtype=torch.bfloat16, device=dev).normal_().div_(HIDDEN ** 0.5))
+        for m in timed:
+            _CHOICES[(n, m, device)] = _tune_one(cublaslt.Matmul(lib, n, m, device), W, n, m, device)
+    except torch.cuda.OutOfMemoryError as e:
+        for m in timed:
+            _CHOICES.setdefault((n, m, device), Choice(n, m, device, {}, "mm", f"no memory to tune: {e}"[:200]))
+    finally:
+        del W
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 def _tune_one(mat, W: list, n: int, m: int, device: int) -> Choice:
     dev = W[0].device
     x = torch.randn(m, HIDDEN, device=dev).to(torch.bfloat16)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-    runs = {"mm": (lambda w: torch.mm(x, w.t(), out=y), None)}
+    want = torch.mm(x, W[0].t()).float()
+    tol = CHECK_RTOL * want.abs().max().item()
+    runs, rejected = {"mm": (lambda w: torch.mm(x, w.t(), out=y), None)}, []
     cands = mat.candidates()
     ws = torch.empty(max([c.workspace for c in cands] + [1]), dtype=torch.uint8, device=dev)
     for c in cands:
         f = mat.launcher(c)
-        runs[c.name] = (lambda w, f=f: f(w.data_ptr(), x.data_ptr(), y.data_ptr(), ws.data_ptr(), _stream(device)),
-                        (f, c.workspace, mat))
+        call = (lambda w, f=f: f(w.data_ptr(), x.data_ptr(), y.data_ptr(), ws.data_ptr(), _stream(device)))
+        try:  # its result first: an algorithm that returns success must also return the product
+            y.fill_(float("nan"))
+            call(W[0])
+            torch.cuda.synchronize(device)
+        except RuntimeError as e:  # the launch refused (CublasLtError): not a candidate
+            rejected.append((c.name, str(e)))
+            continue
+        err = (y.float() - want).abs().max().item()
+        if not err <= tol:  # NaN (an unwritten y) fails too
+            rejected.append((c.name, f"max |y - torch.mm| = {err:.3g} > {tol:.3g}"))
+            continue
+        runs[c.name] = (call, (f, c.workspace))
     us = {}
     for name, (call, _) in runs.items():
         try:
             us[name] = _time(call, W)
-        except RuntimeError:  # an algorithm the heuristic offered but the launch refused: not a candidate
-            continue
+        except RuntimeError as e:  # a launch the capture refused
+            rejected.append((name, str(e)))
     best = pick(us)
     if best != "mm":
-        _RUNS[(n, m, device)] = runs[best][1][:2]
-        _KEEP[(n, m, device)] = runs[best][1][2]  # the descriptors the launch uses
-    return Choice(n, m, device, {k: round(v, 3) for k, v in us.items()}, best)
+        _RUNS[(n, m, device)] = runs[best][1]  # the launcher keeps its Matmul's descriptors alive
+    return Choice(n, m, device, {k: round(v, 3) for k, v in us.items()}, best, rejected=tuple(rejected))
 
 
 def pick(us: dict) -> str:
@@ -140,7 +170,7 @@ def pick(us: dict) -> str:
 def _time(call, W: list) -> float:
     """Median us a call: CALLS calls (weights rotated, so they stream from HBM as a decode step's do) captured in a
     CUDA graph, replayed ROUNDS times between events (no host launch cost in the time)."""
-    call(W[0])  # raises here, outside the capture, for an algorithm the launch refuses
+    call(W[0])
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):

@@ -3,7 +3,7 @@
 The GEMM path (M the fused front does not serve) needs cuBLAS's GEMM; `torch.mm` asks cuBLAS for the heuristic's
 first algorithm, whose time steps where the bytes do not (bench/NOTES.md "Every M: the GEMM's algorithm": TP4 M = 65
 27.0 us where another algorithm the same heuristic offers takes 21.4). This module asks cuBLASLt for every algorithm
-it offers (`Matmul.candidates`) and launches the one `ops/gemm.py` measured fastest (`Matmul.run`). It opens the
+it offers (`Matmul.candidates`) and launches the one `ops/gemm.py` measured fastest (`Matmul.launcher`). It opens the
 libcublasLt torch already loaded (so both agree on the library), never links one of its own; no torch import here.
 
 Column-major, as cuBLASLt sees row-major tensors: y^T [N, M] (ld N) = A^T B with A = W^T [K, N] (ld K) and
@@ -16,6 +16,7 @@ import functools
 import glob
 import os
 import sys
+import threading
 from dataclasses import dataclass
 
 HIDDEN = 8192
@@ -23,7 +24,9 @@ HIDDEN = 8192
 COMPUTE_32F, R_32F, R_16BF, OP_N, OP_T = 68, 0, 14, 0, 1
 DESC_TRANSA, DESC_TRANSB, PREF_MAX_WORKSPACE = 3, 4, 1
 CFG_ID, CFG_TILE_ID, CFG_SPLITK, CFG_STAGES = 0, 1, 2, 6
-HEURISTIC_MAX = 8  # the heuristic returns at most this many algorithms a call (cuBLASLt 12-13)
+HEURISTIC_ASK = 32  # algorithms asked of the heuristic a call (cuBLASLt 13 answered at most 8 on the H200)
+# The pointers the heuristic may assume aligned to (its default): `ops.gemm.mm` takes torch.mm for any other call.
+ALIGNMENT = 256
 # The heuristic's answer depends on the workspace it may use: with none it offers only unsplit kernels (the fastest
 # at TP4 M = 16-128), with more the split-K ones (the fastest at TP8 M = 33-64). Asked once per cap, the union.
 WORKSPACE_CAPS = (32 << 20, 4 << 20, 1 << 20, 0)
@@ -97,14 +100,18 @@ class Library:
         self.dll.cublasLtGetVersion.restype = C.c_size_t
         self.version = int(self.dll.cublasLtGetVersion())
         self._handles: dict = {}
+        self._lock = threading.Lock()
 
     def handle(self, device: int) -> C.c_void_p:
         """The handle of `device` (created the first time with `device` current: the caller sets it)."""
         h = self._handles.get(device)
         if h is None:
-            h = _VP()
-            self.check(self.dll.cublasLtCreate(C.byref(h)), "cublasLtCreate")
-            h = self._handles.setdefault(device, h)
+            with self._lock:
+                h = self._handles.get(device)
+                if h is None:
+                    h = _VP()
+                    self.check(self.dll.cublasLtCreate(C.byref(h)), "cublasLtCreate")
+                    self._handles[device] = h
         return h
 
     @staticmethod
@@ -120,7 +127,7 @@ def library() -> Library:
     for p in tried:
         try:
             return Library(p)
-        except OSError:
+        except (OSError, AttributeError):  # not loadable, or a library without an entry point this binding uses
             continue
     raise CublasLtError("no libcublasLt found (looked in this process's mapped libraries and the nvidia wheels on "
                         "sys.path): install torch with its CUDA wheels (`pip install torch`)")
@@ -145,14 +152,13 @@ class Matmul:
 
     def __init__(self, lib: Library, n: int, m: int, device: int):
         self.lib, self.n, self.m = lib, n, m
+        self.desc, self.a, self.b, self.d = _VP(), _VP(), _VP(), _VP()  # set first: __del__ frees what was made
         self.h = lib.handle(device)
         d, ok = lib.dll, lib.check
-        self.desc = _VP()
         ok(d.cublasLtMatmulDescCreate(C.byref(self.desc), COMPUTE_32F, R_32F), "cublasLtMatmulDescCreate")
         for attr, op in ((DESC_TRANSA, OP_T), (DESC_TRANSB, OP_N)):
             v = C.c_int32(op)
             ok(d.cublasLtMatmulDescSetAttribute(self.desc, attr, C.byref(v), 4), "cublasLtMatmulDescSetAttribute")
-        self.a, self.b, self.d = _VP(), _VP(), _VP()
         for lay, rows, cols, ld in ((self.a, HIDDEN, n, HIDDEN), (self.b, HIDDEN, m, HIDDEN), (self.d, n, m, n)):
             ok(d.cublasLtMatrixLayoutCreate(C.byref(lay), R_16BF, rows, cols, ld), "cublasLtMatrixLayoutCreate")
         self._alpha, self._beta = C.c_float(1.0), C.c_float(0.0)
@@ -163,9 +169,11 @@ class Matmul:
         d = getattr(getattr(self, "lib", None), "dll", None)
         if d is None:
             return
-        for lay in (self.a, self.b, self.d):
-            d.cublasLtMatrixLayoutDestroy(lay)
-        d.cublasLtMatmulDescDestroy(self.desc)
+        for lay in (getattr(self, k, None) for k in ("a", "b", "d")):
+            if lay:
+                d.cublasLtMatrixLayoutDestroy(lay)
+        if getattr(self, "desc", None):
+            d.cublasLtMatmulDescDestroy(self.desc)
 
     def candidates(self, caps=WORKSPACE_CAPS) -> list[Candidate]:
         """Every algorithm the heuristic offers under each workspace cap, in its order, each once."""
@@ -178,9 +186,9 @@ class Matmul:
                 ws = C.c_uint64(cap)
                 ok(d.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE, C.byref(ws), 8),
                    "cublasLtMatmulPreferenceSetAttribute")
-                res, got = (Heuristic * HEURISTIC_MAX)(), C.c_int(0)
+                res, got = (Heuristic * HEURISTIC_ASK)(), C.c_int(0)
                 st = d.cublasLtMatmulAlgoGetHeuristic(self.h, self.desc, self.a, self.b, self.d, self.d,
-                                                      pref, HEURISTIC_MAX, res, C.byref(got))
+                                                      pref, HEURISTIC_ASK, res, C.byref(got))
             finally:
                 d.cublasLtMatmulPreferenceDestroy(pref)
             if st == 15:  # NOT_SUPPORTED: no algorithm under this cap
@@ -200,14 +208,15 @@ class Matmul:
         return v.value if st == 0 else -1
 
     def launcher(self, cand: Candidate):
-        """f(w_ptr, x_ptr, y_ptr, workspace_ptr, stream) -> None: this algorithm, checked status."""
+        """f(w_ptr, x_ptr, y_ptr, workspace_ptr, stream) -> None: this algorithm, checked status. The function keeps
+        this Matmul (its descriptors) and the algorithm alive as long as it lives. Pointers must be ALIGNMENT-byte
+        aligned and the workspace `cand.workspace` bytes."""
         algo = Algo.from_buffer_copy(cand.algo)
         pa, ws, fn, (h, desc, alpha) = C.byref(algo), cand.workspace, self._fn, self._args
-        a, b, d, beta, check = self.a, self.b, self.d, C.byref(self._beta), self.lib.check
-        self._keep = getattr(self, "_keep", []) + [algo]  # the algo's memory lives as long as this Matmul
+        a, b, d, beta, check, mat = self.a, self.b, self.d, C.byref(self._beta), self.lib.check, self
 
         def run(w: int, x: int, y: int, workspace: int, stream: int) -> None:
             st = fn(h, desc, alpha, w, a, x, b, beta, y, d, y, d, pa, workspace, ws, stream)
             if st:
-                check(st, "cublasLtMatmul")
+                check(st, f"cublasLtMatmul ({mat.n} x {mat.m})")
         return run

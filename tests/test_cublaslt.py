@@ -29,26 +29,26 @@ def test_library_paths_prefer_the_mapped_copy(tmp_path, monkeypatch):
     assert cublaslt.library_paths(str(tmp_path / "no-maps")) == [str(wheel / "libcublasLt.so.12")]
 
 
-def test_no_library_is_a_one_line_error(monkeypatch):
-    monkeypatch.setattr(cublaslt, "library_paths", lambda: [])
+@pytest.fixture
+def fresh_library(monkeypatch):
+    """`library()` looked up again under the test's monkeypatches, and forgotten after it."""
     cublaslt.library.cache_clear()
-    try:
-        with pytest.raises(cublaslt.CublasLtError, match="no libcublasLt found.*pip install torch"):
-            cublaslt.library()
-    finally:
-        cublaslt.library.cache_clear()
+    yield monkeypatch
+    cublaslt.library.cache_clear()
 
 
-def test_an_unloadable_path_is_skipped(tmp_path, monkeypatch):
+def test_no_library_is_a_one_line_error(fresh_library):
+    fresh_library.setattr(cublaslt, "library_paths", lambda: [])
+    with pytest.raises(cublaslt.CublasLtError, match="no libcublasLt found.*pip install torch"):
+        cublaslt.library()
+
+
+def test_an_unloadable_path_is_skipped(tmp_path, fresh_library):
     bad = tmp_path / "libcublasLt.so.13"
     bad.write_bytes(b"not an ELF")
-    monkeypatch.setattr(cublaslt, "library_paths", lambda: [str(bad)])
-    cublaslt.library.cache_clear()
-    try:
-        with pytest.raises(cublaslt.CublasLtError, match="no libcublasLt found"):
-            cublaslt.library()
-    finally:
-        cublaslt.library.cache_clear()
+    fresh_library.setattr(cublaslt, "library_paths", lambda: [str(bad)])
+    with pytest.raises(cublaslt.CublasLtError, match="no libcublasLt found"):
+        cublaslt.library()
 
 
 def test_status_names_the_failure():

@@ -6,7 +6,8 @@ computes y = bf16(x @ weight^T), RMS-norms + RoPEs the q and k heads, and writes
 (musekern.reference.qkv_front_reference, which it equals up to the GEMM's summation order). On the GPU each call
 takes one of two paths, by the planner's measured rule for (N, M, this GPU) (`musekern.variants.front_serves`):
 - the fused front: one CuTe DSL launch (split-K GEMM, norm, RoPE, y store, K/V insert);
-- cuBLAS's GEMM (`torch.mm` into y) + the fused epilogue (musekern.ops.qkv_epilogue), for every other M.
+- cuBLAS's GEMM into y (`ops.gemm.mm`: the algorithm `prepare` measured fastest for the shape, else `torch.mm`) +
+  the fused epilogue (musekern.ops.qkv_epilogue), for every other M.
 Either way: no host sync, nothing allocated but y (none with `out=`), capturable in a CUDA graph once `prepare`
 has loaded the builds the M values need. `qkv_front_auto` is the same on CUDA tensors and the plain-torch
 reference on CPU tensors. Importing this module never imports cutlass; `compile_qkv_front` and

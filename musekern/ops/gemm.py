@@ -81,7 +81,7 @@ def tune(n: int, ms, device: int) -> list[Choice]:
     """Check and time, for each M in `ms`, torch.mm and every algorithm cuBLASLt offers, and keep the fastest for
     `mm`. Syncs the device and allocates scratch while it runs (weights of at least two layers, about twice the L2 at
     TP8: 107 MB, 570 MB at TP1; no memory for them leaves torch.mm, with the reason): call it before capture, never
-    inside. About 0.1 s an M. Shapes already tuned are kept."""
+    inside. 0.1-0.5 s an M. Shapes already tuned are kept."""
     ms = list(ms)
     with _LOCK, torch.cuda.device(device):
         dev = torch.device("cuda", device)

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runtime.cublaslt import ALIGNMENT
 from ..runtime.loader import current_stream_getter
+from ..variants.qkv_front import HIDDEN
 
-HIDDEN = 8192
 # An algorithm replaces torch.mm only when it is more than this much faster: the H200's spread between samples of one
 # graph reaches 3-4% at TP1 (68 / 72 us modes, bench/results/h200-bench.json), where a 1% margin kept a cuBLASLt
 # pick the bench then timed 3% slower than torch.mm (M = 48). The picks that matter win by 4-30%.
@@ -52,7 +53,6 @@ _RUNS: dict = {}  # (n, m, device) -> (launch(w, x, y, workspace, stream), works
 _CHOICES: dict = {}  # (n, m, device) -> Choice
 _LOCK = threading.Lock()
 _stream = current_stream_getter()  # device index -> torch's current stream there, as a raw handle
-_ALIGN = 256  # runtime/cublaslt.ALIGNMENT (not imported here: the hot path stays one module)
 
 
 def choices() -> list[Choice]:
@@ -63,18 +63,25 @@ def choices() -> list[Choice]:
 def mm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out = x @ weight^T (contiguous bf16 [M, 8192], [N, 8192], [M, N] on one device): the tuned algorithm, or
     torch.mm for a shape `tune` has not measured (or where torch.mm was fastest, or pointers not 256-byte aligned)."""
-    m, n, dev = x.shape[0], weight.shape[0], x.get_device()
+    if not launch_tuned(weight.shape[0], x.shape[0], x.get_device(), x.data_ptr(), weight.data_ptr(),
+                        out.data_ptr()):
+        torch.mm(x, weight.t(), out=out)
+    return out
+
+
+def launch_tuned(n: int, m: int, dev: int, x0: int, w0: int, y0: int) -> bool:
+    """`mm` on values already read (the checked call's): the tuned algorithm on the addresses of x, weight and y,
+    True; False (nothing launched) where torch.mm must run."""
     run = _RUNS.get((n, m, dev))
-    x0, w0, y0 = x.data_ptr(), weight.data_ptr(), out.data_ptr()
-    if run is None or (x0 | w0 | y0) % _ALIGN:
-        return torch.mm(x, weight.t(), out=out)
+    if run is None or (x0 | w0 | y0) % ALIGNMENT:
+        return False
     launch, ws = run
     if dev != torch.cuda.current_device():  # the handle and stream are x's device's: launch there
         with torch.cuda.device(dev):
-            return mm(x, weight, out)
-    workspace = torch.empty(ws, dtype=torch.uint8, device=x.device) if ws else None  # stream-ordered, as torch's
+            return launch_tuned(n, m, dev, x0, w0, y0)
+    workspace = torch.empty(ws, dtype=torch.uint8, device=dev) if ws else None  # stream-ordered, as torch's
     launch(w0, x0, y0, workspace.data_ptr() if ws else 0, _stream(dev))
-    return out
+    return True
 
 
 def tune(n: int, ms, device: int) -> list[Choice]:

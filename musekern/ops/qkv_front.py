@@ -124,7 +124,8 @@ def _fast(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_ca
         out = x.new_empty(m, n)  # x's dtype (bf16) and device; int sizes parse faster than a tuple
         y0 = out.data_ptr()
     if run is _GEMM:  # y = x @ W^T by cuBLAS, then the epilogue in place with the values read here
-        gemm.mm(x, weight, out)
+        if not gemm.launch_tuned(n, m, dev, x0, w0, y0):
+            torch.mm(x, weight.t(), out=out)
         qkv_epilogue.launch_read(key, y0, tc, eps)
     else:
         run([(w0, n, HIDDEN, HIDDEN), (x0, m, HIDDEN, HIDDEN), m, w0, y0, *tc, eps])  # `_VALUES` order

@@ -1,9 +1,11 @@
-"""ops/gemm.py on the CPU: which measured candidate it keeps, and an untuned shape is torch.mm's product. (Tuning
-and the cuBLASLt launches run on the GPU: tests/test_gpu_gemm.py.)"""
+"""ops/gemm.py on the CPU: which measured candidate it keeps, which recorded pick it accepts without timing, and an
+untuned shape is torch.mm's product. (Tuning and the cuBLASLt launches run on the GPU: tests/test_gpu_gemm.py.)"""
 import pytest
 import torch
 
 from musekern.ops import gemm
+from musekern.runtime.cublaslt import Candidate
+from musekern.store.tuning import Record
 
 
 # the margin's edges: a candidate must beat torch.mm by more than 3% to replace it
@@ -40,3 +42,31 @@ def test_a_misaligned_call_is_torch_mm(monkeypatch):
     out = torch.empty(5, 24, dtype=torch.bfloat16)
     assert x.data_ptr() % 256 and gemm.mm(x, w, out) is out
     assert not called and torch.equal(out, torch.mm(x, w.t()))
+
+
+class _Offers:
+    """A stand-in for cublaslt.Matmul: the candidates cuBLASLt offers for a shape now."""
+
+    def __init__(self, *cands):
+        self.cands = list(cands)
+
+    def candidates(self):
+        return self.cands
+
+
+# a tuning record is advice: the pick is re-decided from its times by today's rule, and an algorithm is used only
+# where cuBLASLt still offers those exact bytes (and, on the GPU, its result matches torch.mm's: test_gpu_gemm.py)
+@pytest.mark.parametrize("rec, offered, want", [
+    (Record("mm", None, 0, {"mm": 15.1, "lt[a]": 15.0}), (), "mm"),             # torch.mm recorded: no launch needed
+    (Record("mm", None, 0, {"mm": 25.0, "lt[a]": 20.0}), (), None),             # times say lt[a]: recorded otherwise
+    (Record("lt[a]", bytes(64), 0, {"mm": 25.0, "lt[a]": 24.5}), (), None),     # within the margin: torch.mm's now
+    (Record("lt[a]", bytes(64), 0, {"mm": 25.0, "lt[a]": 20.0}), (), None),     # bytes not offered: time again
+    (Record("lt[a]", bytes(64), 0, {"mm": 25.0, "lt[a]": 20.0}),
+     (Candidate(bytes(64), 1024, 1, 2),), None),                                 # offered with another workspace
+])
+def test_a_recorded_pick_is_rechecked(rec, offered, want):
+    got = gemm._from_record(_Offers(*offered), rec, None, 24, 65, -1)
+    if want is None:
+        assert got is None and (24, 65, -1) not in gemm._RUNS
+    else:
+        assert got.chosen == want and got.recorded and got.us == rec.us

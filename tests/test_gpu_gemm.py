@@ -1,6 +1,7 @@
 """ops/gemm.py on the GPU (marked `gpu`): tuning times torch.mm beside cuBLASLt's candidates and keeps the fastest;
 the kept algorithm's y against an fp64 GEMM (error <= 2x torch.mm's own + a tiny atol; y poisoned first), bit for bit
-the same call to call, capturable in a CUDA graph and free of host syncs; the product's GEMM path after `prepare`."""
+the same call to call, capturable in a CUDA graph and free of host syncs; the product's GEMM path after `prepare`; the
+tuning record a later process checks instead of timing (a forged or read-only one costs a re-timing, nothing else)."""
 import pytest
 import torch
 
@@ -107,3 +108,80 @@ def test_a_misaligned_view_takes_torch_mm_bit_for_bit():
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     gemm.mm(x, w, out)
     assert torch.equal(out, torch.mm(x, w.t()))
+
+
+# ---------------------------------------------------------------- the tuning record (store/tuning.py)
+@pytest.fixture
+def fresh_process(tmp_path, monkeypatch):
+    """A cache of our own (MUSEKERN_CACHE_DIR) and this process's tuning forgotten, as in a new process; `timed`
+    counts the candidates `tune` times."""
+    from musekern.store.cache import Cache
+
+    cache = Cache(tmp_path / "cache")
+    cache.base.mkdir(parents=True)
+    monkeypatch.setenv("MUSEKERN_CACHE_DIR", str(cache.root))
+    timed = []
+    real = gemm._time
+    monkeypatch.setattr(gemm, "_time", lambda call, W: timed.append(1) or real(call, W))
+
+    def forget():
+        monkeypatch.setattr(gemm, "_CHOICES", {})
+        monkeypatch.setattr(gemm, "_RUNS", {})
+        timed.clear()
+    forget()
+    return cache, timed, forget
+
+
+def _scope(dev):
+    from musekern.store import tuning
+
+    p = torch.cuda.get_device_properties(dev)
+    return tuning.scope(p.name, (p.major, p.minor), p.multi_processor_count, cublaslt.library().version)
+
+
+# shapes whose pick is a cuBLASLt algorithm: unsplit (TP4 M = 65) and split-K with a workspace (TP8 M = 128)
+@pytest.mark.parametrize("n, m", [(4352, 65), (2176, 128)])
+def test_a_second_process_checks_the_recorded_pick_instead_of_timing(fresh_process, n, m):
+    from musekern.store import tuning
+
+    cache, timed, forget = fresh_process
+    dev = torch.cuda.current_device()
+    first = gemm.tune(n, [m], dev)[0]
+    assert not first.recorded and timed and first.chosen != "mm", first
+    rec = tuning.load(cache, _scope(dev))[(n, m)]
+    assert rec.chosen == first.chosen and rec.us == first.us
+    x, w = _operands(n, m, seed=7)
+    y1 = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gemm.mm(x, w, y1)
+    forget()
+    again = gemm.tune(n, [m], dev)[0]
+    assert again.recorded and not timed and again.chosen == first.chosen and (n, m, dev) in gemm._RUNS
+    y2 = torch.full_like(y1, float("nan"))
+    gemm.mm(x, w, y2)
+    assert torch.equal(y1, y2)  # the same algorithm: the same bits
+
+
+def test_a_record_cublaslt_no_longer_offers_is_timed_again(fresh_process):
+    from musekern.store import tuning
+
+    cache, timed, forget = fresh_process
+    n, m, dev = 4352, 65, torch.cuda.current_device()
+    us = {"mm": 30.0, "lt[forged]": 10.0}
+    assert tuning.save(cache, _scope(dev), {(n, m): tuning.Record("lt[forged]", bytes(range(64)), 0, us)}) is None
+    got = gemm.tune(n, [m], dev)[0]
+    assert not got.recorded and timed and "lt[forged]" not in got.us
+    assert tuning.load(cache, _scope(dev))[(n, m)].us == got.us  # the record now holds what was measured
+
+
+def test_a_read_only_cache_keeps_no_record_and_still_tunes(fresh_process):
+    import os
+
+    from musekern.store import tuning
+
+    cache, timed, forget = fresh_process
+    os.chmod(cache.base, 0o555)
+    try:
+        got = gemm.tune(4352, [65], torch.cuda.current_device())[0]
+    finally:
+        os.chmod(cache.base, 0o755)
+    assert timed and got.chosen == gemm.pick(got.us) and not tuning.tuning_dir(cache).exists()

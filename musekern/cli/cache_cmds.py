@@ -15,7 +15,7 @@ import time
 import click
 
 from ..env import parse_size
-from ..store import hygiene, lookup
+from ..store import hygiene, lookup, tuning
 from .common import (
     EXIT_FAIL,
     Failure,
@@ -169,7 +169,7 @@ def clean_cmd(stale, all_, dry_run, cache_dir, as_json):
     cache = _open(cache_dir)
     if not dry_run:
         _writable(cache, "clean", "clean")
-    doomed, busy = [], []
+    doomed, busy, tuned = [], [], []
     if all_:
         doomed = cache.entries()
     elif stale:
@@ -178,9 +178,10 @@ def clean_cmd(stale, all_, dry_run, cache_dir, as_json):
     if dry_run:
         removed = list(summaries)
         tmp = hygiene.clean_tmp(cache, dry_run=True)
+        tuned = sorted(tuning.summary(cache)) if all_ else []
     elif all_:
         result = hygiene.clear(cache)
-        removed, busy, tmp = result["removed"], result["busy"], 0
+        removed, busy, tmp, tuned = result["removed"], result["busy"], 0, result["tuning"]
     else:
         removed = [e.key for e in doomed if cache.remove_if(e.key, command="clean") == "removed"]
         busy = [e.key for e in doomed if e.key not in removed and cache.exists(e.key)]
@@ -188,10 +189,12 @@ def clean_cmd(stale, all_, dry_run, cache_dir, as_json):
     rows = [summaries.get(k) or {"key": k, "label": "?"} for k in removed]
     if as_json:
         emit_json({"cache_dir": str(cache.root), "dry_run": dry_run, "removed": rows, "busy": busy,
-                   "temp_dirs_removed": tmp})
+                   "temp_dirs_removed": tmp, "gemm_tuning_removed": tuned})
         return
     for r in rows:
         click.echo(f"{'would remove' if dry_run else 'removed'} {r['key'][:16]} {r['label']}")
+    for t in tuned:
+        click.echo(f"{'would remove' if dry_run else 'removed'} GEMM tuning record {t}")
     if dry_run:
         click.echo(f"{len(rows)} entries and {tmp} staging dirs would be removed; nothing was touched ({cache.root})")
     else:
@@ -225,6 +228,8 @@ def stats_cmd(zero, cache_dir, as_json):
                + f"; {c['built']} built, {c['pulled']} pulled")
     if s["max_size"] is not None:
         click.echo(f"size policy: at most {_human(s['max_size'])} (from {s['max_size_source']})")
+    for scope, shapes in s["gemm_tuning"].items():
+        click.echo(f"GEMM tuning: {shapes} shapes measured on {scope}")
     rows = [["kernel", k, v["entries"], _human(v["bytes"])] for k, v in sorted(s["by_kernel"].items())]
     rows += [["arch", k, v["entries"], _human(v["bytes"])] for k, v in sorted(s["by_arch"].items())]
     if rows:

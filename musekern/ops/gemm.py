@@ -10,9 +10,15 @@ cuBLASLt call (no sync, no allocation but the algorithm's workspace from torch's
 capturable). A shape never tuned, a process without cuBLASLt, or a call whose pointers are not 256-byte aligned takes
 torch.mm. A tuned shape's result is bit-identical call to call (tests/test_gpu_gemm.py); another process may measure
 another algorithm fastest, so its bits may differ in the last place.
+
+What `tune` measured is kept in the kernel cache, per GPU model and cuBLASLt version (store/tuning.py): a later
+process on such a GPU takes the recorded pick after checking it (cuBLASLt still offers that algorithm for the shape,
+and its result matches torch.mm's) instead of timing every candidate again. A record can change which correct
+algorithm runs, never the result; `musekern clean --all` removes the records.
 """
 from __future__ import annotations
 
+import logging
 import statistics
 import threading
 from dataclasses import dataclass
@@ -21,7 +27,11 @@ import torch
 
 from ..runtime.cublaslt import ALIGNMENT
 from ..runtime.loader import current_stream_getter
+from ..store import tuning
 from ..variants.qkv_front import HIDDEN
+
+log = logging.getLogger("musekern.gemm")
+log.addHandler(logging.NullHandler())
 
 # An algorithm replaces torch.mm only when it is more than this much faster: the H200's spread between samples of one
 # graph reaches 3-4% at TP1 (68 / 72 us modes, bench/results/h200-bench.json), where a 1% margin kept a cuBLASLt
@@ -47,6 +57,7 @@ class Choice:
     chosen: str  # "mm" or a cuBLASLt candidate's name
     reason: str = ""  # why only torch.mm was timed (no cuBLASLt, M too large, no memory), else ""
     rejected: tuple = ()  # candidates whose result or launch failed the check, with why
+    recorded: bool = False  # taken from the cache's tuning record (checked, not timed) in this process
 
 
 _RUNS: dict = {}  # (n, m, device) -> (launch(w, x, y, workspace, stream), workspace bytes)
@@ -88,7 +99,8 @@ def tune(n: int, ms, device: int) -> list[Choice]:
     """Check and time, for each M in `ms`, torch.mm and every algorithm cuBLASLt offers, and keep the fastest for
     `mm`. Syncs the device and allocates scratch while it runs (weights of at least two layers, about twice the L2 at
     TP8: 107 MB, 570 MB at TP1; no memory for them leaves torch.mm, with the reason): call it before capture, never
-    inside. 0.1-0.5 s an M. Shapes already tuned are kept."""
+    inside. 0.1-0.5 s an M. Shapes already tuned in this process are kept; shapes the cache's tuning record holds for
+    this GPU and cuBLASLt are checked, not timed (one launch each), and what is timed is added to the record."""
     ms = list(ms)
     with _LOCK, torch.cuda.device(device):
         dev = torch.device("cuda", device)
@@ -113,13 +125,25 @@ def _tune(n: int, todo: list, device: int, dev: torch.device) -> None:
             _CHOICES[(n, m, device)] = Choice(n, m, device, {}, "mm", reason or f"M > {TUNE_MAX_ROWS}: torch.mm")
     if not timed:
         return
-    W = []
+    cache, scope = _record_scope(lib, device)
+    recorded = tuning.load(cache, scope) if cache is not None else {}
+    W, fresh = [], {}
     try:
         layers = max(2, -(-2 * torch.cuda.get_device_properties(device).L2_cache_size // (n * HIDDEN * 2)))
-        for _ in range(layers):
-            W.append(torch.empty(n, HIDDEN, dtype=torch.bfloat16, device=dev).normal_().div_(HIDDEN ** 0.5))
         for m in timed:
-            _CHOICES[(n, m, device)] = _tune_one(cublaslt.Matmul(lib, n, m, device), W, n, m, device)
+            mat = cublaslt.Matmul(lib, n, m, device)
+            rec, choice = recorded.get((n, m)), None
+            if rec is not None:
+                if rec.chosen != "mm" and not W:  # the check's weight: a recorded algorithm is checked too
+                    W.append(_scratch_weight(n, dev))
+                choice = _from_record(mat, rec, W[0] if W else None, n, m, device)
+            if choice is None:
+                while len(W) < layers:
+                    W.append(_scratch_weight(n, dev))
+                choice, cand = _tune_one(mat, W, n, m, device)
+                fresh[(n, m)] = tuning.Record(choice.chosen, cand.algo if cand else None,
+                                              cand.workspace if cand else 0, choice.us)
+            _CHOICES[(n, m, device)] = choice
     except torch.cuda.OutOfMemoryError as e:
         for m in timed:
             _CHOICES.setdefault((n, m, device), Choice(n, m, device, {}, "mm", f"no memory to tune: {e}"[:200]))
@@ -127,42 +151,97 @@ def _tune(n: int, todo: list, device: int, dev: torch.device) -> None:
         del W
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+    if fresh and cache is not None:
+        why = tuning.save(cache, scope, fresh)
+        if why:
+            log.warning("%s", why)
 
 
-def _tune_one(mat, W: list, n: int, m: int, device: int) -> Choice:
-    dev = W[0].device
-    x = torch.randn(m, HIDDEN, device=dev).to(torch.bfloat16)
-    y = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-    want = torch.mm(x, W[0].t()).float()
-    tol = CHECK_RTOL * want.abs().max().item()
+def _scratch_weight(n: int, dev: torch.device) -> torch.Tensor:
+    return torch.empty(n, HIDDEN, dtype=torch.bfloat16, device=dev).normal_().div_(HIDDEN ** 0.5)
+
+
+def _record_scope(lib, device: int):
+    """(the cache the kernels load from, or None where there is none to name, the tuning scope of this GPU and
+    cuBLASLt)."""
+    p = torch.cuda.get_device_properties(device)
+    scope = tuning.scope(p.name, (p.major, p.minor), p.multi_processor_count, lib.version)
+    try:
+        from ..runtime.loader import _cache
+
+        return _cache(None), scope
+    except Exception as e:  # no cache dir to name (platformdirs missing, a bad MUSEKERN_CACHE_DIR): time, keep none
+        log.warning("GEMM tuning not recorded: %s", e)
+        return None, scope
+
+
+def _probe(W0: torch.Tensor, m: int):
+    """(x, y, torch.mm's y in fp32, the tolerance) for checking a candidate's result on weight W0."""
+    x = torch.randn(m, HIDDEN, device=W0.device).to(torch.bfloat16)
+    y = torch.empty(m, W0.shape[0], dtype=torch.bfloat16, device=W0.device)
+    want = torch.mm(x, W0.t()).float()
+    return x, y, want, CHECK_RTOL * want.abs().max().item()
+
+
+def _check(call, W0, y, want, tol: float, device: int) -> str | None:
+    """Launch `call(W0)` into y (poisoned first): None when its result is torch.mm's within `tol`, else why not."""
+    try:  # an algorithm that returns success must also return the product
+        y.fill_(float("nan"))
+        call(W0)
+        torch.cuda.synchronize(device)
+    except RuntimeError as e:  # the launch refused (CublasLtError)
+        return str(e)
+    err = (y.float() - want).abs().max().item()
+    return None if err <= tol else f"max |y - torch.mm| = {err:.3g} > {tol:.3g}"  # NaN (unwritten y) fails too
+
+
+def _from_record(mat, rec: tuning.Record, W0: torch.Tensor | None, n: int, m: int, device: int) -> Choice | None:
+    """The recorded pick for (N, M), re-decided from its times by `pick` and checked (cuBLASLt offers exactly those
+    algorithm bytes for this shape now, and their result is torch.mm's), or None: then the shape is timed again."""
+    best = pick(rec.us)
+    if best != rec.chosen:  # recorded under another rule (MARGIN)
+        return None
+    if best == "mm":
+        return Choice(n, m, device, dict(rec.us), "mm", recorded=True)
+    cand = next((c for c in mat.candidates() if c.algo == rec.algo and c.workspace == rec.workspace), None)
+    if cand is None:
+        return None
+    x, y, want, tol = _probe(W0, m)
+    f = mat.launcher(cand)
+    ws = torch.empty(max(cand.workspace, 1), dtype=torch.uint8, device=W0.device)
+    call = (lambda w: f(w.data_ptr(), x.data_ptr(), y.data_ptr(), ws.data_ptr(), _stream(device)))
+    if _check(call, W0, y, want, tol, device) is not None:
+        return None
+    _RUNS[(n, m, device)] = (f, cand.workspace)
+    return Choice(n, m, device, dict(rec.us), best, recorded=True)
+
+
+def _tune_one(mat, W: list, n: int, m: int, device: int):
+    """(Choice, the chosen Candidate or None for torch.mm): every candidate checked, then timed."""
+    x, y, want, tol = _probe(W[0], m)
     runs, rejected = {"mm": (lambda w: torch.mm(x, w.t(), out=y), None)}, []
     cands = mat.candidates()
-    ws = torch.empty(max([c.workspace for c in cands] + [1]), dtype=torch.uint8, device=dev)
+    ws = torch.empty(max([c.workspace for c in cands] + [1]), dtype=torch.uint8, device=W[0].device)
     for c in cands:
         f = mat.launcher(c)
         call = (lambda w, f=f: f(w.data_ptr(), x.data_ptr(), y.data_ptr(), ws.data_ptr(), _stream(device)))
-        try:  # its result first: an algorithm that returns success must also return the product
-            y.fill_(float("nan"))
-            call(W[0])
-            torch.cuda.synchronize(device)
-        except RuntimeError as e:  # the launch refused (CublasLtError): not a candidate
-            rejected.append((c.name, str(e)))
+        why = _check(call, W[0], y, want, tol, device)
+        if why is not None:
+            rejected.append((c.name, why))
             continue
-        err = (y.float() - want).abs().max().item()
-        if not err <= tol:  # NaN (an unwritten y) fails too
-            rejected.append((c.name, f"max |y - torch.mm| = {err:.3g} > {tol:.3g}"))
-            continue
-        runs[c.name] = (call, (f, c.workspace))
+        runs[c.name] = (call, (f, c.workspace), c)
     us = {}
-    for name, (call, _) in runs.items():
+    for name, (call, *_) in runs.items():
         try:
             us[name] = _time(call, W)
         except RuntimeError as e:  # a launch the capture refused
             rejected.append((name, str(e)))
     best = pick(us)
+    cand = None
     if best != "mm":
         _RUNS[(n, m, device)] = runs[best][1]  # the launcher keeps its Matmul's descriptors alive
-    return Choice(n, m, device, {k: round(v, 3) for k, v in us.items()}, best, rejected=tuple(rejected))
+        cand = runs[best][2]
+    return Choice(n, m, device, {k: round(v, 3) for k, v in us.items()}, best, rejected=tuple(rejected)), cand
 
 
 def pick(us: dict) -> str:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from .. import env
+from . import tuning
 from .cache import CACHE_FORMAT, Cache, CacheError, Entry, manifest_bytes, staging_key
 from .fs import atomic_write, read_regular, rmtree
 from .keys import is_key, sha256_hex
@@ -202,6 +203,7 @@ def stats(cache: Cache) -> dict:
     return {"cache_dir": str(cache.root), "format": CACHE_FORMAT, "read_only": cache.read_only,
             "entries": len(entries), "bytes": total, "by_kernel": by_kernel, "by_arch": by_arch,
             "uncommitted": len(cache.entry_keys()) - len(entries), "plans": sorted(plans(cache)),
+            "gemm_tuning": tuning.summary(cache),
             "counters": counters(cache), "max_size": max_size, "max_size_source": source,
             "staging": {"live": sum(i["live"] for i in items), "debris": sum(not i["live"] for i in items),
                         "debris_bytes": sum(i["bytes"] for i in items if not i["live"])}}
@@ -268,10 +270,10 @@ def repair(cache: Cache) -> dict:
 
 def clear(cache: Cache) -> dict:
     """`clean --all`: remove every entry no writer holds, their stamps and index markers, every recorded plan,
-    and dead writers' staging debris. Live writers' entries and staging dirs, and the lock files, stay.
-    Returns {"removed": [keys], "busy": [keys a writer held]}."""
+    the GEMM tuning records and dead writers' staging debris. Live writers' entries and staging dirs, and the lock
+    files, stay. Returns {"removed": [keys], "busy": [keys a writer held], "tuning": [scopes removed]}."""
     cache.require_writable("clean", "clean")
-    out: dict = {"removed": [], "busy": []}
+    out: dict = {"removed": [], "busy": [], "tuning": tuning.clear(cache)}
     for k in cache.entry_keys():
         result = cache.remove_if(k, command="clean")
         if result in ("removed", "busy"):

@@ -55,10 +55,10 @@ def cuda_core_row(qk_variant, x, out, heads, eps, scale):
             from cuda.core import Device, LaunchConfig, ObjectCode, launch
         except ImportError:
             from cuda.core.experimental import Device, LaunchConfig, ObjectCode, launch
-        from musekern.runtime.loader import _cache, device_arch, load_artifact
+        from musekern.runtime.loader import device_arch, load_artifact, open_cache
         from musekern.variants.qk_norm import launch_grid
 
-        entry, cubin = load_artifact(qk_variant, device_arch(0), _cache(None))
+        entry, cubin = load_artifact(qk_variant, device_arch(0), open_cache())
         kernel = ObjectCode.from_cubin(cubin).get_kernel(entry.manifest["symbol"])
         dev = Device(0)
         dev.set_current()

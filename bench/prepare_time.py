@@ -39,12 +39,12 @@ def main(argv) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    from musekern.runtime.loader import _cache
+    from musekern.runtime.loader import open_cache
     from musekern.store import tuning
 
     rows = []
     for n, nkv in SHARDS:
-        tuning.clear(_cache(None))
+        tuning.clear(open_cache())
         row = {"N": n, "sizes": len(SIZES)}
         for run in ("cold", "recorded"):
             out = subprocess.run([sys.executable, "-c", CHILD, json.dumps([n, nkv, SIZES])], capture_output=True,

@@ -55,18 +55,48 @@ class _Offers:
 
 
 # a tuning record is advice: the pick is re-decided from its times by today's rule, and an algorithm is used only
-# where cuBLASLt still offers those exact bytes (and, on the GPU, its result matches torch.mm's: test_gpu_gemm.py)
+# where cuBLASLt still offers those exact bytes under that name (and its result matches torch.mm's: the last two)
+OFFERED = Candidate(bytes(range(64)), 0, 317, 1)
+WON = {"mm": 25.0, OFFERED.name: 20.0}
+
+
 @pytest.mark.parametrize("rec, offered, want", [
     (Record("mm", None, 0, {"mm": 15.1, "lt[a]": 15.0}), (), "mm"),             # torch.mm recorded: no launch needed
     (Record("mm", None, 0, {"mm": 25.0, "lt[a]": 20.0}), (), None),             # times say lt[a]: recorded otherwise
-    (Record("lt[a]", bytes(64), 0, {"mm": 25.0, "lt[a]": 24.5}), (), None),     # within the margin: torch.mm's now
-    (Record("lt[a]", bytes(64), 0, {"mm": 25.0, "lt[a]": 20.0}), (), None),     # bytes not offered: time again
-    (Record("lt[a]", bytes(64), 0, {"mm": 25.0, "lt[a]": 20.0}),
-     (Candidate(bytes(64), 1024, 1, 2),), None),                                 # offered with another workspace
+    (Record(OFFERED.name, OFFERED.algo, 0, {"mm": 25.0, OFFERED.name: 24.5}), (OFFERED,), None),  # within the margin
+    (Record(OFFERED.name, bytes(64), 0, WON), (OFFERED,), None),                # bytes not offered: time again
+    (Record(OFFERED.name, OFFERED.algo, 1024, WON), (OFFERED,), None),          # offered with another workspace
+    (Record("lt[a]", OFFERED.algo, 0, {"mm": 25.0, "lt[a]": 20.0}), (OFFERED,), None),  # under another name
 ])
-def test_a_recorded_pick_is_rechecked(rec, offered, want):
+def test_a_recorded_pick_is_rechecked(monkeypatch, rec, offered, want):
+    monkeypatch.setattr(gemm, "_RUNS", {})
+    monkeypatch.setattr(gemm, "_check", lambda *a: pytest.fail("no launch for a record refused before it"))
     got = gemm._from_record(_Offers(*offered), rec, None, 24, 65, -1)
     if want is None:
-        assert got is None and (24, 65, -1) not in gemm._RUNS
+        assert got is None
     else:
         assert got.chosen == want and got.recorded and got.us == rec.us
+    assert gemm._RUNS == {}  # torch.mm, or nothing: no cuBLASLt launcher kept
+
+
+class _Launchable(_Offers):
+    def launcher(self, cand):
+        return lambda *a: None
+
+
+@pytest.mark.parametrize("check, kept", [(None, True), ("max |y - torch.mm| = 9 > 0.1", False)])
+def test_an_offered_recorded_algorithm_is_kept_only_if_its_result_checks(monkeypatch, check, kept):
+    monkeypatch.setattr(gemm, "_RUNS", {})
+    monkeypatch.setattr(gemm, "_check", lambda *a: check)
+    W0 = torch.randn(24, gemm.HIDDEN).to(torch.bfloat16)  # the check's inputs are made; its launch is the stub's
+    got = gemm._from_record(_Launchable(OFFERED), Record(OFFERED.name, OFFERED.algo, 0, WON), W0, 24, 65, -1)
+    if kept:
+        assert got.chosen == OFFERED.name and got.recorded and gemm._RUNS[(24, 65, -1)][1] == 0
+    else:
+        assert got is None and gemm._RUNS == {}
+
+
+# ties break by name, not by the order of the times (a record's JSON comes back sorted)
+def test_a_tie_picks_the_same_whatever_the_order():
+    a = {"mm": 30.0, "lt[b]": 20.0, "lt[a]": 20.0}
+    assert gemm.pick(a) == gemm.pick(dict(sorted(a.items()))) == "lt[a]"

@@ -1,14 +1,19 @@
-"""store/tuning.py: the GEMM tuning records round-trip and merge; concurrent writers lose nothing; hostile files
-(truncated, huge, nested, symlinked, a FIFO, wrong types and ranges, another scope's) read as empty or lose only
-their bad shapes, never raise or hang; a read-only, missing or full cache keeps no record and says why in one line;
-`clean --all` removes the records and `stats` counts them."""
+"""store/tuning.py: the GEMM tuning records round-trip and merge; concurrent writers lose nothing; a writer killed
+mid-write leaves the record whole and its debris to `clean`; a held lock costs a bounded wait, never a hang; hostile
+files (truncated, huge, nested, symlinked, a FIFO, wrong types and ranges, another scope's) read as empty or lose only
+their bad shapes, never raise; writers write only what the reader accepts, within its bounds; a read-only, missing or
+full cache keeps no record and says why in one line; `clean --all` removes the records, never through a symlink, and
+`stats` counts them."""
 import errno
+import fcntl
 import json
 import os
+import signal
+import time
 
 import pytest
 
-from musekern.store import tuning
+from musekern.store import hygiene, tuning
 from musekern.store.cache import Cache
 
 SCOPE = tuning.scope("NVIDIA H200", (9, 0), 132, 130100)
@@ -71,12 +76,68 @@ def test_concurrent_writers_lose_no_shape(cache):
     assert len(tuning.load(cache, SCOPE)) == 6 * 40  # every writer merged under the lock
 
 
-def test_a_killed_writer_leaves_the_record_whole(cache):
+def _fork():
+    import multiprocessing
+
+    return multiprocessing.get_context("fork")
+
+
+def _stop_in_rename(root, ready):
+    """A writer that stops for good between its temp file and the rename (then killed with SIGKILL)."""
+    def hang(*a):
+        ready.set()
+        time.sleep(600)
+    os.replace = hang
+    tuning.save(Cache(root), SCOPE, {(2176, 65): MM})
+    os._exit(1)
+
+
+def test_a_writer_killed_mid_write_leaves_the_record_whole(cache):
     tuning.save(cache, SCOPE, {(4352, 65): LT})
-    # what a writer killed between its temp file and the rename leaves: the temp file, the old record untouched
-    (tuning.tuning_dir(cache) / f".{SCOPE}.json.999.deadbeef.tmp").write_bytes(b'{"format": 1, "sco')
+    ready = _fork().Event()
+    p = _fork().Process(target=_stop_in_rename, args=(str(cache.root), ready))
+    p.start()
+    assert ready.wait(30)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(30)
+    debris = [n for n in os.listdir(tuning.tuning_dir(cache)) if n.endswith(".tmp")]
+    assert len(debris) == 1  # its temp file, whole or not
     assert tuning.load(cache, SCOPE) == {(4352, 65): LT} and tuning.summary(cache) == {SCOPE: 1}
-    assert tuning.clear(cache) == [SCOPE] and os.listdir(tuning.tuning_dir(cache)) == []  # clean takes the debris
+    t0 = time.monotonic()
+    assert tuning.save(cache, SCOPE, {(2176, 65): MM}) is None  # the dead writer's lock went with it
+    assert time.monotonic() - t0 < 5 and len(tuning.load(cache, SCOPE)) == 2
+    assert hygiene.clean_tmp(cache, dry_run=True) == 1 and hygiene.clean_tmp(cache) == 1  # `musekern clean`
+    assert [n for n in os.listdir(tuning.tuning_dir(cache)) if n.endswith(".tmp")] == []
+
+
+def _hold_lock(root, ready, release):
+    fd = os.open(os.path.join(root, "v2", "locks", "tuning.lock"), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    ready.set()
+    release.wait(60)
+    os._exit(0)
+
+
+def test_a_held_lock_costs_a_bounded_wait_and_no_record(cache, monkeypatch):
+    monkeypatch.setattr(tuning, "LOCK_WAIT_S", 0.5)
+    tuning.save(cache, SCOPE, {(4352, 65): LT})
+    (tuning.tuning_dir(cache) / f".{SCOPE}.json.1.dead.tmp").write_bytes(b"{")
+    ctx = _fork()
+    ready, release = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=_hold_lock, args=(str(cache.root), ready, release))
+    p.start()
+    try:
+        assert ready.wait(30)
+        t0 = time.monotonic()
+        why = tuning.save(cache, SCOPE, {(2176, 65): MM})
+        assert why and "held" in why and "\n" not in why
+        assert tuning.clear(cache) == [] and tuning.clean_debris(cache) == 0  # a writer may be mid-write: kept
+        assert time.monotonic() - t0 < 5
+        assert tuning.load(cache, SCOPE) == {(4352, 65): LT}
+    finally:
+        release.set()
+        p.join(30)
+    assert tuning.clear(cache) == [SCOPE] and os.listdir(tuning.tuning_dir(cache)) == []
 
 
 def _good():
@@ -132,7 +193,7 @@ def test_a_file_too_large_a_symlink_or_a_fifo_reads_as_empty(cache, tmp_path):
     ("4352x66", {"chosen": "lt[a]", "us": {"lt[a]": 1.0}, "algo": ALGO.hex(), "workspace": True}),
     ("4352x66", {"chosen": "lt[a]/../x", "us": {"lt[a]/../x": 1.0}, "algo": ALGO.hex()}),
     ("4352x66", {"chosen": "mm\n", "us": {"mm\n": 1.0}}),                        # a name with a newline
-    ("4352x66", {"chosen": "mm", "us": {f"c{i}": 1.0 for i in range(65)} | {"mm": 1.0}}),  # too many candidates
+    ("4352x66", {"chosen": "mm", "us": {f"c{i}": 1.0 for i in range(160)} | {"mm": 1.0}}),  # too many candidates
     ("4352x66", ["mm"]),
 ])
 def test_a_bad_shape_is_left_out(cache, key, value):
@@ -161,12 +222,50 @@ def test_a_read_only_missing_or_full_cache_keeps_no_record(cache, tmp_path, monk
     assert tuning.load(cache, SCOPE) == {}
 
 
-def test_the_shape_bound_keeps_the_newest(cache, monkeypatch):
+def test_the_shape_bound_keeps_what_is_written(cache, monkeypatch):
     monkeypatch.setattr(tuning, "MAX_SHAPES", 5)
     tuning.save(cache, SCOPE, {(1, m): MM for m in range(1, 5)})
     tuning.save(cache, SCOPE, {(2, m): MM for m in range(1, 4)})
     got = tuning.load(cache, SCOPE)
     assert len(got) == 5 and all((2, m) in got for m in range(1, 4))
+
+
+def test_writers_stay_within_the_readers_bounds(cache):
+    # the most candidates a shape can have (the heuristic's 32 under each of 4 workspace caps, and torch.mm)
+    wide = {f"lt[tile={i},splitk=1,ws=0]": 20.0 + i / 7 for i in range(128)} | {"mm": 30.0}
+    rec = tuning.Record("lt[tile=0,splitk=1,ws=0]", ALGO, 0, wide)
+    assert tuning.save(cache, SCOPE, {(17408, 100): rec}) is None
+    assert tuning.load(cache, SCOPE)[(17408, 100)].us == {k: round(v, 3) for k, v in wide.items()}
+    # thousands of shapes of many candidates: the file stays readable (the shapes being written first)
+    many = {(4352, m): tuning.Record("mm", None, 0, {f"lt[tile={i},splitk=1,ws=0]": 21.0 + i for i in range(40)}
+                                     | {"mm": 20.0}) for m in range(1, 4097)}
+    assert tuning.save(cache, SCOPE, many) is None
+    assert tuning.path_of(cache, SCOPE).stat().st_size <= tuning.MAX_BYTES
+    got = tuning.load(cache, SCOPE)
+    assert 1000 < len(got) < 4097 and (4352, 1) in got
+    # a time the reader would refuse is never written
+    nan = tuning.Record("mm", None, 0, {"mm": float("nan")})
+    why = tuning.save(cache, SCOPE, {(8704, 1): nan})
+    assert why and "not valid" in why and (8704, 1) not in tuning.load(cache, SCOPE)
+
+
+def test_a_symlinked_tuning_dir_is_never_read_written_or_cleaned_through(cache, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "notes.txt").write_text("mine")
+    (elsewhere / f"{SCOPE}.json").write_text(json.dumps(_good()))
+    os.symlink(elsewhere, tuning.tuning_dir(cache))
+    assert tuning.load(cache, SCOPE) == {} and tuning.summary(cache) == {}
+    why = tuning.save(cache, SCOPE, {(2176, 65): MM})
+    assert why and "symbolic link" in why
+    assert tuning.clear(cache) == [] and hygiene.clean_tmp(cache) == 0
+    assert sorted(os.listdir(elsewhere)) == sorted(["notes.txt", f"{SCOPE}.json"])
+
+
+def test_a_lock_dir_in_the_way_is_one_line_naming_it(cache):
+    cache.locks_dir.write_bytes(b"")  # a file where the locks dir belongs
+    why = tuning.save(cache, SCOPE, {(2176, 65): MM})
+    assert why and "\n" not in why and str(cache.locks_dir) in why
 
 
 def test_clean_all_removes_the_records_and_stats_counts_them(cache):
@@ -180,8 +279,11 @@ def test_clean_all_removes_the_records_and_stats_counts_them(cache):
     assert r.exit_code == 0 and json.loads(r.stdout)["gemm_tuning"] == {SCOPE: 2}
     r = run(main, ["stats", "--cache-dir", str(cache.root)])
     assert f"GEMM tuning: 2 shapes measured on {SCOPE}" in r.stdout
+    other = tuning.scope("NVIDIA H100", (9, 0), 132, 130100)
+    tuning.path_of(cache, other).write_bytes(b"not ours")  # unreadable: still a record file clean --all removes
     r = run(main, ["clean", "--all", "--dry-run", "--cache-dir", str(cache.root), "--json"])
-    assert json.loads(r.stdout)["gemm_tuning_removed"] == [SCOPE] and tuning.summary(cache) == {SCOPE: 2}
+    assert json.loads(r.stdout)["gemm_tuning_removed"] == sorted([SCOPE, other])
+    assert tuning.summary(cache) == {SCOPE: 2, other: 0}
     r = run(main, ["clean", "--all", "--cache-dir", str(cache.root)])
     assert r.exit_code == 0 and f"removed GEMM tuning record {SCOPE}" in r.stdout
     assert tuning.summary(cache) == {} and tuning.load(cache, SCOPE) == {}

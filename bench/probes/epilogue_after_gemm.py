@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -36,27 +35,7 @@ from musekern.variants.qkv_front import HIDDEN  # noqa: E402
 KV = {2176: 1, 4352: 2, 17408: 8}
 # the GEMM path's decode Ms where unsplit (TP4) and split-K (TP8) picks win, TP1 above its front
 SHAPES = ((2176, 65), (2176, 128), (2176, 256), (4352, 65), (4352, 128), (4352, 256), (17408, 64), (17408, 128))
-CALLS, ROUNDS = 8, 7
-
-
-def _time(body, W) -> float:
-    body(W[0])
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(CALLS):
-            body(W[i % len(W)])
-    g.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(ROUNDS):
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / CALLS)
-    del g
-    return round(statistics.median(ts), 3)
+ROUNDS = 7  # graph replays a median is taken over (ops/gemm.py's timing: 8 calls a graph)
 
 
 def shape_rows(n: int, m: int, dev: int) -> list:
@@ -94,7 +73,7 @@ def shape_rows(n: int, m: int, dev: int) -> list:
         r = {"N": n, "M": m, "gemm": name}
         try:
             for k, a in after.items():
-                r[k] = _time(lambda w, gm=gm, a=a: (gm(w), a()), W)
+                r[k] = round(G._time(lambda w, gm=gm, a=a: (gm(w), a()), W, ROUNDS), 3)
         except RuntimeError as e:
             r["error"] = str(e)[:120]
         rows.append(r)

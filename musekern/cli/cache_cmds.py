@@ -178,7 +178,7 @@ def clean_cmd(stale, all_, dry_run, cache_dir, as_json):
     if dry_run:
         removed = list(summaries)
         tmp = hygiene.clean_tmp(cache, dry_run=True)
-        tuned = sorted(tuning.summary(cache)) if all_ else []
+        tuned = tuning.scope_files(cache) if all_ else []
     elif all_:
         result = hygiene.clear(cache)
         removed, busy, tmp, tuned = result["removed"], result["busy"], 0, result["tuning"]

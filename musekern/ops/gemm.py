@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime.cublaslt import ALIGNMENT
-from ..runtime.loader import current_stream_getter
+from ..runtime.loader import current_stream_getter, open_cache
 from ..store import tuning
 from ..variants.qkv_front import HIDDEN
 
@@ -167,10 +167,8 @@ def _record_scope(lib, device: int):
     p = torch.cuda.get_device_properties(device)
     scope = tuning.scope(p.name, (p.major, p.minor), p.multi_processor_count, lib.version)
     try:
-        from ..runtime.loader import _cache
-
-        return _cache(None), scope
-    except Exception as e:  # no cache dir to name (platformdirs missing, a bad MUSEKERN_CACHE_DIR): time, keep none
+        return open_cache(), scope
+    except (ImportError, OSError, ValueError) as e:  # no cache dir to name (platformdirs missing, a bad path)
         log.warning("GEMM tuning not recorded: %s", e)
         return None, scope
 
@@ -203,7 +201,8 @@ def _from_record(mat, rec: tuning.Record, W0: torch.Tensor | None, n: int, m: in
         return None
     if best == "mm":
         return Choice(n, m, device, dict(rec.us), "mm", recorded=True)
-    cand = next((c for c in mat.candidates() if c.algo == rec.algo and c.workspace == rec.workspace), None)
+    cand = next((c for c in mat.candidates()
+                 if c.algo == rec.algo and c.workspace == rec.workspace and c.name == best), None)
     if cand is None:
         return None
     x, y, want, tol = _probe(W0, m)
@@ -233,7 +232,7 @@ def _tune_one(mat, W: list, n: int, m: int, device: int):
     us = {}
     for name, (call, *_) in runs.items():
         try:
-            us[name] = _time(call, W)
+            us[name] = round(_time(call, W), 3)  # as the record keeps it: the pick re-decided from it is this one
         except RuntimeError as e:  # a launch the capture refused
             rejected.append((name, str(e)))
     best = pick(us)
@@ -241,21 +240,22 @@ def _tune_one(mat, W: list, n: int, m: int, device: int):
     if best != "mm":
         _RUNS[(n, m, device)] = runs[best][1]  # the launcher keeps its Matmul's descriptors alive
         cand = runs[best][2]
-    return Choice(n, m, device, {k: round(v, 3) for k, v in us.items()}, best, rejected=tuple(rejected)), cand
+    return Choice(n, m, device, us, best, rejected=tuple(rejected)), cand
 
 
 def pick(us: dict) -> str:
-    """The candidate to keep from measured us a call: the fastest, if it beats torch.mm ("mm") by more than MARGIN
-    (or torch.mm was not timed), else torch.mm."""
-    best = min(us, key=us.get)
+    """The candidate to keep from measured us a call: the fastest (of equal times the first name in sorted order, so
+    the pick does not depend on the dict's order), if it beats torch.mm ("mm") by more than MARGIN (or torch.mm was
+    not timed), else torch.mm."""
+    best = min(sorted(us), key=us.get)
     if best != "mm" and "mm" in us and us[best] > us["mm"] * (1 - MARGIN):
         return "mm"
     return best
 
 
-def _time(call, W: list) -> float:
+def _time(call, W: list, rounds: int = ROUNDS) -> float:
     """Median us a call: CALLS calls (weights rotated, so they stream from HBM as a decode step's do) captured in a
-    CUDA graph, replayed ROUNDS times between events (no host launch cost in the time)."""
+    CUDA graph, replayed `rounds` times between events (no host launch cost in the time)."""
     call(W[0])
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -265,7 +265,7 @@ def _time(call, W: list) -> float:
     g.replay()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     ts = []
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         e0.record()
         g.replay()
         e1.record()

@@ -233,12 +233,15 @@ _LOAD_LOCK = threading.Lock()
 _CACHES: dict = {}
 
 
-def _cache(cache_dir) -> Cache:
+def open_cache(cache_dir=None) -> Cache:
+    """The cache kernels load from: --cache-dir (`cache_dir`) > $MUSEKERN_CACHE_DIR > the user cache dir (one
+    Cache object per root in a process)."""
     root = str(default_cache_dir(cache_dir))
     c = _CACHES.get(root)
     if c is None:
         c = _CACHES[root] = Cache(root)
     return c
+
 
 
 def device_arch(device_index: int) -> str:
@@ -336,7 +339,7 @@ def get_kernel(variant, device: int | None = None, cache_dir=None) -> LoadedKern
     with _LOAD_LOCK:
         k = _LOADED.get(key)
         if k is None:
-            cache = _cache(cache_dir)
+            cache = open_cache(cache_dir)
             entry, cubin = load_artifact(variant, device_arch(device), cache)
             cache.touch(entry.key)
             k = _LOADED[key] = LoadedKernel(entry, cubin, device)

@@ -167,7 +167,7 @@ def clean_tmp(cache: Cache, dry_run: bool = False) -> int:
     run, would be) removed."""
     if cache.read_only and not dry_run:
         return 0
-    n = 0
+    n = tuning.clean_debris(cache, dry_run)  # killed tuning writers' temp files
     for item in staging(cache):
         if item["live"]:
             continue

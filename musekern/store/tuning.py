@@ -2,38 +2,51 @@
 
 One file per (GPU, cuBLASLt version) scope, `<cache>/v2/tuning/<scope>.json`: for each (N, M) the candidate kept
 ("mm" is torch.mm), its algorithm's 64 opaque bytes and workspace, and every candidate's measured us. A GPU model
-and a cuBLASLt build give the same speeds wherever they meet; another GPU, driver-visible SM count or cuBLASLt
-version is another scope, so nothing is ever reused across them.
+and a cuBLASLt build give the same speeds wherever they meet; another GPU, SM count or cuBLASLt version is another
+scope, so nothing is ever reused across them.
 
 Trust: a record is advice, never authority. The reader (`load`) is bounded (MAX_BYTES, strict field types and
 ranges; a bad shape is skipped, a bad file reads as empty, nothing raises), and the product uses a recorded
-algorithm only when cuBLASLt offers those exact bytes for that shape now and its result matches torch.mm's
-(ops/gemm.py), re-deciding the pick from the recorded times with its own rule. So a corrupt, stale or crafted file
-can cost speed (a slower algorithm), never a wrong result, a crash or a hang; `musekern clean --all` removes the
-records. Writers (`save`) merge into the file under a lock (tuning.lock) and replace it atomically; a cache that is
-read-only, missing or full keeps no record, and the tuning still holds for the process. Stdlib only.
+algorithm only when cuBLASLt offers those exact bytes under that name for the shape now and its result matches
+torch.mm's (ops/gemm.py), re-deciding the pick from the recorded times with its own rule. So a corrupt, stale or
+crafted file can cost speed (a slower correct algorithm, or torch.mm where an "mm" pick was forged), never a wrong
+result, a crash or a hang; `musekern clean --all` removes the records.
+
+Writers (`save`) write only what the reader accepts, merge into the file under the tuning lock and replace it
+atomically, within MAX_BYTES (the shapes being written first, then as many others as fit, in key order). The lock is
+waited for at most LOCK_WAIT_S: a record is advice, so a writer that cannot take it keeps none rather than stall a
+`prepare`. A read-only, missing or full cache keeps no record (one line says why) and the tuning still holds for
+the process. A writer killed mid-write leaves only its temp file (the record stays whole), removed by `musekern clean`
+once no writer holds the lock. `tuning/` must be a real directory: a symbolic link there is neither read through,
+written through nor cleaned through. Stdlib only.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
 import re
+import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
-from . import locks
 from .cache import Cache
 from .fs import ReadProblem, atomic_write, describe, read_regular
 from .manifest import manifest_bytes, parse_json
 
 FORMAT = 1
-MAX_BYTES = 4 << 20  # a file this size holds ~4000 shapes with every candidate's time; larger is not ours
+MAX_BYTES = 4 << 20  # the file's bound, read and written: ~800 shapes of 129 candidates, ~4000 of 20
 MAX_SHAPES = 8192
-MAX_CANDIDATES = 64
+MAX_CANDIDATES = 160  # the heuristic's 32 a workspace cap x 4 caps (runtime/cublaslt.py), + torch.mm
 ALGO_BYTES = 64  # cublasLtMatmulAlgo_t
 MAX_WORKSPACE = 1 << 31
 MAX_DIM = 1 << 24
+LOCK_WAIT_S = 10.0
 _NAME = re.compile(r"[A-Za-z0-9_.,=\[\]-]{1,100}")
+_SCOPE = re.compile(r"[A-Za-z0-9.-]{1,160}")
 
 
 @dataclass(frozen=True)
@@ -56,9 +69,17 @@ def tuning_dir(cache: Cache) -> Path:
 
 
 def path_of(cache: Cache, scope_name: str) -> Path:
-    if not re.fullmatch(r"[A-Za-z0-9.-]{1,160}", scope_name):
+    if not _SCOPE.fullmatch(scope_name):
         raise ValueError(f"not a tuning scope: {scope_name!r}")
     return tuning_dir(cache) / f"{scope_name}.json"
+
+
+def _real_dir(cache: Cache) -> bool:
+    """tuning/ exists as a directory, not a symbolic link (to one) or anything else."""
+    try:
+        return stat.S_ISDIR(os.lstat(tuning_dir(cache)).st_mode)
+    except OSError:
+        return False
 
 
 def _shape(key: str) -> tuple[int, int] | None:
@@ -87,20 +108,26 @@ def _record(v) -> Record | None:
     return Record(chosen, bytes.fromhex(algo), ws, dict(us))
 
 
+def _value(rec: Record) -> dict:
+    v = {"chosen": rec.chosen, "us": {k: round(float(t), 3) for k, t in rec.us.items()}}
+    if rec.algo is not None:
+        v["algo"], v["workspace"] = rec.algo.hex(), rec.workspace
+    return v
+
+
 def load(cache: Cache, scope_name: str) -> dict[tuple[int, int], Record]:
     """(N, M) -> Record of a scope's file: empty when there is none, it cannot be read, or it is not ours; shapes
     whose record is malformed are left out. Never raises."""
+    if not _real_dir(cache):
+        return {}
     try:
-        raw = read_regular(path_of(cache, scope_name), MAX_BYTES)
-        d = parse_json(raw, "tuning record")
+        d = parse_json(read_regular(path_of(cache, scope_name), MAX_BYTES), "tuning record")
     except (OSError, ValueError, ReadProblem):
         return {}
     if not isinstance(d, dict) or type(d.get("format")) is not int or d["format"] != FORMAT:
         return {}
-    if d.get("scope") != scope_name:
-        return {}
     shapes = d.get("shapes")
-    if not isinstance(shapes, dict) or len(shapes) > MAX_SHAPES:
+    if d.get("scope") != scope_name or not isinstance(shapes, dict) or len(shapes) > MAX_SHAPES:
         return {}
     out = {}
     for k, v in shapes.items():
@@ -110,55 +137,126 @@ def load(cache: Cache, scope_name: str) -> dict[tuple[int, int], Record]:
     return out
 
 
-def _value(rec: Record) -> dict:
-    v = {"chosen": rec.chosen, "us": {k: round(float(t), 3) for k, t in rec.us.items()}}
-    if rec.algo is not None:
-        v["algo"], v["workspace"] = rec.algo.hex(), int(rec.workspace)
-    return v
+@contextlib.contextmanager
+def _locked(cache: Cache) -> Iterator[bool]:
+    """The tuning lock (flock on locks/tuning.lock), tried for up to LOCK_WAIT_S: yields whether it is held.
+    OSError where the lock file cannot be made or opened."""
+    path = cache.locks_dir / "tuning.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+    try:
+        deadline, held = time.monotonic() + LOCK_WAIT_S, False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+            except OSError as e:  # no locks here (NFS `nolock`): records are advice, go on unlocked
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                held = True
+            break
+        yield held
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _fit(new: dict, old: dict, scope_name: str) -> bytes:
+    """The file's bytes: every shape of `new`, then of `old`, as many as MAX_SHAPES and MAX_BYTES allow."""
+    items = list(new.items()) + [(k, v) for k, v in old.items() if k not in new]
+    items = items[:MAX_SHAPES]
+    while True:
+        raw = manifest_bytes({"format": FORMAT, "scope": scope_name, "shapes": dict(items)})
+        if len(raw) <= MAX_BYTES or not items:
+            return raw
+        items = items[:max(0, len(items) - max(1, (len(raw) - MAX_BYTES) * len(items) // len(raw) + 1))]
 
 
 def save(cache: Cache, scope_name: str, records: dict[tuple[int, int], Record]) -> str | None:
-    """Merge `records` into the scope's file (theirs win per shape), under the tuning lock, atomically. Returns None,
-    or one line saying why nothing was written (no cache directory, read-only, an OSError). Never raises."""
-    if not records:
-        return None
+    """Merge `records` into the scope's file (theirs win per shape). Returns None, or one line saying why not all of
+    them were written (no cache directory, read-only, the lock busy, a record the reader would refuse, an OSError).
+    Never raises."""
+    good = {f"{n}x{m}": _value(r) for (n, m), r in records.items()
+            if _shape(f"{n}x{m}") is not None and _record(_value(r)) is not None}
+    bad = len(records) - len(good)
+    why = f"{bad} of {len(records)} tuning record(s) not valid (not written)" if bad else None
+    if not good:
+        return why
     if not cache.base.is_dir():
         return f"no cache at {cache.root} (the kernels were not loaded from one): tuning not recorded"
     if cache.read_only:
         return f"the cache {cache.root} is read-only: tuning not recorded"
-    target = path_of(cache, scope_name)
+    target, step = path_of(cache, scope_name), tuning_dir(cache)
     try:
-        for d in (tuning_dir(cache), cache.locks_dir):
-            d.mkdir(parents=True, exist_ok=True)
-        with locks.held(cache.locks_dir / "tuning.lock", wait=True, on_error=lambda e, p: e):
-            new = {f"{n}x{m}": _value(r) for (n, m), r in records.items()}
-            old = {f"{n}x{m}": _value(r) for (n, m), r in load(cache, scope_name).items() if f"{n}x{m}" not in new}
-            room = max(0, MAX_SHAPES - len(new))  # past the bound the file keeps these shapes, then the others
-            merged = {**dict(list(old.items())[:room]), **dict(list(new.items())[:MAX_SHAPES])}
-            atomic_write(target, manifest_bytes({"format": FORMAT, "scope": scope_name, "shapes": merged}))
+        for step in (tuning_dir(cache), cache.locks_dir):
+            step.mkdir(exist_ok=True)
+        if not _real_dir(cache):
+            return f"{tuning_dir(cache)} is not a directory (a symbolic link?): remove it; tuning not recorded"
+        step = cache.locks_dir / "tuning.lock"
+        with _locked(cache) as held:
+            if not held:
+                return f"{step} was held for {LOCK_WAIT_S:.0f} s by another process: tuning not recorded"
+            step = target
+            old = {f"{n}x{m}": _value(r) for (n, m), r in load(cache, scope_name).items()}
+            atomic_write(target, _fit(good, old, scope_name))
     except OSError as e:
-        return describe(e, target, "cannot record the GEMM tuning in")
-    return None
+        return describe(e, step, "cannot record the GEMM tuning in")
+    return why
+
+
+def scope_files(cache: Cache) -> list[str]:
+    """The scopes that have a record file (readable or not), for `clean --all` and its dry run."""
+    if not _real_dir(cache):
+        return []
+    try:
+        names = os.listdir(tuning_dir(cache))
+    except OSError:
+        return []
+    return sorted(n[:-5] for n in names if n.endswith(".json") and _SCOPE.fullmatch(n[:-5]) and n[0] != ".")
 
 
 def summary(cache: Cache) -> dict[str, int]:
-    """scope -> recorded shapes, for every readable scope file (doctor, stats)."""
-    out = {}
-    with contextlib.suppress(OSError):
-        for name in sorted(os.listdir(tuning_dir(cache))):
-            if name.endswith(".json") and re.fullmatch(r"[A-Za-z0-9.-]{1,160}\.json", name):
-                out[name[:-5]] = len(load(cache, name[:-5]))
-    return out
+    """scope -> recorded shapes, for every scope file (`stats`)."""
+    return {s: len(load(cache, s)) for s in scope_files(cache)}
+
+
+def _debris(cache: Cache) -> list[str]:
+    try:
+        return [n for n in os.listdir(tuning_dir(cache)) if n.startswith(".") and n.endswith(".tmp")]
+    except OSError:
+        return []
+
+
+def clean_debris(cache: Cache, dry_run: bool = False) -> int:
+    """Remove killed writers' temp files (`musekern clean`), only while no writer holds the lock. How many were (dry
+    run: would be) removed."""
+    if not _real_dir(cache):
+        return 0
+    if dry_run:
+        return len(_debris(cache))
+    n = 0
+    with contextlib.suppress(OSError), _locked(cache) as held:
+        for name in _debris(cache) if held else ():
+            with contextlib.suppress(OSError):
+                os.unlink(tuning_dir(cache) / name)
+                n += 1
+    return n
 
 
 def clear(cache: Cache) -> list[str]:
-    """Remove every scope's record and any killed writer's temp file (`clean --all`; a live writer's rename then
-    fails and it keeps no record); the scopes removed."""
+    """Remove every scope's record and killed writers' temp files (`clean --all`), under the tuning lock (none
+    removed if a writer holds it past LOCK_WAIT_S); the scopes removed."""
+    if not _real_dir(cache):
+        return []
     gone = []
-    with contextlib.suppress(OSError):
-        for name in os.listdir(tuning_dir(cache)):
+    with contextlib.suppress(OSError), _locked(cache) as held:
+        for name in scope_files(cache) if held else ():
+            with contextlib.suppress(OSError):
+                os.unlink(path_of(cache, name))
+                gone.append(name)
+        for name in _debris(cache) if held else ():
             with contextlib.suppress(OSError):
                 os.unlink(tuning_dir(cache) / name)
-                if name.endswith(".json") and not name.startswith("."):
-                    gone.append(name[:-5])
-    return sorted(gone)
+    return gone

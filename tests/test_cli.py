@@ -101,9 +101,10 @@ def test_doctor_reports_missing_then_ok(run, tmp_path):
     from musekern.runtime.cublaslt import library_paths  # where the GEMM path's cuBLASLt would load from, or None
 
     assert doc["cublaslt"] == (library_paths()[0] if library_paths() else None)
+    assert doc["gemm_tuning"] == {}  # no GPU has tuned into this cache
     r = run("doctor", "--target", "h200", code=1)
     assert "32 planned variant(s) missing from the cache" in r.stdout
-    assert "cublaslt" in r.stdout
+    assert "cublaslt" in r.stdout and "none recorded" in r.stdout
     assert all(m["variant"] in r.stdout for m in doc["missing"])  # every one, not "e.g." the first
     assert "fix: musekern prepare --target h200" in r.stderr  # fix commands go with the errors
 

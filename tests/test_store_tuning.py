@@ -3,7 +3,7 @@ mid-write leaves the record whole and its debris to `clean`; a held lock costs a
 files (truncated, huge, nested, symlinked, a FIFO, wrong types and ranges, another scope's) read as empty or lose only
 their bad shapes, never raise; writers write only what the reader accepts, within its bounds; a read-only, missing or
 full cache keeps no record and says why in one line; `clean --all` removes the records, never through a symlink, and
-`stats` counts them."""
+`stats` and `doctor` count them."""
 import errno
 import fcntl
 import json
@@ -268,7 +268,7 @@ def test_a_lock_dir_in_the_way_is_one_line_naming_it(cache):
     assert why and "\n" not in why and str(cache.locks_dir) in why
 
 
-def test_clean_all_removes_the_records_and_stats_counts_them(cache):
+def test_clean_all_removes_the_records_and_stats_and_doctor_count_them(cache):
     from click.testing import CliRunner
 
     from musekern.cli import main
@@ -279,6 +279,8 @@ def test_clean_all_removes_the_records_and_stats_counts_them(cache):
     assert r.exit_code == 0 and json.loads(r.stdout)["gemm_tuning"] == {SCOPE: 2}
     r = run(main, ["stats", "--cache-dir", str(cache.root)])
     assert f"GEMM tuning: 2 shapes measured on {SCOPE}" in r.stdout
+    r = run(main, ["doctor", "--target", "h200", "--cache-dir", str(cache.root), "--json"])  # 1: no kernels here
+    assert r.exit_code == 1 and json.loads(r.stdout)["gemm_tuning"] == {SCOPE: 2}
     other = tuning.scope("NVIDIA H100", (9, 0), 132, 130100)
     tuning.path_of(cache, other).write_bytes(b"not ours")  # unreadable: still a record file clean --all removes
     r = run(main, ["clean", "--all", "--dry-run", "--cache-dir", str(cache.root), "--json"])

@@ -86,7 +86,7 @@ def _fix_command(model_path, tp, cache_dir, missing) -> str:
 def doctor_cmd(model_path, target_names, tp, cache_dir, as_json):
     """Report versions, GPU and driver, the cache, MUSEKERN_* variables, and the model's variants missing
     from the cache (exit 1 if any, or if cuda-bindings cannot drive this driver)."""
-    from ..store import lookup
+    from ..store import lookup, tuning
     from ..store.cache import Cache, default_cache_dir
     from ..store.keys import key_parts
 
@@ -118,6 +118,7 @@ def doctor_cmd(model_path, target_names, tp, cache_dir, as_json):
         "cache_dir": str(cache.root),
         "cache_writable": not cache.read_only,
         "cache_entries": len(cache.entries()),
+        "gemm_tuning": tuning.summary(cache),
         "model": model.source,
         "tp": list(model.tensor_parallel_sizes),
         "tp_source": model.tp_source,
@@ -136,6 +137,8 @@ def doctor_cmd(model_path, target_names, tp, cache_dir, as_json):
             for k in ("musekern", "python", "nvidia-cutlass-dsl", "cuda-bindings", "torch", "driver_version",
                       "cache_dir", "cache_writable", "cache_entries", "model")]
         rows.append(["cublaslt", report["cublaslt"] or "not found (the GEMM path takes torch.mm's algorithm)"])
+        rows.append(["gemm tuning", "; ".join(f"{n} shapes on {s}" for s, n in report["gemm_tuning"].items())
+                     or "none recorded (the first prepare_ops on a GPU measures and records them)"])
         rows.append(["gpus", "; ".join(f"{g['name']} ({g['arch']}, {g['sm_count']} SMs, target {g['target']})"
                                       for g in gpus) or (gpu_error or "none")])
         rows.append(["targets", ", ".join(report["targets"])])

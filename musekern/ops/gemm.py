@@ -99,8 +99,9 @@ def tune(n: int, ms, device: int) -> list[Choice]:
     """Check and time, for each M in `ms`, torch.mm and every algorithm cuBLASLt offers, and keep the fastest for
     `mm`. Syncs the device and allocates scratch while it runs (weights of at least two layers, about twice the L2 at
     TP8: 107 MB, 570 MB at TP1; no memory for them leaves torch.mm, with the reason): call it before capture, never
-    inside. 0.1-0.5 s an M. Shapes already tuned in this process are kept; shapes the cache's tuning record holds for
-    this GPU and cuBLASLt are checked, not timed (one launch each), and what is timed is added to the record."""
+    inside. 0.06-0.5 s an M timed. Shapes already tuned in this process are kept; shapes the cache's tuning record
+    holds for this GPU and cuBLASLt are checked, not timed (one launch each; bench/results/h200-prepare-time.json),
+    and what is timed is added to the record."""
     ms = list(ms)
     with _LOCK, torch.cuda.device(device):
         dev = torch.device("cuda", device)

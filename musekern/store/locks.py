@@ -11,6 +11,7 @@ import errno
 import fcntl
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -19,10 +20,11 @@ _held: dict[tuple[str, int], list] = {}  # (lock path, thread) -> [fd, depth]: f
 
 
 @contextlib.contextmanager
-def held(path: Path, wait: bool, on_error: Callable[[OSError, Path], Exception]) -> Iterator[bool]:
+def held(path: Path, wait: bool, on_error: Callable[[OSError, Path], Exception],
+         timeout: float | None = None) -> Iterator[bool]:
     """Hold the lock file `path` (created if needed) exclusively; yields True. With wait=False yields False at
-    once when another holder has it. `on_error(e, path)` makes the exception for a lock file that cannot be
-    opened (read-only, disk full)."""
+    once when another holder has it; with a `timeout` (seconds), False once it has waited that long. `on_error(e,
+    path)` makes the exception for a lock file that cannot be opened (read-only, disk full)."""
     me = (str(path), threading.get_ident())
     with _held_lock:
         mine = _held.get(me)
@@ -41,7 +43,7 @@ def held(path: Path, wait: bool, on_error: Callable[[OSError, Path], Exception])
         raise on_error(e, path) from None
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _take(fd, wait, timeout)
             locked = True
         except BlockingIOError:
             yield False
@@ -64,6 +66,23 @@ def held(path: Path, wait: bool, on_error: Callable[[OSError, Path], Exception])
                 fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
+
+
+def _take(fd: int, wait: bool, timeout: float | None) -> None:
+    """flock(LOCK_EX) on fd: blocking (wait, no timeout), one try (not wait), or tries until `timeout` seconds have
+    passed; BlockingIOError when it was not taken."""
+    if not wait or timeout is None:
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
 
 
 def is_held(path: Path) -> bool:

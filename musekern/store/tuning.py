@@ -23,16 +23,13 @@ written through nor cleaned through. Stdlib only.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import os
 import re
 import stat
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
+from . import locks
 from .cache import Cache
 from .fs import ReadProblem, atomic_write, describe, read_regular
 from .manifest import manifest_bytes, parse_json
@@ -137,30 +134,11 @@ def load(cache: Cache, scope_name: str) -> dict[tuple[int, int], Record]:
     return out
 
 
-@contextlib.contextmanager
-def _locked(cache: Cache) -> Iterator[bool]:
-    """The tuning lock (flock on locks/tuning.lock), tried for up to LOCK_WAIT_S: yields whether it is held.
-    OSError where the lock file cannot be made or opened."""
-    path = cache.locks_dir / "tuning.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
-    try:
-        deadline, held = time.monotonic() + LOCK_WAIT_S, False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                held = True
-            except BlockingIOError:
-                if time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    continue
-            except OSError as e:  # no locks here (NFS `nolock`): records are advice, go on unlocked
-                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                held = True
-            break
-        yield held
-    finally:
-        os.close(fd)  # releases the flock
+def _locked(cache: Cache):
+    """The tuning lock (locks/tuning.lock), tried for up to LOCK_WAIT_S: yields whether it is held (also where the
+    filesystem has no locks, NFS `nolock`: records are advice). OSError where the lock file cannot be made or
+    opened."""
+    return locks.held(cache.locks_dir / "tuning.lock", wait=True, on_error=lambda e, p: e, timeout=LOCK_WAIT_S)
 
 
 def _fit(new: dict, old: dict, scope_name: str) -> bytes:
@@ -229,34 +207,29 @@ def _debris(cache: Cache) -> list[str]:
         return []
 
 
+def _remove(cache: Cache, names) -> list[str]:
+    """Unlink `names()` from tuning/ while holding the tuning lock (nothing if a writer holds it past LOCK_WAIT_S, or
+    tuning/ is no real directory); the names removed."""
+    gone = []
+    if _real_dir(cache):
+        with contextlib.suppress(OSError), _locked(cache) as held:
+            for name in names() if held else ():
+                with contextlib.suppress(OSError):
+                    os.unlink(tuning_dir(cache) / name)
+                    gone.append(name)
+    return gone
+
+
 def clean_debris(cache: Cache, dry_run: bool = False) -> int:
     """Remove killed writers' temp files (`musekern clean`), only while no writer holds the lock. How many were (dry
     run: would be) removed."""
-    if not _real_dir(cache):
-        return 0
     if dry_run:
-        return len(_debris(cache))
-    n = 0
-    with contextlib.suppress(OSError), _locked(cache) as held:
-        for name in _debris(cache) if held else ():
-            with contextlib.suppress(OSError):
-                os.unlink(tuning_dir(cache) / name)
-                n += 1
-    return n
+        return len(_debris(cache)) if _real_dir(cache) else 0
+    return len(_remove(cache, lambda: _debris(cache)))
 
 
 def clear(cache: Cache) -> list[str]:
     """Remove every scope's record and killed writers' temp files (`clean --all`), under the tuning lock (none
     removed if a writer holds it past LOCK_WAIT_S); the scopes removed."""
-    if not _real_dir(cache):
-        return []
-    gone = []
-    with contextlib.suppress(OSError), _locked(cache) as held:
-        for name in scope_files(cache) if held else ():
-            with contextlib.suppress(OSError):
-                os.unlink(path_of(cache, name))
-                gone.append(name)
-        for name in _debris(cache) if held else ():
-            with contextlib.suppress(OSError):
-                os.unlink(tuning_dir(cache) / name)
-    return gone
+    gone = _remove(cache, lambda: [f"{s}.json" for s in scope_files(cache)] + _debris(cache))
+    return sorted(n[:-5] for n in gone if not n.startswith("."))

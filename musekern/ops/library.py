@@ -93,7 +93,8 @@ def register_ops():
 def prepare(n: int, rows=16, num_kv_heads: int | None = None, qk_norm_head_dims=(),
             dtype=torch.bfloat16, device=None) -> list:
     """Load every kernel the ops take for weight rows N and M in `rows`, and time cuBLAS's algorithms for the M the
-    GEMM path takes (up to 512; 0.1-0.5 s an M: `ops.gemm.tune`), before a CUDA graph is captured.
+    GEMM path takes (up to 512: `ops.gemm.tune`, 0.06-0.5 s an M, one checked launch an M the cache's tuning record
+    holds), before a CUDA graph is captured.
 
     `rows`: an int (every M in 1..rows) or an iterable of M values, as `ops.qkv_front.prepare` takes them;
     `qk_norm_head_dims`: the head sizes the model's qk_norm calls use (every build of each is loaded: with

@@ -310,8 +310,9 @@ def prepare_args(N: int, rows, num_kv_heads: int | None, device) -> tuple[int, i
 def prepare(N: int, rows=16, num_kv_heads: int | None = None, device=None) -> list:
     """Load every build the calls with weight rows N and M in `rows` take, fused front or GEMM + epilogue, and
     measure cuBLAS's algorithms for the GEMM path's M values up to `gemm.TUNE_MAX_ROWS` (`ops.gemm.tune`:
-    0.1-0.5 s an M, scratch weights of two layers or more while it runs): after this, those calls capture in a CUDA
-    graph and the GEMM path runs the algorithm measured fastest.
+    0.06-0.5 s an M, or one checked launch where the cache's tuning record holds it; scratch weights of two layers
+    or more while it runs): after this, those calls capture in a CUDA graph and the GEMM path runs the algorithm
+    measured fastest.
 
     `rows`: an int (every M in 1..rows) or an iterable of M values. `num_kv_heads` defaults to the bundled
     model's shard of this N. Returns the loaded kernels (raises MissingKernelError, naming the `musekern

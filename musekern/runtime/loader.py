@@ -243,7 +243,6 @@ def open_cache(cache_dir=None) -> Cache:
     return c
 
 
-
 def device_arch(device_index: int) -> str:
     return targets.arch_for_capability(*device_info(device_index)["capability"])
 

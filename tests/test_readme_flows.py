@@ -1,7 +1,7 @@
 """The README's flows, run as written, so a documented flow cannot break silently.
 
-- "On a fresh machine": the `make prepare` transcript is the Makefile's commands and a real prepare's output
-  on a neutral path (no machine's paths, no test counts); `make readme` regenerates it (`python
+- The top section: the `make prepare` transcript is the Makefile's commands and a real prepare's output on a
+  neutral path (its first rows, then how many more, then the summary); `make readme` regenerates it (`python
   tests/test_readme_flows.py`).
 - "Using it": the Python example takes variants of the bundled plan; every MUSEKERN_* variable is listed.
 - "CI cache warming": every fenced block runs in bash, the `$K` blocks once per CI job (N = 2, each job a
@@ -36,6 +36,8 @@ needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="needs the build extra (nvid
 README_REMOTE = "http://cache.internal:8080/musekern"
 NEUTRAL_HOME = "/home/user"
 TIME = re.compile(r"^\d+\.\ds$")
+ELIDED = re.compile(r"^\.\.\. (\d+) more rows ")
+SHOWN_ROWS = 3  # the transcript shows the plan's first rows; `musekern plan` lists them all
 
 
 def _planned() -> int:
@@ -72,10 +74,12 @@ def prepare_transcript() -> list[str]:
     return blocks[0].splitlines()
 
 
-def split_transcript(lines: list[str]) -> tuple[list[str], str, list[str], str]:
-    """(make's commands, prepare's header line, its table lines, its summary line)."""
+def split_transcript(lines: list[str]) -> tuple[list[str], str, list[str], int, str]:
+    """(make's commands, prepare's header line, its table lines as shown, the rows left out, its summary line)."""
     i = next(i for i, ln in enumerate(lines) if ln.startswith("musekern prepare: "))
-    return lines[:i], lines[i], lines[i + 1:-1], lines[-1]
+    m = ELIDED.match(lines[-2])
+    assert m, f"the transcript's second-to-last line says how many rows it leaves out: {lines[-2]!r}"
+    return lines[:i], lines[i], lines[i + 1:-2], int(m[1]), lines[-1]
 
 
 def cells(row: str) -> list[str]:
@@ -144,7 +148,7 @@ def test_transcript_is_the_bundled_plan_on_a_neutral_path(tmp_path):
     from musekern.targets import get_target
     from musekern.variants import plan_model
 
-    _, header, table, summary = split_transcript(prepare_transcript())
+    _, header, table, elided, summary = split_transcript(prepare_transcript())
     plan = plan_model(load_config(), [get_target("h200")])
     neutral = f"{NEUTRAL_HOME}/.cache/musekern"
     # the path a user called `user` gets (platformdirs, nothing set), spelled from a HOME of our own
@@ -153,9 +157,11 @@ def test_transcript_is_the_bundled_plan_on_a_neutral_path(tmp_path):
     assert header == f"musekern prepare: {len(plan)} variant(s) for h200 -> {neutral}"
     assert summary == f"{len(plan)} built, 0 pulled, 0 cached, 0 failed -> {neutral}"
     rows = table_rows(table)
-    assert [(r[0], r[1], r[2], r[5]) for r in rows] == [("h200", "sm_90a", "built", e.variant.label) for e in plan]
+    assert len(rows) + elided == len(plan)
+    shown = plan[:len(rows)]
+    assert [(r[0], r[1], r[2], r[5]) for r in rows] == [("h200", "sm_90a", "built", e.variant.label) for e in shown]
     if dsl_version() is not None:  # keys are computed without compiling: source hash + DSL version
-        assert [r[4] for r in rows] == [key_parts(e.variant, e.arch, dsl_version()).key()[:12] for e in plan], \
+        assert [r[4] for r in rows] == [key_parts(e.variant, e.arch, dsl_version()).key()[:12] for e in shown], \
             "README's prepare keys are stale: run `make readme`"
 
 
@@ -321,8 +327,9 @@ def test_container_builds_as_written(tmp_path):
     lines = outputs[0].splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.split()[:3] == ["target", "arch", "status"])
     built = table_rows(lines[start:start + 2 + PLANNED])  # header, rule, one row a build
-    _, _, readme_table, _ = split_transcript(prepare_transcript())
-    assert built == table_rows(readme_table), "README's prepare output is stale: run `make readme`"
+    _, _, readme_table, _, _ = split_transcript(prepare_transcript())
+    shown = table_rows(readme_table)
+    assert built[:len(shown)] == shown, "README's prepare output is stale: run `make readme`"
 
 
 # ---------------------------------------------------------------- make readme
@@ -340,8 +347,10 @@ def regenerate() -> None:
             sys.exit(f"musekern prepare failed:\n{r.stderr[-3000:]}")
         real = f"{home}/.cache/musekern"
         header = r.stderr.splitlines()[0].replace(real, f"{NEUTRAL_HOME}/.cache/musekern")
-        out = r.stdout.replace(real, f"{NEUTRAL_HOME}/.cache/musekern").rstrip("\n")
-    block = "\n".join([*make_lines, header, out])
+        out = r.stdout.replace(real, f"{NEUTRAL_HOME}/.cache/musekern").rstrip("\n").splitlines()
+    rows, summary = out[2:-1], out[-1]  # out: table header, rule, one row a build, summary
+    more = f"... {len(rows) - SHOWN_ROWS} more rows (`musekern plan` lists every variant)"
+    block = "\n".join([*make_lines, header, *out[:2 + SHOWN_ROWS], more, summary])
     text = README.read_text()
     old = "\n".join(prepare_transcript()) if "musekern prepare: " in text else "README-PREPARE-BLOCK"
     README.write_text(text.replace(old, block, 1))

@@ -365,3 +365,21 @@ def test_decode_block_step_in_a_cuda_graph():
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want) and torch.equal(graphed.kv, eager.kv), f"positions {st.positions.tolist()}"
+
+
+def test_first_step_of_reduce_overhead_layer_in_fresh_processes(tmp_path):
+    """Issue 26: the first step (CUDA-graph trees' warm-up) of a reduce-overhead layer holding its caches as buffers
+    equals its eager twin bit for bit, in fresh processes; the first of them launches its kernel for the first time in
+    that step (--cold). A small run of bench/first_step_stress.py (the full one: bench/results/
+    h200-first-step-stress.json)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "first_step_stress.py"
+    out = tmp_path / "fs.json"
+    r = subprocess.run([sys.executable, str(script), "--procs", "4", "--parallel", "4", "--trials", "2", "--cold",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    summary = json.loads(out.read_text())["summary"]
+    assert r.returncode == 0 and summary["processes"] == 4 and summary["errors"] == 0, r.stdout + r.stderr
+    assert summary["first_step_differs"] == summary["later_step_differs"] == summary["other_differs"] == 0, summary

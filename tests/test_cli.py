@@ -293,6 +293,28 @@ def test_doctor_lists_every_variable_with_value_and_source(run, monkeypatch, tmp
     assert "http://cache.example:8080/mk (env)" in out and all(v.name in out for v in env.VARIABLES)
 
 
+def test_doctor_never_shows_a_credential(run, monkeypatch):
+    """Issue 28 finding 4: doctor (the README's image/CI check) printed MUSEKERN_REMOTE's password in text and
+    --json. The password is masked, the token never shown, and both set at once is a problem doctor names."""
+    monkeypatch.setenv("MUSEKERN_REMOTE", "http://ci:s3cret-pw@cache.example:8080/mk")
+    monkeypatch.setenv("MUSEKERN_REMOTE_TOKEN", "s3cret-token")
+    doc = json.loads(run("doctor", "--target", "h200", "--json", code=1).stdout)
+    got = {v["name"]: v["value"] for v in doc["environment"]}
+    assert got["MUSEKERN_REMOTE"] == "http://ci:***@cache.example:8080/mk"
+    assert got["MUSEKERN_REMOTE_TOKEN"] == "(set, not shown)"
+    assert any("both set" in p for p in doc["problems"])
+    text = run("doctor", "--target", "h200", code=1)
+    assert "http://ci:***@cache.example:8080/mk (env)" in text.stdout and "(set, not shown) (env)" in text.stdout
+    for r in (text, run("doctor", "--target", "h200", "--json", code=1)):
+        assert "s3cret" not in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("remote", ["http://ci:s3cret/pw@cache/", "ci:s3cret@cache", "ftp://ci:s3cret@cache/"])
+def test_a_bad_remote_url_is_one_line_without_its_password(run, remote):
+    r = run("prepare", "--target", "h200", "--remote", remote, code=2)
+    assert r.stderr.count("\n") == 1 and "ci:***@" in r.stderr and "s3cret" not in r.stdout + r.stderr
+
+
 # cuda-bindings N.x needs a driver of CUDA N (cuDriverGetVersion: 1000 * major + 10 * minor).
 @pytest.mark.parametrize("bindings,driver,problem", [
     ("13.4.4", 13000, None), ("13.0.0", 12080, "pip install 'cuda-bindings>=12.8,<13'"), ("12.9.0", 12040, None),

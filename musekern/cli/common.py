@@ -164,11 +164,12 @@ def table(rows: list[list], headers: list[str]) -> str:
 
 
 def environment() -> list[dict]:
-    """Every MUSEKERN_* variable: name, value, source ("env" or "default") and meaning (musekern/env.py)."""
+    """Every MUSEKERN_* variable: name, value as it may be shown (credentials masked, env.shown), source ("env" or
+    "default") and meaning (musekern/env.py)."""
     from .. import env
 
     out = []
     for var in env.VARIABLES:
-        value, source = env.value(var)
+        value, source = env.shown(var)
         out.append({"name": var.name, "value": value, "source": source, "meaning": var.meaning})
     return out

@@ -16,8 +16,8 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print the re
 cache_dir_option = click.option(
     "--cache-dir", type=click.Path(file_okay=False), default=None,
     help="Cache directory (default: $MUSEKERN_CACHE_DIR, else the user cache dir).")
-model_option = click.option(
-    "--model", "model_path", type=click.Path(dir_okay=False), default=None,
+model_option = click.option(  # a plain path: the config reader refuses a directory, FIFO or device in one line
+    "--model", "model_path", type=click.Path(), metavar="FILE", default=None,
     help="Model config: your model's config.json as published (text_config, head_dim null, dtype are read), "
          "optionally with a `musekern` block. Default: the bundled Muse Spark config.")
 target_option = click.option(

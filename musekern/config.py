@@ -216,7 +216,8 @@ def _kv_heads(src: str, fields: dict, prefix: str) -> tuple[str, object] | None:
 
 def _unread_keys(data: dict, fields: dict, prefix: str) -> tuple[str, ...]:
     """The head-like keys with a count in them (an integer, or a per-layer list) that nothing reads: in the text
-    fields and MPT's attn_config (but for the keys read there), and at a wrapper's top level (none is read)."""
+    fields and MPT's attn_config (but for the keys read there), and at a wrapper's top level (none is read there;
+    a copy of text_config's value, as Qwen2.5-VL saves, is no news)."""
     attn = fields.get("attn_config")
     places = [(fields, "", prefix), (attn, "attn_config.", prefix + "attn_config.")] + ([(data, None, "")] if prefix
                                                                                          else [])
@@ -224,7 +225,8 @@ def _unread_keys(data: dict, fields: dict, prefix: str) -> tuple[str, ...]:
     for where, read_as, shown in places:
         for k, v in where.items() if isinstance(where, dict) else ():
             count = _is_int(v) or isinstance(v, list) and v and all(_is_int(x) for x in v)
-            if count and _HEADLIKE.search(k) and (read_as is None or read_as + k not in _READ_KEYS):
+            unread = fields.get(k) != v if read_as is None else read_as + k not in _READ_KEYS
+            if count and _HEADLIKE.search(k) and unread:
                 out.append(shown + k[:40])
     return tuple(out)
 

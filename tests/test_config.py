@@ -354,3 +354,7 @@ def test_unread_head_like_keys_warn(cfg, named):
 @pytest.mark.parametrize("path", [None, DATA / "qwen3_style.json", DATA / "multimodal_wrapper.json"])
 def test_known_configs_warn_about_no_key(path):
     assert load_config(path).key_warnings == ()
+
+
+def test_a_wrappers_top_level_copy_of_text_config_is_no_warning():  # Qwen2.5-VL saves the text fields twice
+    assert parse_config({**BASE, "text_config": dict(BASE)}).key_warnings == ()

@@ -17,10 +17,14 @@ class Variable:
     name: str
     default: str
     meaning: str
+    kind: str = "text"  # how its value is shown (`shown`): "text" as it is, "url" masked, "secret" never
 
 
 CACHE_DIR = Variable("MUSEKERN_CACHE_DIR", "", "cache directory (unset: the user cache dir; --cache-dir wins)")
-REMOTE = Variable("MUSEKERN_REMOTE", "", "HTTP cache (Bazel protocol) prepare pulls from (--remote wins)")
+REMOTE = Variable("MUSEKERN_REMOTE", "", "HTTP cache (Bazel protocol) prepare pulls from (--remote wins); "
+                  "http://user:password@host/ sends Basic auth", kind="url")
+REMOTE_TOKEN = Variable("MUSEKERN_REMOTE_TOKEN", "", "token sent to the remote as `Authorization: Bearer <token>` "
+                        "(instead of a user:password in the URL)", kind="secret")
 REMOTE_TIMEOUT = Variable("MUSEKERN_REMOTE_TIMEOUT", "10",
                           "seconds one remote request may take, from connect to its last byte")
 REMOTE_DEADLINE = Variable("MUSEKERN_REMOTE_DEADLINE", "120",
@@ -30,7 +34,7 @@ MAX_SIZE = Variable("MUSEKERN_MAX_SIZE", "",
                     "`gc --set-max-size`)")
 AUTOBUILD = Variable("MUSEKERN_AUTOBUILD", "0", "compile a variant missing at run time (needs the build extra)")
 CTYPES_LAUNCH = Variable("MUSEKERN_CTYPES_LAUNCH", "1", "launch through libcuda via ctypes (0: cuda.bindings)")
-VARIABLES = (CACHE_DIR, REMOTE, REMOTE_TIMEOUT, REMOTE_DEADLINE, MAX_SIZE, AUTOBUILD, CTYPES_LAUNCH)
+VARIABLES = (CACHE_DIR, REMOTE, REMOTE_TOKEN, REMOTE_TIMEOUT, REMOTE_DEADLINE, MAX_SIZE, AUTOBUILD, CTYPES_LAUNCH)
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -48,6 +52,35 @@ def value(var: Variable) -> tuple[str, str]:
     """(value, source): the variable's value and "env", or its default and "default"."""
     raw = os.environ.get(var.name)
     return (raw, "env") if raw is not None else (var.default, "default")
+
+
+def shown(var: Variable) -> tuple[str, str]:
+    """(value, source) fit to print (doctor, logs, --json): a URL with its credentials masked (`mask_url`), a
+    secret as "(set, not shown)"."""
+    raw, source = value(var)
+    if var.kind == "secret":
+        return ("(set, not shown)" if raw.strip() else raw), source
+    return (mask_url(raw) if var.kind == "url" else raw), source
+
+
+def mask_url(url: str) -> str:
+    """`url` fit to print, its credentials replaced by ***: the one masking of a remote URL, wherever one is shown.
+
+    Everything between `//` (or the start) and the LAST `@` is userinfo, so a password holding an unencoded / ? #
+    or @ is masked whole (a path or query with an @ is masked too: better too much than a leak). A user name is
+    kept when a password follows it, else it is taken for a token (pip's rule); every query value is ***."""
+    s = str(url)
+    start = s.find("//") + 2 if "//" in s else 0
+    at = s.rfind("@")
+    if at >= start:
+        user, colon, _ = s[start:at].partition(":")
+        s = s[:start] + (f"{user}:***" if colon and user and not re.search(r"[/?#]", user) else "***") + s[at:]
+    head, q, query = s.partition("?")
+    if q:
+        query, hash_, frag = query.partition("#")
+        query = "&".join(f"{k}=***" if eq else "***" for k, eq, _ in (p.partition("=") for p in query.split("&")))
+        s = head + q + query + hash_ + frag
+    return s
 
 
 def _raw(var: Variable) -> str:

@@ -293,6 +293,60 @@ def test_doctor_lists_every_variable_with_value_and_source(run, monkeypatch, tmp
     assert "http://cache.example:8080/mk (env)" in out and all(v.name in out for v in env.VARIABLES)
 
 
+# Issue 28 finding 5 through the CLI: a --model that is a directory (click's multi-line usage error before), a FIFO
+# (hung), /dev/zero (MemoryError), UTF-16 and deep nesting (tracebacks): exit 2 and one line naming the file.
+@pytest.mark.parametrize("kind,reason", [("dir", "is a directory"), ("fifo", "is a FIFO"),
+                                         ("zero", "is a character device"), ("utf16", "is UTF-16"),
+                                         ("deep", "nests deeper than 32 levels")])
+def test_a_hostile_model_file_exits_2_in_one_line(run, tmp_path, kind, reason):
+    p = tmp_path / "m"
+    if kind == "dir":
+        p.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(p)
+    elif kind == "zero":
+        p = "/dev/zero"
+    else:
+        p.write_bytes('{"hidden_size": 8192}'.encode("utf-16") if kind == "utf16" else b"[" * 50000)
+    r = run("plan", "--target", "h200", "--model", str(p), code=2)
+    assert r.stderr.startswith(f"musekern: error: {p}: {reason}") and r.stderr.count("\n") == 1
+
+
+def test_an_unread_head_key_is_warned_and_in_the_json(run, tmp_path):
+    """Issue 28 finding 7: Falcon's num_kv_heads is read (TP 8: N = 2176, not 4096); a head-like key nothing reads
+    is one warning line on stderr and in --json."""
+    p = tmp_path / "falcon.json"
+    p.write_text(json.dumps({"hidden_size": 8192, "num_attention_heads": 128, "num_kv_heads": 8,
+                             "new_decoder_architecture": True, "attn_output_gate": True, "kv_lora_rank": 512}))
+    r = run("plan", "--target", "h200", "--tp", "8", "--model", str(p), "--json")
+    doc = json.loads(r.stdout)
+    assert {row["N"] for row in doc["rows"]} == {2176}
+    (w,) = [w for w in doc["warnings"] if "kv_lora_rank" in w]
+    assert r.stderr.count("kv_lora_rank") == 1 and "does not read" in w
+
+
+def test_doctor_never_shows_a_credential(run, monkeypatch):
+    """Issue 28 finding 4: doctor (the README's image/CI check) printed MUSEKERN_REMOTE's password in text and
+    --json. The password is masked, the token never shown, and both set at once is a problem doctor names."""
+    monkeypatch.setenv("MUSEKERN_REMOTE", "http://ci:s3cret-pw@cache.example:8080/mk")
+    monkeypatch.setenv("MUSEKERN_REMOTE_TOKEN", "s3cret-token")
+    doc = json.loads(run("doctor", "--target", "h200", "--json", code=1).stdout)
+    got = {v["name"]: v["value"] for v in doc["environment"]}
+    assert got["MUSEKERN_REMOTE"] == "http://ci:***@cache.example:8080/mk"
+    assert got["MUSEKERN_REMOTE_TOKEN"] == "(set, not shown)"
+    assert any("both set" in p for p in doc["problems"])
+    text = run("doctor", "--target", "h200", code=1)
+    assert "http://ci:***@cache.example:8080/mk (env)" in text.stdout and "(set, not shown) (env)" in text.stdout
+    for r in (text, run("doctor", "--target", "h200", "--json", code=1)):
+        assert "s3cret" not in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("remote", ["http://ci:s3cret/pw@cache/", "ci:s3cret@cache", "ftp://ci:s3cret@cache/"])
+def test_a_bad_remote_url_is_one_line_without_its_password(run, remote):
+    r = run("prepare", "--target", "h200", "--remote", remote, code=2)
+    assert r.stderr.count("\n") == 1 and "ci:***@" in r.stderr and "s3cret" not in r.stdout + r.stderr
+
+
 # cuda-bindings N.x needs a driver of CUDA N (cuDriverGetVersion: 1000 * major + 10 * minor).
 @pytest.mark.parametrize("bindings,driver,problem", [
     ("13.4.4", 13000, None), ("13.0.0", 12080, "pip install 'cuda-bindings>=12.8,<13'"), ("12.9.0", 12040, None),

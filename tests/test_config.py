@@ -1,9 +1,14 @@
 import json
+import os
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from musekern.config import ConfigError, load_config, parse_config, with_tensor_parallel
+from musekern.config import MAX_CONFIG_BYTES, ConfigError, load_config, parse_config, with_tensor_parallel
 from musekern.targets import get_target
 from musekern.variants import plan_model
 
@@ -145,12 +150,12 @@ def test_a_config_with_tp_sizes_has_no_warning():
 
 
 def test_bad_json_names_line(tmp_path):
-    with pytest.raises(ConfigError, match=r"cfg.json: invalid JSON at line 2"):
+    with pytest.raises(ConfigError, match=r"cfg.json: is not valid JSON \(Expecting value: line 2 column 17"):
         load_config(write(tmp_path, '{\n "hidden_size": ,\n}'))
 
 
-def test_unreadable_file(tmp_path):
-    with pytest.raises(ConfigError, match="cannot read"):
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="nope.json: no such file"):
         load_config(tmp_path / "nope.json")
 
 
@@ -165,3 +170,191 @@ def test_the_configs_front_limit_is_the_planners():
     from musekern.variants import FRONT_MAX_TOKENS as planner
 
     assert FRONT_MAX_TOKENS == planner
+
+
+
+# ---------------------------------------------------------------- issue 28 finding 5: hostile --model files
+def _hostile(tmp_path, kind: str) -> Path:
+    """A file of each kind a --model path may turn out to be: not a file, not text, not UTF-8, not bounded."""
+    p = tmp_path / f"{kind}.json"
+    good = json.dumps(BASE)
+    if kind == "directory":
+        p.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(p)
+    elif kind == "link_to_dev_zero":
+        p.symlink_to("/dev/zero")
+    elif kind == "dangling_link":
+        p.symlink_to(tmp_path / "gone")
+    elif kind == "link_loop":
+        p.symlink_to(p)
+    elif kind == "oversize":
+        with open(p, "wb") as f:
+            f.truncate(MAX_CONFIG_BYTES + 1)  # sparse: 1 MiB + 1 declared, nothing read
+    else:
+        p.write_bytes({
+            "utf16_bom": good.encode("utf-16"), "utf16le_no_bom": good.encode("utf-16-le"),
+            "utf32": good.encode("utf-32"), "binary": bytes(range(256)) * 16,
+            "latin1": '{"n\xe9": 1}'.encode("latin-1"), "empty": b"", "blank": b" \n\t ",
+            "deep_array": b"[" * 100000 + b"]" * 100000, "deep_object": b'{"a":' * 5000 + b"1" + b"}" * 5000,
+            "int_5000_digits": b'{"hidden_size": ' + b"9" * 5000 + b"}",
+            "float_1e999": b'{"rms_norm_eps": 1e999}', "nan": b'{"rope_theta": NaN}', "trailing": good.encode() + b"}",
+            "huge_value": json.dumps({**BASE, "num_attention_heads": "x" * 500000}).encode(),
+        }[kind])
+    return p
+
+
+# Every kind of file that is not a config: each a ConfigError of one short line that names the file and why,
+# within a second (a FIFO used to hang, /dev/zero to read until MemoryError, deep nesting to raise RecursionError,
+# a 5,000-digit integer ValueError, UTF-16 UnicodeDecodeError: tracebacks).
+@pytest.mark.parametrize("kind,reason", [
+    ("directory", "is a directory"), ("fifo", "is a FIFO"), ("link_to_dev_zero", "is a character device"),
+    ("dangling_link", "no such file"), ("link_loop", "symbolic link"), ("oversize", "more than the 1048576"),
+    ("utf16_bom", "UTF-16"), ("utf16le_no_bom", "UTF-16"), ("utf32", "UTF-32"), ("binary", "NUL byte at byte 0"),
+    ("latin1", "not UTF-8 text"), ("empty", "is empty"), ("blank", "is empty"), ("deep_array", "nests deeper than 32"),
+    ("deep_object", "nests deeper than 32"), ("int_5000_digits", "integer of 5000 digits"),
+    ("float_1e999", "out of range"), ("nan", "NaN is not JSON"), ("trailing", "Extra data"),
+    ("huge_value", "must be an integer, got \"xxx"),
+])
+def test_a_hostile_model_file_is_one_line(tmp_path, kind, reason):
+    p = _hostile(tmp_path, kind)
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(_error_of(p)), daemon=True)
+    t0 = time.monotonic()
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), f"{kind}: still reading after 10 s"
+    assert time.monotonic() - t0 < 2
+    (msg,) = out
+    assert msg.startswith(f"{p}: ") and reason in msg and "\n" not in msg and len(msg) < 300, msg
+
+
+def _error_of(p) -> str:
+    try:
+        load_config(p)
+    except ConfigError as e:
+        return str(e)
+    except BaseException as e:  # noqa: BLE001 - what the test reports: a traceback-worthy escape
+        return f"escaped: {type(e).__name__}: {str(e)[:200]}"
+    return "loaded"
+
+
+def test_dev_zero_is_refused_without_reading():
+    """Before: /dev/zero read until MemoryError (1.8 GB in 6 s here). Under a 1 GiB address-space cap it must
+    be a one-line error at once."""
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30)); "
+            "from musekern.config import load_config; load_config('/dev/zero')")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert "ConfigError: /dev/zero: is a character device, not a regular file" in r.stderr
+    assert "MemoryError" not in r.stderr
+
+
+# What a published config may look like and still load: a UTF-8 byte-order mark, a symlink to it (the HF hub cache
+# keeps config.json as a symlink into blobs/), deep-looking brackets inside a string.
+@pytest.mark.parametrize("kind", ["bom", "symlink", "brackets_in_a_string"])
+def test_what_a_published_config_may_hold_loads(tmp_path, kind):
+    target = write(tmp_path, {**BASE, "note": "[" * 100}, "blob")
+    p = tmp_path / "config.json"
+    if kind == "bom":
+        p.write_bytes(b"\xef\xbb\xbf" + target.read_bytes())
+    elif kind == "symlink":
+        p.symlink_to(target)
+    else:
+        p = target
+    assert load_config(p).num_key_value_heads == 8
+
+
+# ---------------------------------------------------------------- issue 28 finding 7: how configs name their heads
+# Synthetic configs shaped like published ones, each at Muse Spark's 8192 / 128 heads / head_dim 64 so only the
+# naming differs. Expected KV heads and N at TP 1 ((128 + 2 kv + 128) * 64: 8 kv 17408, 1 kv 16512, 128 kv 32768).
+GATE = {"attn_output_gate": True}
+FALCON_40B = {"hidden_size": 8192, "num_attention_heads": 128, "num_kv_heads": 8, "new_decoder_architecture": True,
+              "multi_query": True, **GATE}  # FalconConfig's multi_query defaults true: the new architecture ignores it
+FALCON_RW = {"hidden_size": 8192, "n_head": 128, "n_head_kv": 8, **GATE}  # the RefinedWeb configs
+FALCON_7B = {"hidden_size": 8192, "n_head": 128, "multi_query": True, **GATE}
+STARCODER = {"n_embd": 8192, "n_head": 128, "multi_query": True, **GATE}  # GPTBigCode
+GPTJ = {"n_embd": 8192, "n_head": 128, "rotary_dim": 64, **GATE}  # no kv count: multi-head
+MPT_GQA = {"d_model": 8192, "n_heads": 128, "attn_config": {"attn_type": "grouped_query_attention", "kv_n_heads": 8},
+           **GATE}
+MPT_MHA = {"d_model": 8192, "n_heads": 128, "attn_config": {"attn_type": "multihead_attention", "kv_n_heads": 8},
+           **GATE}  # llm-foundry reads kv_n_heads only for grouped-query attention
+MPT_MQA = {"d_model": 8192, "n_heads": 128, "attn_config": {"attn_type": "multiquery_attention"}, **GATE}
+DBRX = {"d_model": 8192, "n_heads": 128, "attn_config": {"kv_n_heads": 8, "clip_qkv": 8}, **GATE}
+CHATGLM = {"hidden_size": 8192, "num_attention_heads": 128, "kv_channels": 64, "multi_query_attention": True,
+           "multi_query_group_num": 8, **GATE}
+CHATGLM_MHA = {**CHATGLM, "multi_query_attention": False}  # the group count is then unused (ChatGLM's rule)
+WRAPPED_FALCON = {"model_type": "wrapper", "vision_config": {"num_heads": 16, "head_dim": 72},
+                  "text_config": {"hidden_size": 8192, "num_attention_heads": 128, "num_kv_heads": 8, **GATE}}
+
+
+@pytest.mark.parametrize("cfg,kv,n", [
+    (FALCON_40B, 8, 17408), (FALCON_RW, 8, 17408), (FALCON_7B, 1, 16512), (STARCODER, 1, 16512),
+    (GPTJ, 128, 32768), (MPT_GQA, 8, 17408), (MPT_MHA, 128, 32768), (MPT_MQA, 1, 16512), (DBRX, 8, 17408),
+    (CHATGLM, 8, 17408), (CHATGLM_MHA, 128, 32768), (WRAPPED_FALCON, 8, 17408),
+])
+def test_kv_heads_under_every_published_name(cfg, kv, n):
+    m = parse_config(cfg)
+    assert (m.hidden_size, m.num_attention_heads, m.head_dim) == (8192, 128, 64)
+    assert m.num_key_value_heads == kv and m.shard(1).n == n
+    assert m.key_warnings == ()
+
+
+def test_falcon_40b_plans_what_muse_spark_plans():
+    """The issue: Falcon's num_kv_heads: 8 was ignored and TP 8 planned N = 4096 (128 KV heads) instead of 2176."""
+    falcon = parse_config({**FALCON_40B, "musekern": BASE["musekern"]})
+    h200 = [get_target("h200")]
+    assert falcon.shard(8).n == 2176
+    assert [e.variant for e in plan_model(falcon, h200)] == [e.variant for e in plan_model(load_config(), h200)]
+
+
+# Two names for one count that disagree: an error naming the second key and both values (never a silent pick).
+@pytest.mark.parametrize("cfg,key,reason", [
+    ({**BASE, "num_kv_heads": 4}, "num_kv_heads", "is 4 but num_key_value_heads is 8"),
+    ({**BASE, "n_head": 64}, "n_head", "is 64 but num_attention_heads is 128"),
+    ({**BASE, "d_model": 4096}, "d_model", "is 4096 but hidden_size is 8192"),
+    ({**BASE, "kv_channels": 128}, "kv_channels", "is 128 but head_dim is 64"),
+    ({**FALCON_RW, "num_kv_heads": 8, "multi_query": True}, "multi_query", "true (1 KV head) but num_kv_heads is 8"),
+    ({**MPT_MQA, "num_key_value_heads": 8}, "attn_config.attn_type", '"multiquery_attention" (1 KV head)'),
+    ({"text_config": {**FALCON_RW, "num_key_value_heads": 4}}, "text_config.n_head_kv", "is 8 but text_config."
+                                                                                           "num_key_value_heads is 4"),
+    ({**BASE, "num_kv_heads": [8, 8, 4]}, "num_kv_heads", "but num_key_value_heads"),
+    ({**{k: v for k, v in BASE.items() if k != "num_key_value_heads"}, "num_kv_heads": [8, 4]}, "num_kv_heads",
+     "a per-layer list"),
+    ({**{k: v for k, v in BASE.items() if k != "num_attention_heads"}}, "num_attention_heads",
+     "missing required key (nor n_head, n_heads, num_heads)"),
+])
+def test_aliases_that_disagree_are_an_error(cfg, key, reason):
+    with pytest.raises(ConfigError) as ei:
+        parse_config(cfg, "cfg.json")
+    assert ei.value.key == key and reason in ei.value.reason, str(ei.value)
+
+
+def test_aliases_that_agree_are_fine():
+    m = parse_config({**BASE, "num_kv_heads": 8, "n_head": 128, "n_embd": 8192, "num_key_value_heads": 8})
+    assert (m.num_key_value_heads, m.num_attention_heads) == (8, 128) and m.key_warnings == ()
+
+
+# Head-like keys nothing reads (DeepSeek's MLA ranks and head dims, a per-layer list, a wrapper's top-level count
+# that text_config overrides): one warning line naming them, said with the model's other warnings.
+@pytest.mark.parametrize("cfg,named", [
+    ({**BASE, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "v_head_dim": 128},
+     "kv_lora_rank, qk_rope_head_dim, v_head_dim look"),
+    ({**BASE, "num_key_value_heads_per_layer": [8, 8, 4]}, "num_key_value_heads_per_layer looks"),
+    ({"num_key_value_heads": 4, "text_config": dict(BASE)}, ": num_key_value_heads looks"),
+    ({**BASE, "attn_config": {"kv_n_heads": 8, "kv_head_groups": 2}}, "attn_config.kv_head_groups looks"),
+])
+def test_unread_head_like_keys_warn(cfg, named):
+    m = parse_config(cfg, "cfg.json")
+    (w,) = m.key_warnings
+    assert w.startswith("cfg.json: ") and named in w and "\n" not in w and w in m.warnings
+
+
+@pytest.mark.parametrize("path", [None, DATA / "qwen3_style.json", DATA / "multimodal_wrapper.json"])
+def test_known_configs_warn_about_no_key(path):
+    assert load_config(path).key_warnings == ()
+
+
+def test_a_wrappers_top_level_copy_of_text_config_is_no_warning():  # Qwen2.5-VL saves the text fields twice
+    assert parse_config({**BASE, "text_config": dict(BASE)}).key_warnings == ()

@@ -98,3 +98,25 @@ def test_nested_json_and_huge_numbers_in_a_manifest_are_problems(tmp_path, paylo
     e.manifest_path.write_text(text)
     problems = c.verify_entry(p.key())
     assert problems and "\n" not in "; ".join(problems)
+
+
+# read_regular(follow_symlinks=True) is for a file the user names (--model: the HF hub keeps config.json as a symlink
+# into blobs/): the link is followed, what it points at must still be a regular file within the limit; `reason`
+# says what is wrong without the path or the store's fix. Without it a link stays refused (the store writes none).
+@pytest.mark.parametrize("target,follow,want", [
+    ("file", True, b"{}"), ("file", False, "symbolic link"), ("/dev/zero", True, "is a character device"),
+    ("big", True, "is 5 bytes, more than the 4"),
+])
+def test_read_regular_follows_a_symlink_only_when_asked(tmp_path, target, follow, want):
+    from musekern.store.fs import ReadProblem, read_regular
+
+    (tmp_path / "file").write_bytes(b"{}")
+    (tmp_path / "big").write_bytes(b"12345")
+    link = tmp_path / "link"
+    link.symlink_to(target if target.startswith("/") else tmp_path / target)
+    if isinstance(want, bytes):
+        assert read_regular(link, 4, follow_symlinks=follow) == want
+        return
+    with pytest.raises(ReadProblem) as ei:
+        read_regular(link, 4, follow_symlinks=follow)
+    assert want in ei.value.reason and str(link) not in ei.value.reason and str(link) in str(ei.value)

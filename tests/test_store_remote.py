@@ -21,7 +21,7 @@ from store_fakes import FAKE_ABI, real_builds
 
 from musekern.store.cache import Cache
 from musekern.store.keys import KeyParts
-from musekern.store.remote import ENV_REMOTE, RemoteCache, RemoteError
+from musekern.store.remote import ENV_REMOTE, ENV_REMOTE_TOKEN, RemoteCache, RemoteError
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.usefixtures("no_proxy")  # CI may set http_proxy; the servers here are local
@@ -220,8 +220,7 @@ class _Server:
             def _any(self):
                 seen.append((self.command, self.path, dict(self.headers)))
                 n = int(self.headers.get("Content-Length") or 0)
-                if n:
-                    self.rfile.read(n)
+                self.body = self.rfile.read(n) if n else b""
                 handler(self)
             do_GET = do_HEAD = do_PUT = _any
 
@@ -394,3 +393,102 @@ def test_an_ac_record_naming_another_variants_blob_is_rejected(nginx_server, tmp
     assert rb.stats["rejected"] == 1 and "has no kernel" in rb.warnings[0]
     # and a good upload repairs the record
     assert r.push(ea) and RemoteCache(url).pull(pa, b) is not None
+
+
+# ---------------------------------------------------------------- issue 28 finding 4: credentials, never shown
+SECRET = "s3cret-pw"
+
+
+def _answer(h, code: int, body: bytes = b"", reason: str | None = None):
+    h.send_response(code, reason)
+    h.send_header("Content-Length", str(len(body)))
+    h.end_headers()
+    if h.command == "GET":
+        h.wfile.write(body)
+
+
+def _guarded_store(need: str, blobs: dict):
+    """A Bazel-HTTP-style store in memory behind one Authorization value (401 without it, as nginx's
+    auth_basic or a token-checking proxy answers)."""
+    def handle(h):
+        if h.headers.get("Authorization") != need:
+            return _answer(h, 401, reason="Unauthorized")
+        if h.command == "PUT":
+            blobs[h.path] = h.body
+            return _answer(h, 201)
+        return _answer(h, 200, blobs[h.path]) if h.path in blobs else _answer(h, 404)
+    return handle
+
+
+# Both ways to authenticate: Basic from the URL, a bearer token from MUSEKERN_REMOTE_TOKEN. Each must reach the
+# server on every request, and the secret must reach no message, warning, log record, repr or url.
+@pytest.mark.parametrize("mode", ["basic", "token"])
+def test_credentials_authenticate_every_request_and_are_never_shown(server, tmp_path, monkeypatch, caplog, mode):
+    import base64
+
+    caplog.set_level(logging.WARNING, "musekern.remote")
+    blobs: dict = {}
+    need = (f"Basic {base64.b64encode(f'ci:{SECRET}'.encode()).decode()}" if mode == "basic" else f"Bearer {SECRET}")
+    s = server(_guarded_store(need, blobs))
+    url = s.url.replace("http://", f"http://ci:{SECRET}@") if mode == "basic" else s.url
+    if mode == "token":
+        monkeypatch.setenv(ENV_REMOTE_TOKEN, SECRET)
+    a = Cache(tmp_path / "a")
+    (p,) = _fill(a, 1, [])
+    up = RemoteCache.from_env(url, upload=True)
+    assert up.push(a.get(p.key())) and len(blobs) == 2  # the blob and the manifest
+    assert RemoteCache.from_env(url).pull(p, Cache(tmp_path / "b")) is not None
+    assert s.seen and all(headers.get("Authorization") == need for _, _, headers in s.seen)
+    # the server echoes the header in its reason phrase: the warning says 403, not the secret
+    s.srv.RequestHandlerClass.do_GET = lambda h: _answer(h, 403, reason=f"no {h.headers.get('Authorization')}")
+    r = RemoteCache.from_env(url)
+    assert r.pull(p, Cache(tmp_path / "c")) is None and "HTTP 403 no " in r.warnings[0]
+    shown = " ".join([*r.warnings, repr(r), r.url, up.url, caplog.text])
+    assert SECRET not in shown and need.split()[1] not in shown
+
+
+def test_a_missing_or_wrong_credential_is_a_warning_naming_the_status(server, tmp_path, monkeypatch):
+    s = server(_guarded_store(f"Bearer {SECRET}", {}))
+    monkeypatch.setenv(ENV_REMOTE_TOKEN, "wrong-token")
+    r = RemoteCache.from_env(s.url)
+    assert r.pull(fake_parts(0), Cache(tmp_path / "c")) is None
+    assert "HTTP 401 Unauthorized" in r.warnings[0] and "wrong-token" not in r.warnings[0]
+
+
+def test_a_redirects_location_is_shown_masked(server, tmp_path):
+    def redirect(h):
+        h.send_response(302)
+        h.send_header("Location", f"http://u:{SECRET}@elsewhere/x")
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+
+    r = RemoteCache(server(redirect).url)
+    assert r.pull(fake_parts(0), Cache(tmp_path / "c")) is None
+    assert "redirect to http://u:***@elsewhere/x" in r.warnings[0] and SECRET not in r.warnings[0]
+
+
+# Bad URLs that carry a password: urllib's own reason quotes a piece of it when an unencoded / or # ends the host
+# early ("Port could not be cast to integer value as 's3'"); no scheme; another scheme; a bad IPv6 host.
+@pytest.mark.parametrize("url", [f"http://ci:{SECRET}@[::1", "http://ci:s3/cret-pw@host/", "http://ci:s3#cret-pw@h/",
+                                 f"ci:{SECRET}@host", f"ftp://ci:{SECRET}@host/", f"http://ci:{SECRET}@host:99999/"])
+def test_bad_urls_never_show_the_password(url):
+    with pytest.raises(RemoteError) as ei:
+        RemoteCache(url)
+    msg = str(ei.value)
+    assert "\n" not in msg and "ci:***@" in msg and "cret" not in msg and "s3" not in msg
+
+
+@pytest.mark.parametrize("token", ["two words", "line\nbreak", "t\u00f6ken", "x" * 8193])
+def test_a_bad_token_is_refused_without_showing_it(token):
+    with pytest.raises(RemoteError, match=ENV_REMOTE_TOKEN) as ei:
+        RemoteCache("http://cache/", token=token)
+    assert token[:6] not in str(ei.value)
+
+
+def test_url_credentials_and_a_token_are_one_or_the_other(monkeypatch):
+    monkeypatch.setenv(ENV_REMOTE_TOKEN, "tok-" + SECRET)
+    with pytest.raises(RemoteError, match="both set") as ei:
+        RemoteCache.from_env(f"http://ci:{SECRET}@cache/")
+    assert SECRET not in str(ei.value)
+    monkeypatch.setenv(ENV_REMOTE_TOKEN, "  ")  # blank is unset
+    assert RemoteCache.from_env("http://cache/")._auth is None

@@ -16,8 +16,8 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print the re
 cache_dir_option = click.option(
     "--cache-dir", type=click.Path(file_okay=False), default=None,
     help="Cache directory (default: $MUSEKERN_CACHE_DIR, else the user cache dir).")
-model_option = click.option(
-    "--model", "model_path", type=click.Path(dir_okay=False), default=None,
+model_option = click.option(  # a plain path: the config reader refuses a directory, FIFO or device in one line
+    "--model", "model_path", type=click.Path(), metavar="FILE", default=None,
     help="Model config: your model's config.json as published (text_config, head_dim null, dtype are read), "
          "optionally with a `musekern` block. Default: the bundled Muse Spark config.")
 target_option = click.option(
@@ -164,11 +164,12 @@ def table(rows: list[list], headers: list[str]) -> str:
 
 
 def environment() -> list[dict]:
-    """Every MUSEKERN_* variable: name, value, source ("env" or "default") and meaning (musekern/env.py)."""
+    """Every MUSEKERN_* variable: name, value as it may be shown (credentials masked, env.shown), source ("env" or
+    "default") and meaning (musekern/env.py)."""
     from .. import env
 
     out = []
     for var in env.VARIABLES:
-        value, source = env.value(var)
+        value, source = env.shown(var)
         out.append({"name": var.name, "value": value, "source": source, "meaning": var.meaning})
     return out

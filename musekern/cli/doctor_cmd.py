@@ -69,6 +69,18 @@ def bindings_driver_problem(bindings: str | None, driver: int | None) -> str | N
             f"{driver // 1000}.{driver % 1000 // 10}: {fix}")
 
 
+def _remote_problem() -> str | None:
+    """Why `prepare` would refuse the remote's settings (MUSEKERN_REMOTE, its token, timeout and budget), or
+    None. The remote is not contacted; no credential is shown (RemoteError masks them)."""
+    from ..store.remote import RemoteCache, RemoteError
+
+    try:
+        RemoteCache.from_env(None)
+    except RemoteError as e:
+        return f"remote cache: {e}"
+    return None
+
+
 def _fix_command(model_path, tp, cache_dir, missing) -> str:
     """The one `musekern prepare` that builds every missing variant (same model, TP sizes, targets, cache)."""
     tnames = dict.fromkeys(m["target"] for m in missing)
@@ -104,7 +116,7 @@ def doctor_cmd(model_path, target_names, tp, cache_dir, as_json):
     from ..runtime.cublaslt import library_paths  # no torch, no CUDA: where the GEMM path's cuBLASLt would load from
 
     lt = library_paths()
-    problems = [p for p in (bindings_driver_problem(bindings, driver),) if p]
+    problems = [p for p in (bindings_driver_problem(bindings, driver), _remote_problem()) if p]
     report = {
         "musekern": __version__,
         "python": platform.python_version(),

@@ -37,7 +37,12 @@ _REASONS = {
 
 
 class ReadProblem(Exception):
-    """A file that cannot be read as a regular file within its size limit; str(e) is one line naming it."""
+    """A file that cannot be read as a regular file within its size limit; str(e) is one line naming it and the
+    store's fix, `reason` what is wrong alone (for a caller that names the file and the fix its own way)."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason or message
 
 
 def reason(e: OSError) -> str:
@@ -54,27 +59,30 @@ def describe(e: OSError, path, doing: str = "") -> str:
     return f"{head}: {reason(e)}; {fix_for(e)}"
 
 
-def read_regular(path, limit: int, dir_fd: int | None = None, shown=None) -> bytes:
+def read_regular(path, limit: int, dir_fd: int | None = None, shown=None, follow_symlinks: bool = False) -> bytes:
     """The bytes of regular file `path` (relative to `dir_fd` if given), at most `limit` of them.
 
     Raises FileNotFoundError when it does not exist (the caller decides what a missing file means) and
     ReadProblem (one line naming `shown`, default `path`) for a directory, FIFO, device, socket, symlink or
     symlink loop, a file larger than `limit`, or any other OSError. Never blocks on a FIFO, never reads more
-    than `limit` + 1 bytes."""
+    than `limit` + 1 bytes. `follow_symlinks` is for a file the user names (a model config in the HF hub cache is
+    a symlink); what it points at must still be a regular file."""
     shown = path if shown is None else shown
     try:
-        fd = os.open(path, _READ_FLAGS, dir_fd=dir_fd)
+        fd = os.open(path, _READ_FLAGS & ~os.O_NOFOLLOW if follow_symlinks else _READ_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         raise
     except OSError as e:
-        raise ReadProblem(describe(e, shown)) from None
+        raise ReadProblem(describe(e, shown), reason(e)) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
-            raise ReadProblem(f"{shown} is {kind}, not a regular file; remove it (`musekern verify --repair`)")
+            raise ReadProblem(f"{shown} is {kind}, not a regular file; remove it (`musekern verify --repair`)",
+                              f"is {kind}, not a regular file")
         if st.st_size > limit:
-            raise ReadProblem(f"{shown} is {st.st_size} bytes, more than the {limit} it may hold")
+            why = f"is {st.st_size} bytes, more than the {limit} it may hold"
+            raise ReadProblem(f"{shown} {why}", why)
         buf = bytearray()
         while len(buf) <= limit:
             chunk = os.read(fd, min(_CHUNK, limit + 1 - len(buf)))
@@ -82,10 +90,11 @@ def read_regular(path, limit: int, dir_fd: int | None = None, shown=None) -> byt
                 break
             buf += chunk
         if len(buf) > limit:
-            raise ReadProblem(f"{shown} grew past the {limit} bytes it may hold while it was read")
+            why = f"grew past the {limit} bytes it may hold while it was read"
+            raise ReadProblem(f"{shown} {why}", why)
         return bytes(buf)
     except OSError as e:
-        raise ReadProblem(describe(e, shown)) from None
+        raise ReadProblem(describe(e, shown), reason(e)) from None
     finally:
         os.close(fd)
 

@@ -17,8 +17,11 @@ Rules this module keeps:
   it passes, so a server trickling a byte a second cannot hold a request; and all requests of one
   RemoteCache (one prepare) share a budget (MUSEKERN_REMOTE_DEADLINE, default 120 s), after which prepare
   goes on without the remote.
-- Credentials stay with the host they were given for: no redirect is ever followed (a 3xx is an error
-  that says where it pointed), so the Authorization header goes nowhere but the origin (or its proxy).
+- Credentials: Basic auth from the URL (http://user:password@host/) or a bearer token from
+  MUSEKERN_REMOTE_TOKEN (one or the other), sent as the Authorization header. They stay with the host they
+  were given for: no redirect is ever followed (a 3xx is an error that says where it pointed), so the header
+  goes nowhere but the origin (or its proxy). They are never shown: every URL in a message goes through
+  env.mask_url, and every warning has the password and the token replaced by *** whatever put them there.
 - A remote is read-only unless upload is asked for: `push` is only called under prepare's
   `--upload`, and `Cache.obtain` pushes only through a RemoteCache made with `upload=True`. A push
   verifies what the remote holds (it downloads and checks the blob and the manifest, never trusting a HEAD)
@@ -34,6 +37,7 @@ import base64
 import http.client
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -48,6 +52,8 @@ from .manifest import MAX_MANIFEST_BYTES, check, cubin_problems, parse_json
 
 ENV_REMOTE = env.REMOTE.name
 ENV_REMOTE_TIMEOUT = env.REMOTE_TIMEOUT.name
+ENV_REMOTE_TOKEN = env.REMOTE_TOKEN.name
+_TOKEN_RE = re.compile(r"[\x21-\x7e]{1,8192}")  # what a header value carries safely: visible ASCII, no space or CR/LF
 DEFAULT_TIMEOUT_S = float(env.REMOTE_TIMEOUT.default)
 DEFAULT_DEADLINE_S = float(env.REMOTE_DEADLINE.default)
 _CHUNK = 1 << 16
@@ -109,21 +115,39 @@ class RemoteCache:
     """A Bazel-HTTP-cache-style remote. `pull` and `push` never raise on network trouble."""
 
     def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT_S, upload: bool = False,
-                 deadline: float = DEFAULT_DEADLINE_S):
+                 deadline: float = DEFAULT_DEADLINE_S, token: str | None = None):
+        shown = env.mask_url(url)
         try:
             parsed = urllib.parse.urlsplit(url)
             host, port = parsed.hostname, parsed.port
         except (ValueError, TypeError) as e:
-            raise RemoteError(f"remote cache URL {url!r} is not a URL ({e}): give http(s)://host[:port][/path]") \
+            # urllib's reason may quote a piece of a password (a '/' in it ends the host early): not shown then
+            why = "a password's / ? # @ : must be percent-encoded" if shown != url else str(e)
+            raise RemoteError(f"remote cache URL {shown!r} is not a URL ({why}): give http(s)://host[:port][/path]") \
                 from None
         if parsed.scheme not in ("http", "https") or not host:
-            raise RemoteError(f"remote cache URL must be http(s)://host[:port][/path], got {url!r}")
-        self._auth = None
+            raise RemoteError(f"remote cache URL must be http(s)://host[:port][/path], got {shown!r}")
+        self._auth, self._secrets = None, []
         if parsed.username is not None:  # http://user:pass@host/ -> Authorization header
-            cred = f"{urllib.parse.unquote(parsed.username)}:{urllib.parse.unquote(parsed.password or '')}"
+            password = urllib.parse.unquote(parsed.password or "")
+            cred = f"{urllib.parse.unquote(parsed.username)}:{password}"
             self._auth = "Basic " + base64.b64encode(cred.encode()).decode()
+            self._secrets = [parsed.password or "", password, parsed.username if parsed.password is None else ""]
             netloc = (f"[{host}]" if ":" in host else host) + (f":{port}" if port else "")
             parsed = parsed._replace(netloc=netloc)
+        token = (token or "").strip()
+        if token:
+            if self._auth:
+                raise RemoteError(f"remote cache {shown}: credentials in the URL and {ENV_REMOTE_TOKEN} both set: "
+                                  f"use one (unset {ENV_REMOTE_TOKEN}, or drop user:password@ from the URL)")
+            if not _TOKEN_RE.fullmatch(token):
+                raise RemoteError(f"{ENV_REMOTE_TOKEN} holds a space, a control or non-ASCII character, or is over "
+                                  "8192 characters: set it to the token alone")
+            self._auth = f"Bearer {token}"
+            self._secrets = [token]
+        if self._auth:
+            self._secrets.append(self._auth.split(" ", 1)[1])  # a server echoing the header back
+        self._secrets = [x for x in self._secrets if len(x) >= 4]  # shorter ones would mangle every message
         self.url = urllib.parse.urlunsplit(parsed._replace(query="", fragment="")).rstrip("/")
         try:
             self.timeout = env.parse_seconds(str(timeout))
@@ -142,9 +166,9 @@ class RemoteCache:
     @classmethod
     def from_env(cls, cli_value: str | None = None, upload: bool = False,
                  timeout: float | None = None) -> "RemoteCache | None":
-        """--remote URL > $MUSEKERN_REMOTE > None (no remote). The per-request timeout and the per-prepare
-        budget come from $MUSEKERN_REMOTE_TIMEOUT and $MUSEKERN_REMOTE_DEADLINE (musekern/env.py); a bad
-        value raises RemoteError naming the variable."""
+        """--remote URL > $MUSEKERN_REMOTE > None (no remote). The bearer token comes from
+        $MUSEKERN_REMOTE_TOKEN, the per-request timeout and the per-prepare budget from $MUSEKERN_REMOTE_TIMEOUT
+        and $MUSEKERN_REMOTE_DEADLINE (musekern/env.py); a bad value raises RemoteError naming the variable."""
         url = cli_value or os.environ.get(ENV_REMOTE)
         if not url:
             return None
@@ -153,11 +177,13 @@ class RemoteCache:
             deadline = env.seconds(env.REMOTE_DEADLINE)
         except env.EnvError as e:
             raise RemoteError(str(e)) from None
-        return cls(url, timeout=timeout, upload=upload, deadline=deadline)
+        return cls(url, timeout=timeout, upload=upload, deadline=deadline, token=os.environ.get(ENV_REMOTE_TOKEN))
 
     # ------------------------------------------------------------ http
     def _warn(self, msg: str) -> None:
         msg = f"remote cache {self.url}: {msg}"
+        for secret in self._secrets:  # whatever echoed one (a server's reason, an exception): never shown
+            msg = msg.replace(secret, "***")
         self.warnings.append(msg)
         log.warning("%s", msg)
 
@@ -239,7 +265,7 @@ class RemoteCache:
         self.stats["errors"] += 1
         if isinstance(exc, urllib.error.HTTPError) and 300 <= exc.code < 400:
             self.dead = True
-            where = exc.headers.get("Location", "?") if exc.headers else "?"
+            where = env.mask_url(exc.headers.get("Location", "?")) if exc.headers else "?"
             self._warn(f"{what}: answered {exc.code} redirect to {where}; musekern follows no redirects (credentials "
                        f"stay with the host you named): point --remote at the final URL. Continuing without it")
         elif isinstance(exc, urllib.error.HTTPError):

@@ -138,6 +138,13 @@ class SecretKey:
                                "it to a file (mode 0600) and name that")
         return cls.parse(_read_small(Path(value).expanduser(), "secret key file"), f"secret key file {value}")
 
+    @classmethod
+    def from_env(cls, cli_value: str | None = None) -> "SecretKey | None":
+        """--sign-key > MUSEKERN_SIGN_KEY > None (no signing). SigningError (one line) for a key that cannot be
+        read, or cryptography missing."""
+        value = cli_value or os.environ.get(env.SIGN_KEY.name, "").strip()
+        return cls.load(value) if value else None
+
     def sign(self, manifest: dict) -> list[str]:
         """`manifest`'s signatures with this key's (re)made, sorted by key name."""
         priv = _crypto().Ed25519PrivateKey.from_private_bytes(self.seed)

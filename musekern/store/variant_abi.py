@@ -16,11 +16,14 @@ declares nothing to check (a kernel it does not cover).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
 
-from .abi import KernelAbi
+TYPE_CHECKING = False  # nothing but contextlib at run time: `import musekern` registers the provider
+if TYPE_CHECKING:
+    from typing import Callable, Iterator
 
-Provider = Callable[[str, dict], "KernelAbi | None"]
+    from .abi import KernelAbi
+
+    Provider = Callable[[str, dict], KernelAbi | None]
 _provider: Provider | None = None
 MAX_SHOWN = 4  # differences named in the one-line problem
 

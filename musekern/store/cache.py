@@ -60,7 +60,11 @@ What stands in for recomputing it:
    `RemoteCache.pull(parts)` requires them to equal the requested parts (a bundle entry must re-derive the key
    it is filed under). A remote whose ac/<key> names another variant's blob fails the digest or the cubin
    checks (that cubin's ELF has another symbol and parameter list).
-4. The cubin vouches for what it records: the entry symbol, each parameter's size, the required block size.
+4. The cubin vouches for what it records: the entry symbol, each parameter's size, the required block size,
+   its arch.
+5. Where the package layer declares it (store/variant_abi.py, a hook: musekern/declared.py), the ABI must be
+   exactly what the key's variant declares; and with trusted keys, an entry from a remote or a bundle must
+   carry a signature by one of them (store/signing.py).
 An entry failing any of these is rejected with a warning (pull, import) or is corrupt (load, verify).
 """
 from __future__ import annotations

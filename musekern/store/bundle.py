@@ -33,7 +33,7 @@ from pathlib import Path
 from . import fs, hygiene, tarread
 from .cache import CACHE_FORMAT, CUBIN_NAME, MANIFEST_NAME, Cache, CacheError, ReadOnlyCacheError, manifest_bytes
 from .keys import KeyParts, is_key, sha256_hex
-from .manifest import MAX_CUBIN_BYTES, MAX_MANIFEST_BYTES, check, cubin_problems, parse_json
+from .manifest import MAX_CUBIN_BYTES, MAX_JSON_ITEMS, MAX_MANIFEST_BYTES, check, cubin_problems, parse_json
 from .signing import SecretKey, TrustedKeys, sign_manifest
 
 INDEX_NAME = "musekern-bundle.json"
@@ -223,7 +223,7 @@ def _check_entry(key: str, meta, mbytes: bytes | None, cubin: bytes | None):
         raise ValueError("manifest.json does not match the bundle index (corrupted)")
     if sha256_hex(cubin) != meta.get("cubin_sha256") or len(cubin) != meta.get("cubin_size"):
         raise ValueError("kernel.cubin does not match the bundle index (corrupted or truncated)")
-    manifest = parse_json(mbytes, "manifest.json")
+    manifest = parse_json(mbytes, "manifest.json", max_items=MAX_JSON_ITEMS)
     problems = check(manifest, key, mbytes)
     if not problems:
         problems = cubin_problems(manifest, cubin)

@@ -85,6 +85,7 @@ from .keys import KeyParts, is_key, sha256_hex
 from .manifest import (
     CACHE_FORMAT,
     DIGEST,
+    MAX_JSON_ITEMS,
     MAX_MANIFEST_BYTES,
     check,
     cubin_problems,
@@ -216,7 +217,7 @@ class Cache:
         except ReadProblem as e:
             return None, None, str(e)
         try:
-            m = parse_json(raw, "manifest.json")
+            m = parse_json(raw, "manifest.json", max_items=MAX_JSON_ITEMS)
         except ValueError as e:
             return None, raw, str(e)
         if not isinstance(m, dict):

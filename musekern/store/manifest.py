@@ -87,13 +87,13 @@ def json_depth(raw: bytes, limit: int = MAX_JSON_DEPTH) -> int:
     return best
 
 
-def parse_json(raw: bytes, what: str, max_depth: int = MAX_JSON_DEPTH, max_items: int = MAX_JSON_ITEMS):
-    """JSON from bytes, bounded: at most `max_depth` nested arrays/objects, at most `max_items` objects, arrays
-    and commas (counted before parsing, strings included: an upper bound on the values it would allocate),
+def parse_json(raw: bytes, what: str, max_depth: int = MAX_JSON_DEPTH, max_items: int | None = None):
+    """JSON from bytes, bounded: at most `max_depth` nested arrays/objects, at most `max_items` (if given) objects,
+    arrays and commas (counted before parsing, strings included: an upper bound on the values it would allocate),
     finite numbers, integers of at most 20 digits, no NaN/Infinity. Raises ValueError (one line naming `what`)
     otherwise; never RecursionError, OverflowError or MemoryError for a file within its size cap."""
-    items = raw.count(b"{") + raw.count(b"[") + raw.count(b",")
-    if items > max_items:
+    items = 0 if max_items is None else raw.count(b"{") + raw.count(b"[") + raw.count(b",")
+    if max_items is not None and items > max_items:
         raise ValueError(f"{what} holds more than {max_items} values (not one of ours)")
     if json_depth(raw, max_depth) > max_depth:
         raise ValueError(f"{what} nests deeper than {max_depth} levels (not one of ours)")

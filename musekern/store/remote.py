@@ -46,7 +46,7 @@ import urllib.request
 from .. import env
 from .cache import Cache, CacheError, Entry, manifest_bytes
 from .keys import KeyParts, is_key
-from .manifest import MAX_MANIFEST_BYTES, check, cubin_problems, parse_json
+from .manifest import MAX_JSON_ITEMS, MAX_MANIFEST_BYTES, check, cubin_problems, parse_json
 from .signing import SecretKey, TrustedKeys, sign_manifest
 
 ENV_REMOTE = env.REMOTE.name
@@ -271,7 +271,7 @@ class RemoteCache:
         try:
             _, raw = self._request("GET", f"ac/{key}", limit=MAX_MANIFEST_BYTES)
             try:
-                manifest = parse_json(raw, f"ac/{key[:16]}")
+                manifest = parse_json(raw, f"ac/{key[:16]}", max_items=MAX_JSON_ITEMS)
             except ValueError as e:
                 raise _Rejected(str(e)) from None
             problems = check(manifest, key, raw)

@@ -245,8 +245,10 @@ def test_import_bad_bundle_exits_1(cli, tmp_path):
     bad.write_bytes(b"nope" * 300)
     r = cli("import", bad, "--cache-dir", tmp_path / "d")
     assert r.exit_code == 1 and "musekern export" in r.stderr
-    # a missing file, /dev/null (five lines before: one per tarfile method) and a directory: one line each
-    for what in (tmp_path / "missing.tar", "/dev/null", tmp_path):
+    # a missing file, /dev/null (five lines before: one per tarfile method), /dev/zero, a FIFO (never waited on)
+    # and a directory: one line each
+    os.mkfifo(tmp_path / "fifo")
+    for what in (tmp_path / "missing.tar", "/dev/null", "/dev/zero", tmp_path / "fifo", tmp_path):
         r = cli("import", what, "--cache-dir", tmp_path / "d")
         assert r.exit_code == 1 and len(r.stderr.splitlines()) == 1 and r.stderr.startswith("musekern: error:"), \
             r.stderr

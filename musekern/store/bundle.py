@@ -25,6 +25,7 @@ import gzip
 import io
 import os
 import re
+import stat
 import tarfile
 import uuid
 from dataclasses import dataclass, field
@@ -158,12 +159,19 @@ def _normal(name: str) -> str:
 
 
 def _open(path: Path):
+    """The bundle open for reading: a regular file (a FIFO, a device or /dev/zero is refused, never read or
+    waited on)."""
     try:
-        return open(path, "rb")  # noqa: SIM115 - closed by the caller
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise BundleError(f"{path}: no such bundle") from None
     except OSError as e:
         raise BundleError(f"{path}: cannot read it ({fs.reason(e)}); {fs.fix_for(e)}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise BundleError(f"{path}: not a regular file (a directory, device or FIFO); give the bundle file "
+                          "`musekern export` wrote")
+    return os.fdopen(fd, "rb")
 
 
 def _walk(path: Path, f, read):

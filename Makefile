@@ -31,7 +31,7 @@ else
 	$(PIP) install -q torch --index-url $(TORCH_CPU_INDEX)
 endif
 endif
-	$(PIP) install -q -e ".[build,test,torch]"
+	$(PIP) install -q -e ".[build,sign,test,torch]"
 	touch $(STAMP)
 
 prepare: $(BUILD_STAMP)

@@ -31,3 +31,20 @@ def __getattr__(name):
         globals()[name] = value
         return value
     raise AttributeError(f"module 'musekern' has no attribute {name!r}")
+
+
+def _declared_abi(kernel: str, params: dict):
+    """What a variant's kernel declares about its launch (musekern/declared.py), for the store's checks."""
+    from .declared import declared_abi
+
+    return declared_abi(kernel, params)
+
+
+def _register_declared_abi() -> None:
+    from .store import variant_abi  # stdlib only: keeps `import musekern` cheap
+
+    if variant_abi.get_provider() is None:
+        variant_abi.set_provider(_declared_abi)
+
+
+_register_declared_abi()

@@ -34,7 +34,12 @@ MAX_SIZE = Variable("MUSEKERN_MAX_SIZE", "",
                     "`gc --set-max-size`)")
 AUTOBUILD = Variable("MUSEKERN_AUTOBUILD", "0", "compile a variant missing at run time (needs the build extra)")
 CTYPES_LAUNCH = Variable("MUSEKERN_CTYPES_LAUNCH", "1", "launch through libcuda via ctypes (0: cuda.bindings)")
-VARIABLES = (CACHE_DIR, REMOTE, REMOTE_TOKEN, REMOTE_TIMEOUT, REMOTE_DEADLINE, MAX_SIZE, AUTOBUILD, CTYPES_LAUNCH)
+SIGN_KEY = Variable("MUSEKERN_SIGN_KEY", "", "secret key file prepare and export sign entries with (--sign-key wins)")
+TRUSTED_KEYS = Variable("MUSEKERN_TRUSTED_KEYS", "",
+                        "public keys (NAME:base64, or files of them) whose signature an entry from a remote or a "
+                        "bundle needs (unset: none asked; --trusted-keys wins)")
+VARIABLES = (CACHE_DIR, REMOTE, REMOTE_TOKEN, REMOTE_TIMEOUT, REMOTE_DEADLINE, MAX_SIZE, AUTOBUILD, CTYPES_LAUNCH,
+             SIGN_KEY, TRUSTED_KEYS)
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")

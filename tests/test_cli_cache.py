@@ -245,7 +245,13 @@ def test_import_bad_bundle_exits_1(cli, tmp_path):
     bad.write_bytes(b"nope" * 300)
     r = cli("import", bad, "--cache-dir", tmp_path / "d")
     assert r.exit_code == 1 and "musekern export" in r.stderr
-    assert cli("import", tmp_path / "missing.tar", "--cache-dir", tmp_path / "d").exit_code == 2
+    # a missing file, /dev/null (five lines before: one per tarfile method), /dev/zero, a FIFO (never waited on)
+    # and a directory: one line each
+    os.mkfifo(tmp_path / "fifo")
+    for what in (tmp_path / "missing.tar", "/dev/null", "/dev/zero", tmp_path / "fifo", tmp_path):
+        r = cli("import", what, "--cache-dir", tmp_path / "d")
+        assert r.exit_code == 1 and len(r.stderr.splitlines()) == 1 and r.stderr.startswith("musekern: error:"), \
+            r.stderr
 
 
 def test_writes_on_read_only_cache_fail_with_one_line(cli, tmp_path):
@@ -405,3 +411,47 @@ def test_import_onto_a_full_disk_names_what_was_not_stored(cli, filled, tmp_path
     assert r.exit_code == 1 and len(doc["failed"]) == 4 and not doc["added"]
     assert all("no space left" in f["reason"] and str(dst) in f["reason"] for f in doc["failed"])
     assert "musekern import" in r.stderr and Cache(dst).audit() == {}
+
+
+# ---------------------------------------------------------------- issue 28's bundle items
+def test_export_refuses_an_output_name_it_does_not_write(cli, filled, tmp_path):
+    for name in ("x.zip", "x.tar.xz", "x", ".tar"):
+        r = cli("export", "--all", "-o", tmp_path / name, "--cache-dir", filled.root)
+        assert r.exit_code == 1 and len(r.stderr.splitlines()) == 1 and ".tar.gz" in r.stderr
+        assert not (tmp_path / name).exists()
+    for name in ("x.tar", "x.tar.gz", "x.tgz"):
+        assert cli("export", "--all", "-o", tmp_path / name, "--cache-dir", filled.root).exit_code == 0
+
+
+def test_export_all_names_a_damaged_entry_it_skips_and_exits_1(cli, filled, tmp_path):
+    damaged = fake_parts(1).key()
+    mf = filled.entry_path(damaged) / "manifest.json"
+    os.chmod(mf, 0o644)
+    mf.write_bytes(b"{not json")
+    r = cli("export", "--all", "-o", tmp_path / "b.tar", "--cache-dir", filled.root, "--json")
+    assert r.exit_code == 1
+    out = json.loads(r.stdout)
+    assert out["entries"] == 3 and out["skipped"] == [damaged] and not out["ok"]
+    warned = [ln for ln in r.stderr.splitlines() if "skipping damaged entry" in ln]
+    assert len(warned) == 1 and damaged[:16] in warned[0] and "musekern verify --repair" in r.stderr
+    assert cli("import", tmp_path / "b.tar", "--cache-dir", tmp_path / "d").exit_code == 0
+
+
+def test_verify_refuses_a_cubin_of_another_arch(cli, tmp_path):
+    """An sm_100a cubin re-sealed under an sm_90a key (the loader refuses it; verify now does too)."""
+    from cubin_headers import elf_header
+
+    from musekern.store.manifest import manifest_bytes, seal
+
+    c = Cache(tmp_path / "c")
+    p = fake_parts(0)
+    e = c.put(p, elf_header("sm_90a", b"body"), {"kernel": p.kernel, "label": p.label, "variant": p.variant_params,
+                                               "symbol": "k", "arch": p.arch, "abi": FAKE_ABI.to_json()})
+    assert cli("verify", "--cache-dir", c.root).exit_code == 0
+    other = elf_header("sm_100a", b"body")
+    for f, data in (("kernel.cubin", other), ("manifest.json", manifest_bytes(seal(
+            {**e.manifest, "cubin_sha256": hashlib.sha256(other).hexdigest(), "cubin_size": len(other)})))):
+        os.chmod(e.path / f, 0o644)
+        (e.path / f).write_bytes(data)
+    r = cli("verify", "--cache-dir", c.root)
+    assert r.exit_code == 1 and "built for sm_100a, the entry's arch is sm_90a" in r.stdout

@@ -248,3 +248,27 @@ def test_prepare_and_import_onto_a_real_full_tmpfs(tmp_path, monkeypatch, room_k
             subprocess.run(["rm", "-rf", str(cache.root)], check=True)
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_signed_ci_warming_and_trusting_consumers(tmp_path, nginx_server, monkeypatch):
+    """The keys flow with real builds: CI prepares with --sign-key and --upload (its own entries signed too); a
+    consumer trusting that key pulls everything, one trusting another key pulls nothing and builds (warned)."""
+    from musekern.store import signing
+
+    url, _ = nginx_server
+    keys = {}
+    for name in ("ci-1", "ci-2"):
+        k = signing.generate(name)
+        signing.write_secret(k, tmp_path / f"{name}.sec")
+        keys[name] = k.public_text
+    monkeypatch.setenv("MUSEKERN_SIGN_KEY", str(tmp_path / "ci-1.sec"))
+    a = prepare(tmp_path / "a", *LABELS, "--remote", url, "--upload")
+    assert a["counts"]["built"] == 2 and all(r["uploaded"] for r in a["results"])
+    assert all(signing.signers(e.manifest) == ["ci-1"] for e in Cache(tmp_path / "a").entries())
+    monkeypatch.delenv("MUSEKERN_SIGN_KEY")
+    b = prepare(tmp_path / "b", *LABELS, "--remote", url, "--trusted-keys", keys["ci-1"])
+    assert b["counts"]["pulled"] == 2
+    monkeypatch.setenv("MUSEKERN_TRUSTED_KEYS", keys["ci-2"])
+    c = prepare(tmp_path / "c", *LABELS, "--remote", url)
+    assert c["counts"]["pulled"] == 0 and c["counts"]["built"] == 2
+    assert len(c["warnings"]) == 2 and all("signed only by untrusted key ci-1" in w for w in c["warnings"])

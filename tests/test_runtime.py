@@ -92,10 +92,20 @@ def test_other_arch_is_refused(tmp_path):
     fake_entry(cache, arch="sm_100a")  # an sm_100a build is not taken for an sm_90a device
     with pytest.raises(MissingKernelError, match="differs in: arch"):
         load_artifact(V, "sm_90a", cache)
-    # an entry whose cubin's ELF header says another SM than its key is refused before any load
+    # an entry whose cubin's ELF header says another SM than its key: the store does not commit it, and one
+    # planted anyway (re-sealed around the other cubin) is corrupt to Cache.load: never loaded (verify says so too)
     cache2 = Cache(tmp_path / "d")
-    fake_entry(cache2, arch="sm_90a", cubin=elf_header("sm_90"))
-    with pytest.raises(ArchMismatchError, match="is for sm_90, this GPU is sm_90a"):
+    with pytest.raises(ValueError, match="built for sm_90, the entry's arch is sm_90a"):
+        fake_entry(cache2, arch="sm_90a", cubin=elf_header("sm_90"))
+    from musekern.store.keys import sha256_hex
+    from musekern.store.manifest import manifest_bytes, seal
+
+    e, other = fake_entry(cache2), elf_header("sm_90")
+    for name, data in (("kernel.cubin", other), ("manifest.json", manifest_bytes(seal(
+            {**e.manifest, "cubin_sha256": sha256_hex(other), "cubin_size": len(other)})))):
+        os.chmod(e.path / name, 0o644)
+        (e.path / name).write_bytes(data)
+    with pytest.raises(CorruptEntryError, match="built for sm_90, the entry's arch is sm_90a"):
         load_artifact(V, "sm_90a", cache2)
     cache3 = Cache(tmp_path / "e")
     fake_entry(cache3, cubin=b"not an elf")

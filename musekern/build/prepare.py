@@ -66,7 +66,7 @@ def plan_keys(entries, version: str | None = None) -> list[KeyParts]:
     return [key_parts(e.variant, e.arch, version) for e in entries]
 
 
-def _prepare_one(cache_root: str, variant, arch: str, parts: KeyParts) -> tuple[str, float, str | None]:
+def _prepare_one(cache_root: str, variant, arch: str, parts: KeyParts, sign=None) -> tuple[str, float, str | None]:
     """Worker body (also used in-process): (status, seconds, error)."""
     cache = Cache(cache_root)
     t0 = time.perf_counter()
@@ -76,7 +76,7 @@ def _prepare_one(cache_root: str, variant, arch: str, parts: KeyParts) -> tuple[
         return b.cubin, b.manifest
 
     try:
-        _, source = cache.obtain(parts, build)
+        _, source = cache.obtain(parts, build, sign=sign)
     except CacheError as e:  # the store's errors are one line with their fix already
         return FAILED, time.perf_counter() - t0, str(e)
     except Exception as e:  # reported per variant; prepare goes on with the others
@@ -85,10 +85,11 @@ def _prepare_one(cache_root: str, variant, arch: str, parts: KeyParts) -> tuple[
 
 
 def prepare(entries, cache: Cache, jobs: int = 1, remote=None, upload: bool = False, on_done=None,
-            plan_name: str | None = None, shard: tuple[int, int] | None = None) -> PrepareReport:
+            plan_name: str | None = None, shard: tuple[int, int] | None = None, sign=None) -> PrepareReport:
     """Make every PlanEntry in `entries` (or its `shard` (K, N), see variants.shard_plan) present in `cache`;
     `on_done(result)` after each one. With `plan_name`, the whole plan's keys are recorded under that name
-    (`musekern clean --stale` keeps what some recorded plan needs), also in a shard run.
+    (`musekern clean --stale` keeps what some recorded plan needs), also in a shard run. `sign`: the
+    store.signing.SecretKey what it builds is signed with (what it uploads: the remote's own `sign_key`).
 
     A present entry counts only if it verifies (sha256): a corrupt one is rebuilt. Raises
     ReadOnlyCacheError (one line) when something is missing and the cache is read-only, and
@@ -142,11 +143,11 @@ def prepare(entries, cache: Cache, jobs: int = 1, remote=None, upload: bool = Fa
 
     if jobs <= 1 or len(todo) <= 1:
         for e, parts, res in todo:
-            built(res, _prepare_one(str(cache.root), e.variant, e.arch, parts))
+            built(res, _prepare_one(str(cache.root), e.variant, e.arch, parts, sign))
     else:
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold MLIR state
         with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            futs = {pool.submit(_prepare_one, str(cache.root), e.variant, e.arch, parts): res
+            futs = {pool.submit(_prepare_one, str(cache.root), e.variant, e.arch, parts, sign): res
                     for e, parts, res in todo}
             for f in cf.as_completed(futs):
                 try:

@@ -42,9 +42,9 @@ def main():
 
 
 def _register_all():
-    from . import bench_cmd, build_cmds, cache_cmds, doctor_cmd
+    from . import bench_cmd, build_cmds, cache_cmds, doctor_cmd, keys_cmd
 
-    for module in (build_cmds, cache_cmds, doctor_cmd, bench_cmd):
+    for module in (build_cmds, cache_cmds, keys_cmd, doctor_cmd, bench_cmd):
         module.register(main)
 
 

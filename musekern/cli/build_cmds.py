@@ -18,9 +18,11 @@ from .common import (
     model_option,
     resolve_targets,
     shard_option,
+    sign_key_option,
     table,
     target_option,
     tp_option,
+    trusted_keys_option,
     warn,
 )
 
@@ -116,12 +118,16 @@ def plan_cmd(model_path, target_names, tp, as_json):
 @click.option("--remote", default=None, envvar="MUSEKERN_REMOTE",
               help="HTTP cache (Bazel protocol) to pull from [env: MUSEKERN_REMOTE].")
 @click.option("--upload", is_flag=True, help="Push entries this run built or has to --remote.")
+@sign_key_option
+@trusted_keys_option
 @json_option
-def prepare_cmd(model_path, target_names, tp, variant_labels, cache_dir, jobs, shard, remote, upload, as_json):
+def prepare_cmd(model_path, target_names, tp, variant_labels, cache_dir, jobs, shard, remote, upload, sign_key,
+                trusted_keys, as_json):
     """Compile every kernel variant the model needs into the cache (no GPU needed)."""
     from ..build import BuildExtraMissing
     from ..build.prepare import BUILT, FAILED, HIT, PULLED, prepare
     from ..store.cache import Cache, ReadOnlyCacheError, default_cache_dir
+    from ..store.signing import SecretKey, TrustedKeys
 
     model = load_model(model_path, tp)
     targets = resolve_targets(target_names, model)
@@ -129,12 +135,14 @@ def prepare_cmd(model_path, target_names, tp, variant_labels, cache_dir, jobs, s
     if upload and not remote:
         raise UsageFailure("--upload needs --remote URL (or MUSEKERN_REMOTE)")
     cache = Cache(default_cache_dir(cache_dir))
+    sign = SecretKey.from_env(sign_key)  # SigningError: one line (the group maps CacheErrors)
     rem = None
     if remote:
         from ..store.remote import RemoteCache, RemoteError
 
         try:
-            rem = RemoteCache.from_env(remote, upload=upload)
+            rem = RemoteCache.from_env(remote, upload=upload, trusted=TrustedKeys.from_env(trusted_keys),
+                                       sign_key=sign)
         except RemoteError as e:
             raise UsageFailure(f"--remote: {e}") from None
     if not cache.root.exists():  # a root that cannot exist (under /proc, below a file) fails here, in one line
@@ -152,7 +160,7 @@ def prepare_cmd(model_path, target_names, tp, variant_labels, cache_dir, jobs, s
     try:
         with bar:
             report = prepare(entries, cache, jobs=jobs, remote=rem, upload=upload,
-                             on_done=lambda r: bar.update(1, r), plan_name=plan_name, shard=shard)
+                             on_done=lambda r: bar.update(1, r), plan_name=plan_name, shard=shard, sign=sign)
     except BuildExtraMissing as e:
         raise Failure(str(e)) from None
     except ReadOnlyCacheError as e:

@@ -26,10 +26,13 @@ from .common import (
     model_option,
     one_line_errors,
     shard_option,
+    sign_key_option,
     table,
     target_option,
     tp_flag,
     tp_option,
+    trusted_keys_option,
+    warn,
 )
 
 __all__ = ["parse_size", "parse_duration", "register"]
@@ -430,25 +433,38 @@ def _print_parts(entry) -> None:
 @target_option
 @tp_option
 @shard_option
-@click.option("--all", "all_", is_flag=True, help="Export every entry instead of a model's plan.")
+@click.option("--all", "all_", is_flag=True, help="Export every sound entry instead of a model's plan (a damaged one "
+              "is skipped with a warning, and the export exits 1).")
 @click.option("--key", "keys", multiple=True, help="Export this entry (repeatable) instead of a model's plan.")
 @click.option("-o", "--output", "output", required=True, type=click.Path(dir_okay=False),
-              help="Bundle to write (.tar, or .tar.gz).")
+              help="Bundle to write: NAME.tar, or NAME.tar.gz / NAME.tgz (gzip).")
+@sign_key_option
 @cache_dir_option
 @json_option
-def export_cmd(model_path, target_names, tp, shard, all_, keys, output, cache_dir, as_json):
+def export_cmd(model_path, target_names, tp, shard, all_, keys, output, sign_key, cache_dir, as_json):
     """Write a reproducible bundle (tar) of the model's planned entries, or of shard K/N of them (what
-    `prepare --shard K/N` built), or --all / --key entries."""
-    from ..store.bundle import export_bundle
+    `prepare --shard K/N` built), or --all / --key entries; --sign-key signs each manifest in it."""
+    from ..store.bundle import bundle_compression, export_bundle
     from ..store.cache import CacheError
+    from ..store.signing import SecretKey
 
+    bundle_compression(output)  # a name export does not write (x.zip) is refused before any work
+    sign = SecretKey.from_env(sign_key)
     cache = _open(cache_dir)
     plan_name = None
     warnings: list[str] = []
+    skipped: list[str] = []
     if all_ or keys:
         if model_path or target_names or tp or shard:
             raise click.UsageError("give either --model/--target/--tp/--shard or --all/--key, not both")
-        chosen = [e.key for e in cache.entries()] if all_ else []
+        chosen = []
+        for k in cache.entry_keys() if all_ else []:
+            insp = cache.inspect(k)
+            if insp.status == "sound":
+                chosen.append(k)
+            elif insp.status == "bad":
+                skipped.append(k)
+                warn(f"skipping damaged entry {k[:16]}: {'; '.join(insp.problems)[:300]}")
         for k in keys:
             matches = [x for x in cache.entry_keys() if x.startswith(k.lower())]
             if len(matches) != 1:
@@ -477,29 +493,40 @@ def export_cmd(model_path, target_names, tp, shard, all_, keys, output, cache_di
         plan_name = f"{model.source}|{','.join(t.name for t in targets)}" + (f"|shard {shard[0]}/{shard[1]}"
                                                                            if shard else "")
     try:
-        index = export_bundle(cache, chosen, output, plan_name=plan_name)
+        index = export_bundle(cache, chosen, output, plan_name=plan_name, sign=sign)
     except CacheError as e:
         raise Failure(str(e)) from None
     except OSError as e:
         raise Failure(f"cannot write {output}: {e.strerror or e}") from None
     n = len(index["entries"])
     if as_json:
-        emit_json({"cache_dir": str(cache.root), "output": str(output), "entries": n,
-                   "keys": [x["key"] for x in index["entries"]], "plan": plan_name, "warnings": warnings})
+        emit_json({"cache_dir": str(cache.root), "output": str(output), "entries": n, "ok": not skipped,
+                   "keys": [x["key"] for x in index["entries"]], "plan": plan_name, "signed_by": sign and sign.name,
+                   "skipped": skipped, "warnings": warnings})
     else:
-        click.echo(f"exported {n} entries to {output}")
+        click.echo(f"exported {n} entries to {output}" + (f", signed by {sign.name}" if sign else "")
+                   + (f"; {len(skipped)} damaged entries skipped" if skipped else ""))
+    if skipped:
+        log(f"musekern: error: {len(skipped)} damaged entr{'y was' if len(skipped) == 1 else 'ies were'} not "
+            f"exported; `musekern verify{_cd(cache)}` says why, `musekern verify --repair{_cd(cache)}` then "
+            f"`musekern prepare{_cd(cache)}` rebuilds them")
+        raise SystemExit(EXIT_FAIL)
 
 
 @click.command("import")
-@click.argument("bundle", type=click.Path(dir_okay=False, exists=True))
+@click.argument("bundle")
+@trusted_keys_option
 @cache_dir_option
 @json_option
-def import_cmd(bundle, cache_dir, as_json):
-    """Verify a bundle and add its entries to the cache (bad entries are rejected, exit 1)."""
+def import_cmd(bundle, trusted_keys, cache_dir, as_json):
+    """Verify a bundle and add its entries to the cache (bad entries, and with trusted keys unsigned or
+    untrusted ones, are rejected, exit 1)."""
     from ..store.bundle import import_bundle
+    from ..store.signing import TrustedKeys
 
+    trusted = TrustedKeys.from_env(trusted_keys)
     cache = _open(cache_dir)
-    report = import_bundle(cache, bundle)  # BundleError, ReadOnlyCacheError: one line each (register)
+    report = import_bundle(cache, bundle, trusted)  # BundleError, ReadOnlyCacheError: one line each (register)
     if as_json:
         emit_json({"cache_dir": str(cache.root), "bundle": str(bundle), **report.to_json()})
     else:

@@ -20,6 +20,13 @@ model_option = click.option(  # a plain path: the config reader refuses a direct
     "--model", "model_path", type=click.Path(), metavar="FILE", default=None,
     help="Model config: your model's config.json as published (text_config, head_dim null, dtype are read), "
          "optionally with a `musekern` block. Default: the bundled Muse Spark config.")
+sign_key_option = click.option(
+    "--sign-key", "sign_key", default=None, metavar="FILE",
+    help="Sign the entries' manifests with this secret key file (`musekern keys generate`) [env: MUSEKERN_SIGN_KEY].")
+trusted_keys_option = click.option(
+    "--trusted-keys", "trusted_keys", default=None, metavar="KEYS",
+    help="Take entries from a remote or a bundle only when signed by one of these public keys (NAME:base64, or "
+         "files of them; space-separated) [env: MUSEKERN_TRUSTED_KEYS]. Local builds are trusted.")
 target_option = click.option(
     "--target", "target_names", multiple=True,
     help=f"GPU target (repeatable): {supported_targets()}. Default: the config's `targets`, else the local GPU.")
@@ -173,3 +180,4 @@ def environment() -> list[dict]:
         value, source = env.shown(var)
         out.append({"name": var.name, "value": value, "source": source, "meaning": var.meaning})
     return out
+

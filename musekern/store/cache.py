@@ -60,7 +60,11 @@ What stands in for recomputing it:
    `RemoteCache.pull(parts)` requires them to equal the requested parts (a bundle entry must re-derive the key
    it is filed under). A remote whose ac/<key> names another variant's blob fails the digest or the cubin
    checks (that cubin's ELF has another symbol and parameter list).
-4. The cubin vouches for what it records: the entry symbol, each parameter's size, the required block size.
+4. The cubin vouches for what it records: the entry symbol, each parameter's size, the required block size,
+   its arch.
+5. Where the package layer declares it (store/variant_abi.py, a hook: musekern/declared.py), the ABI must be
+   exactly what the key's variant declares; and with trusted keys, an entry from a remote or a bundle must
+   carry a signature by one of them (store/signing.py).
 An entry failing any of these is rejected with a warning (pull, import) or is corrupt (load, verify).
 """
 from __future__ import annotations
@@ -81,6 +85,7 @@ from .keys import KeyParts, is_key, sha256_hex
 from .manifest import (
     CACHE_FORMAT,
     DIGEST,
+    MAX_JSON_ITEMS,
     MAX_MANIFEST_BYTES,
     check,
     cubin_problems,
@@ -88,6 +93,7 @@ from .manifest import (
     parse_json,
     seal,
 )
+from .signing import sign_manifest
 
 __all__ = ["CACHE_FORMAT", "manifest_bytes", "Cache", "Entry", "Inspection", "CacheError", "CorruptEntryError",
            "MissingEntryError", "CacheAccessError", "ReadOnlyCacheError", "default_cache_dir"]
@@ -211,7 +217,7 @@ class Cache:
         except ReadProblem as e:
             return None, None, str(e)
         try:
-            m = parse_json(raw, "manifest.json")
+            m = parse_json(raw, "manifest.json", max_items=MAX_JSON_ITEMS)
         except ValueError as e:
             return None, raw, str(e)
         if not isinstance(m, dict):
@@ -357,19 +363,20 @@ class Cache:
             pass
 
     # ------------------------------------------------------------ writes
-    def put(self, parts: KeyParts, cubin: bytes, manifest: dict, command: str = "prepare") -> Entry:
+    def put(self, parts: KeyParts, cubin: bytes, manifest: dict, command: str = "prepare", sign=None) -> Entry:
         """Commit an entry (immutable: if a sound one exists under the key it is kept and returned).
 
         Adds format/key/key_parts/cubin_sha256/cubin_size and the digest to the builder's manifest; a
         manifest that already carries one of them (e.g. pulled from a remote or a bundle) must agree, and the
         whole must pass every check `load` applies (ValueError otherwise: nothing is committed that `load`
         would refuse). Raises CacheAccessError (one line: the path and the fix) when it cannot be written.
+        `sign`: a store.signing.SecretKey whose signature the committed manifest carries (prepare --sign-key).
         """
         self.require_writable(f"add {parts.label}", command)
         with self.lock(parts.key(), command):
-            return self._put_locked(parts, cubin, manifest, command)
+            return self._put_locked(parts, cubin, manifest, command, sign)
 
-    def _full_manifest(self, parts: KeyParts, cubin: bytes, manifest: dict) -> dict:
+    def _full_manifest(self, parts: KeyParts, cubin: bytes, manifest: dict, sign=None) -> dict:
         key = parts.key()
         added = {"format": CACHE_FORMAT, "key": key, "key_parts": parts.to_json(),
                  "cubin_sha256": sha256_hex(cubin), "cubin_size": len(cubin)}
@@ -385,6 +392,7 @@ class Cache:
         full = seal(parse_json(manifest_bytes(full), "manifest"))  # only JSON-serialisable data goes to disk
         if DIGEST in manifest and manifest[DIGEST] != full[DIGEST]:
             raise ValueError("manifest digest does not match its fields (changed after it was sealed)")
+        full = sign_manifest(full, sign)
         problems = check(full, key) or cubin_problems(full, cubin)
         if problems:
             raise ValueError(f"not a valid entry for {parts.label}: {'; '.join(problems)}")
@@ -393,12 +401,13 @@ class Cache:
     def _stage_name(self, key: str, trash: bool = False) -> Path:
         return self.tmp_dir / f"{'trash.' if trash else ''}{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
 
-    def _put_locked(self, parts: KeyParts, cubin: bytes, manifest: dict, command: str = "prepare") -> Entry:
+    def _put_locked(self, parts: KeyParts, cubin: bytes, manifest: dict, command: str = "prepare",
+                    sign=None) -> Entry:
         if not isinstance(cubin, (bytes, bytearray)):
             raise TypeError("cubin must be bytes")
         cubin = bytes(cubin)
         key = parts.key()
-        full = self._full_manifest(parts, cubin, manifest)
+        full = self._full_manifest(parts, cubin, manifest, sign)
         final = self.entry_path(key)
         if self.exists(key):
             insp = self.inspect(key)
@@ -451,13 +460,14 @@ class Cache:
             raise self.access_error(e, path, command) from None
         rmtree(trash)
 
-    def obtain(self, parts: KeyParts, build: Callable[[], tuple[bytes, dict]], remote=None) -> tuple[Entry, str]:
+    def obtain(self, parts: KeyParts, build: Callable[[], tuple[bytes, dict]], remote=None,
+               sign=None) -> tuple[Entry, str]:
         """The sound entry for `parts`, and where it came from: "local", "remote" or "built".
 
         Fast path without a lock (so a read-only cache that has the entry works). On a miss:
         take the per-key lock, re-check (another process may have just built it), try the
         remote, then build. A corrupt local entry counts as a miss and is replaced. With a
-        remote that has `upload` set, a freshly built entry is pushed.
+        remote that has `upload` set, a freshly built entry is pushed. `sign`: the key a build is signed with.
         """
         key = parts.key()
         e = self.sound(key)
@@ -475,7 +485,7 @@ class Cache:
                 if e is not None:
                     return e, "remote"
             cubin, manifest = build()
-            e = self._put_locked(parts, cubin, manifest)
+            e = self._put_locked(parts, cubin, manifest, sign=sign)
         if remote is not None and getattr(remote, "upload", False):
             remote.push(e, self)
         return e, "built"

@@ -15,10 +15,16 @@ How every field that reaches a launch or a lookup is bound to the cubin's hash a
 - Every value has its type and bound checked, so a hostile record (nested JSON, 1e999, a 10**12-byte
   parameter) is a problem naming the field, never a crash of the loader.
 
+- The ABI must be the one the key's variant declares (store/variant_abi.py, a hook the package layer fills)
+  and a CUDA ELF cubin must be built for the key's arch.
+- `signatures` (store/signing.py), when present, are well formed and covered by the digest; whether they
+  verify is asked only of entries from a remote or a bundle on a machine that trusts keys.
+
 The digest is not a signature: whoever rewrites a manifest and recomputes the digest defeats it. What it
 catches is bit rot, truncation, hand edits and mix-ups; forgeries that stay consistent are caught as far as
-the key and the cubin allow (another variant's parts do not hash to this key; another variant's cubin does
-not have this symbol and ABI).
+the key, the variant's declared ABI and the cubin allow (another variant's parts do not hash to this key;
+another variant's ABI is not this variant's; another variant's cubin does not have this symbol and ABI).
+What is left (a sibling build with the very same ABI and symbol) only a signature refuses.
 """
 from __future__ import annotations
 
@@ -26,8 +32,10 @@ import json
 import math
 import re
 
-from .abi import ABI_VERSION, FIELD_TYPES, KernelAbi
+from . import variant_abi
+from .abi import ABI_VERSION, FIELD_TYPES, KernelAbi, cubin_arch
 from .keys import KeyParts, canonical_json, is_key, sha256_hex
+from .signing import SIGNATURES, signature_problems
 
 CACHE_FORMAT = 2  # 2: keys leave variant fields at their default out, source hash covers variants/<kernel>.py,
 #                      manifests carry `digest` (changed before v2 was released: a v2 entry without it is corrupt)
@@ -35,6 +43,7 @@ MAX_MANIFEST_BYTES = 1 << 20
 MAX_CUBIN_BYTES = 64 << 20  # real cubins are 10-500 KB; a bigger declared size is not a kernel of ours
 MAX_JSON_DEPTH = 32  # a manifest nests 6 deep (abi.params[].fields[]); bundle indexes 3
 MAX_INT_DIGITS = 20
+MAX_JSON_ITEMS = 1 << 16  # objects, arrays and separators: a manifest has a few hundred; bounds what parsing allocates
 DIGEST = "digest"
 
 _SYMBOL_RE = re.compile(r"^[A-Za-z_$][\w$]{0,4095}$")
@@ -78,10 +87,14 @@ def json_depth(raw: bytes, limit: int = MAX_JSON_DEPTH) -> int:
     return best
 
 
-def parse_json(raw: bytes, what: str, max_depth: int = MAX_JSON_DEPTH):
-    """JSON from bytes, bounded: at most `max_depth` nested arrays/objects, finite numbers, integers of at most
-    20 digits, no NaN/Infinity. Raises ValueError (one line naming `what`) otherwise; never RecursionError or
-    OverflowError."""
+def parse_json(raw: bytes, what: str, max_depth: int = MAX_JSON_DEPTH, max_items: int | None = None):
+    """JSON from bytes, bounded: at most `max_depth` nested arrays/objects, at most `max_items` (if given) objects,
+    arrays and commas (counted before parsing, strings included: an upper bound on the values it would allocate),
+    finite numbers, integers of at most 20 digits, no NaN/Infinity. Raises ValueError (one line naming `what`)
+    otherwise; never RecursionError, OverflowError or MemoryError for a file within its size cap."""
+    items = 0 if max_items is None else raw.count(b"{") + raw.count(b"[") + raw.count(b",")
+    if max_items is not None and items > max_items:
+        raise ValueError(f"{what} holds more than {max_items} values (not one of ours)")
     if json_depth(raw, max_depth) > max_depth:
         raise ValueError(f"{what} nests deeper than {max_depth} levels (not one of ours)")
     try:
@@ -235,6 +248,10 @@ def check(manifest, key: str, raw: bytes | None = None) -> list[str]:
         problems.append(str(e))
     if "built_with" in m and not isinstance(m["built_with"], dict):
         problems.append("manifest built_with is not an object")
+    if SIGNATURES in m:
+        problems += signature_problems(m[SIGNATURES])
+    if parts is not None and not problems:  # what the variant implies about its launch (store/variant_abi.py)
+        problems += variant_abi.problems(parts.kernel, parts.variant_params, parts.label, m["abi"])
     if m.get(DIGEST) != digest_of(m):
         problems.append("manifest.json was changed after it was written (digest mismatch)"
                         if isinstance(m.get(DIGEST), str) else "manifest.json has no digest")
@@ -255,4 +272,16 @@ def cubin_problems(manifest: dict, cubin: bytes | None) -> list[str]:
         return ["kernel.cubin sha256 does not match the manifest (corrupted)"]
     from .elf import abi_problems
 
-    return abi_problems(cubin, manifest["symbol"], manifest["abi"])
+    return arch_problems(cubin, manifest["arch"]) + abi_problems(cubin, manifest["symbol"], manifest["abi"])
+
+
+def arch_problems(cubin: bytes, arch: str) -> list[str]:
+    """A CUDA ELF built for another arch than the key's (what the loader refuses: an sm_100a cubin under an
+    sm_90a key). Bytes that are not a CUDA ELF header are left to the ELF checks and the driver."""
+    try:
+        got = cubin_arch(cubin)
+    except ValueError:
+        return []
+    if got != arch:
+        return [f"kernel.cubin is built for {got}, the entry's arch is {str(arch)[:20]} (another arch's build)"]
+    return []

@@ -30,6 +30,8 @@ Rules this module keeps:
   False, a warning is logged once, and after a connection failure the remote is marked dead
   so the remaining variants do not each wait for a timeout.
 - Push writes the blob before the manifest, so /ac never points at a missing blob.
+- Authenticity (store/signing.py): with trusted keys, a pulled entry needs a signature by one of them that
+  verifies (checked before its blob is downloaded); with a signing key, what is pushed carries its signature.
 """
 from __future__ import annotations
 
@@ -48,7 +50,8 @@ import urllib.request
 from .. import env
 from .cache import Cache, CacheError, Entry, manifest_bytes
 from .keys import KeyParts, is_key
-from .manifest import MAX_MANIFEST_BYTES, check, cubin_problems, parse_json
+from .manifest import MAX_JSON_ITEMS, MAX_MANIFEST_BYTES, check, cubin_problems, parse_json
+from .signing import SecretKey, TrustedKeys, sign_manifest
 
 ENV_REMOTE = env.REMOTE.name
 ENV_REMOTE_TIMEOUT = env.REMOTE_TIMEOUT.name
@@ -115,7 +118,8 @@ class RemoteCache:
     """A Bazel-HTTP-cache-style remote. `pull` and `push` never raise on network trouble."""
 
     def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT_S, upload: bool = False,
-                 deadline: float = DEFAULT_DEADLINE_S, token: str | None = None):
+                 deadline: float = DEFAULT_DEADLINE_S, token: str | None = None, trusted: TrustedKeys | None = None,
+                 sign_key: SecretKey | None = None):
         shown = env.mask_url(url)
         try:
             parsed = urllib.parse.urlsplit(url)
@@ -155,6 +159,8 @@ class RemoteCache:
         except ValueError as e:
             raise RemoteError(f"remote cache {self.url}: {e}") from None
         self.upload = bool(upload)
+        self.trusted = trusted or TrustedKeys()  # keys a pulled entry must be signed by (none: not asked)
+        self.sign_key = sign_key  # what push signs the manifests it uploads with
         self.dead = False  # set after a connection failure or a spent budget: later calls return at once
         self.warnings: list[str] = []
         self.stats = {"pulled": 0, "missed": 0, "rejected": 0, "pushed": 0, "push_skipped": 0, "errors": 0}
@@ -164,8 +170,8 @@ class RemoteCache:
         return f"RemoteCache({self.url!r}, upload={self.upload})"
 
     @classmethod
-    def from_env(cls, cli_value: str | None = None, upload: bool = False,
-                 timeout: float | None = None) -> "RemoteCache | None":
+    def from_env(cls, cli_value: str | None = None, upload: bool = False, timeout: float | None = None,
+                 trusted: TrustedKeys | None = None, sign_key: SecretKey | None = None) -> "RemoteCache | None":
         """--remote URL > $MUSEKERN_REMOTE > None (no remote). The bearer token comes from
         $MUSEKERN_REMOTE_TOKEN, the per-request timeout and the per-prepare budget from $MUSEKERN_REMOTE_TIMEOUT
         and $MUSEKERN_REMOTE_DEADLINE (musekern/env.py); a bad value raises RemoteError naming the variable."""
@@ -177,7 +183,8 @@ class RemoteCache:
             deadline = env.seconds(env.REMOTE_DEADLINE)
         except env.EnvError as e:
             raise RemoteError(str(e)) from None
-        return cls(url, timeout=timeout, upload=upload, deadline=deadline, token=os.environ.get(ENV_REMOTE_TOKEN))
+        return cls(url, timeout=timeout, upload=upload, deadline=deadline, token=os.environ.get(ENV_REMOTE_TOKEN),
+                   trusted=trusted, sign_key=sign_key)
 
     # ------------------------------------------------------------ http
     def _warn(self, msg: str) -> None:
@@ -291,7 +298,7 @@ class RemoteCache:
         try:
             _, raw = self._request("GET", f"ac/{key}", limit=MAX_MANIFEST_BYTES)
             try:
-                manifest = parse_json(raw, f"ac/{key[:16]}")
+                manifest = parse_json(raw, f"ac/{key[:16]}", max_items=MAX_JSON_ITEMS)
             except ValueError as e:
                 raise _Rejected(str(e)) from None
             problems = check(manifest, key, raw)
@@ -301,6 +308,9 @@ class RemoteCache:
             if want is not None and parts != want:
                 raise _Rejected(f"its manifest describes {parts.label}, not the {want.label} asked for "
                                 f"({', '.join(parts.differences(want))} differ)")
+            refusal = self.trusted.refusal(manifest)
+            if refusal:
+                raise _Rejected(f"not trusted: {refusal}")
             sha, size = manifest["cubin_sha256"], manifest["cubin_size"]
             _, cubin = self._request("GET", f"cas/{sha}", limit=size)
             problems = cubin_problems(manifest, cubin)
@@ -365,7 +375,7 @@ class RemoteCache:
             self._warn(f"push {entry.key[:16]}: local entry not sound, not uploaded: {e}")
             return False
         sha = entry.manifest["cubin_sha256"]
-        mbytes = manifest_bytes(entry.manifest)
+        mbytes = manifest_bytes(sign_manifest(entry.manifest, self.sign_key))
         what = f"push {entry.key[:16]}"
         try:
             wrote = False

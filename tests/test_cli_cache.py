@@ -16,7 +16,16 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-from store_fakes import FAKE_ABI, as_other_user, fail_writes_under, lock_held_elsewhere
+from store_fakes import (
+    FAKE_ABI,
+    OWN_DIRS,
+    as_other_user,
+    fail_writes_under,
+    lived_in,
+    lock_held_elsewhere,
+    plant_outside,
+    tree,
+)
 
 from musekern.cli import cache_cmds
 from musekern.cli.cache_cmds import parse_duration, parse_size
@@ -405,3 +414,42 @@ def test_import_onto_a_full_disk_names_what_was_not_stored(cli, filled, tmp_path
     assert r.exit_code == 1 and len(doc["failed"]) == 4 and not doc["added"]
     assert all("no space left" in f["reason"] and str(dst) in f["reason"] for f in doc["failed"])
     assert "musekern import" in r.stderr and Cache(dst).audit() == {}
+
+
+# ---------------------------------------------------------------- issue 28: no deletes outside the cache
+# every maintenance command (dry runs too: they must say what the real run would do) x every directory the store
+# makes, planted as a link to an outside directory of sentinels named as that directory's items would be. Before
+# the fix: `clean` emptied a linked tmp/ (25 of 25 sentinels), `clean --all` deleted 21 through plans/ or used/
+# and 4 through entries/, `verify --repair` 4 through entries/, `stats --zero` 4 through stats/, `gc` 4 through
+# used/, and a linked v2/ lost 1-23 files to every command.
+MAINTENANCE = [("clean",), ("clean", "--all"), ("clean", "--stale"), ("clean", "--all", "--dry-run"),
+               ("gc", "--max-size", "0"), ("gc", "--older-than", "0s"), ("gc", "--max-size", "0", "--dry-run"),
+               ("stats", "--zero"), ("verify", "--repair")]
+
+
+@pytest.mark.parametrize("rel", OWN_DIRS)
+@pytest.mark.parametrize("args", MAINTENANCE, ids=" ".join)
+def test_maintenance_never_deletes_or_writes_through_a_planted_link(cli, tmp_path, rel, args):
+    cache, keys = lived_in(tmp_path / "cache")
+    outside = tmp_path / "outside"
+    planted = plant_outside(cache, rel, outside, keys)
+    before = tree(outside)
+    r = cli(*args, "--cache-dir", cache.root)
+    assert tree(outside) == before  # 0 outside files removed, changed or created
+    err = r.stderr.strip().splitlines()
+    assert r.exit_code == 1 and len(err) == 1, (r.exit_code, r.stderr)
+    assert f"{planted} is a symbolic link to {outside}" in err[0] and f"rm {planted}" in err[0], err
+    # the fix it names works: the link goes (never what it points at), and the command runs
+    planted.unlink()
+    no_plan_left = args == ("clean", "--stale") and rel in ("v2", "v2/plans")  # "no plan is recorded": exit 1
+    assert cli(*args, "--cache-dir", cache.root).exit_code == int(no_plan_left) and tree(outside) == before
+
+
+def test_stats_warns_of_a_planted_link_and_reads_nothing_through_it(cli, tmp_path):
+    cache, keys = lived_in(tmp_path / "cache")
+    plant_outside(cache, "v2/tmp", tmp_path / "outside", keys)
+    r = cli("stats", "--cache-dir", cache.root, "--json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and doc["staging"] == {"live": 0, "debris": 0, "debris_bytes": 0}
+    assert doc["not_own_dirs"] == [f"{cache.tmp_dir} is a symbolic link to {tmp_path / 'outside'}"]
+    assert "refuses this cache" in r.stderr

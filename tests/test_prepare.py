@@ -248,3 +248,22 @@ def test_prepare_and_import_onto_a_real_full_tmpfs(tmp_path, monkeypatch, room_k
             subprocess.run(["rm", "-rf", str(cache.root)], check=True)
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+# every directory the store makes, planted as a link to an outside directory of sentinels: prepare (its builds,
+# plan record, stamps, counters, index markers and its size policy's evictions) writes and deletes nothing there,
+# and says why. Before the fix, with MUSEKERN_MAX_SIZE=1: 4 sentinels deleted through used/, 13 files created
+# through v2/, 3 through entries/, 2 through index/, 1 through locks/, 2 counters appended to through stats/.
+@pytest.mark.parametrize("rel", __import__("store_fakes").OWN_DIRS)
+def test_prepare_never_writes_or_deletes_through_a_planted_link(tmp_path, monkeypatch, rel):
+    from store_fakes import lived_in, plant_outside, tree
+
+    _fake_builds(monkeypatch)
+    monkeypatch.setenv("MUSEKERN_MAX_SIZE", "1")
+    cache, keys = lived_in(tmp_path / "c")
+    planted = plant_outside(cache, rel, tmp_path / "outside", keys)
+    before = tree(tmp_path / "outside")
+    r = CliRunner().invoke(main, ["prepare", "--target", "h200", "--cache-dir", str(cache.root), *LABELS[:2]])
+    assert tree(tmp_path / "outside") == before
+    assert r.exit_code in (0, 1) and f"{planted} is a symbolic link" in r.stderr, r.stderr
+    assert "Traceback" not in r.output

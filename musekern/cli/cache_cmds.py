@@ -14,7 +14,7 @@ import time
 
 import click
 
-from ..env import parse_size
+from ..env import human_size, parse_size
 from ..store import hygiene, lookup, tuning
 from .common import (
     EXIT_FAIL,
@@ -48,12 +48,7 @@ def parse_duration(text: str) -> float:
     return total
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+_human = human_size
 
 
 def _open(cache_dir, must_exist: bool = False):
@@ -117,6 +112,8 @@ def verify_cmd(repair, cache_dir, as_json):
     """Re-check every entry (manifest digest, key, ABI, cubin hash); exit 1 naming each bad one (--repair
     removes them, each re-checked under its lock first). A missing cache directory is an error."""
     cache = _open(cache_dir, must_exist=True)
+    if repair:
+        hygiene.check_own_dirs(cache, "verify --repair")  # refused before anything is removed
     keys = cache.entry_keys()
     bad, gone = {}, []
     for k in keys:
@@ -143,6 +140,8 @@ def verify_cmd(repair, cache_dir, as_json):
         click.echo(f"{len(keys)} entries checked, {len(bad)} bad"
                    + (f", {len(gone)} removed meanwhile by another command" if gone else "")
                    + (f", {len(removed)} removed" if repair else ""))
+    for line in fixed.get("skipped", ()):
+        log(f"musekern: warning: {line}")
     if fixed["busy"]:
         log(f"musekern: warning: {len(fixed['busy'])} bad entr{'y is' if len(fixed['busy']) == 1 else 'ies are'} "
             f"being rebuilt by a running prepare; run `musekern verify{_cd(cache)}` when it is done")
@@ -169,7 +168,8 @@ def clean_cmd(stale, all_, dry_run, cache_dir, as_json):
     cache = _open(cache_dir)
     if not dry_run:
         _writable(cache, "clean", "clean")
-    doomed, busy, tuned = [], [], []
+    hygiene.check_own_dirs(cache, "clean")  # a link where tmp/, plans/... should be: refused before anything goes
+    doomed, busy, tuned, skipped = [], [], [], []
     if all_:
         doomed = cache.entries()
     elif stale:
@@ -181,15 +181,19 @@ def clean_cmd(stale, all_, dry_run, cache_dir, as_json):
         tuned = tuning.scope_files(cache) if all_ else []
     elif all_:
         result = hygiene.clear(cache)
-        removed, busy, tmp, tuned = result["removed"], result["busy"], 0, result["tuning"]
+        removed, busy, tmp, tuned, skipped = (result["removed"], result["busy"], result["tmp"], result["tuning"],
+                                              result["skipped"])
     else:
-        removed = [e.key for e in doomed if cache.remove_if(e.key, command="clean") == "removed"]
+        removed = [e.key for e in doomed
+                   if hygiene.remove_entry(cache, e.key, command="clean", skipped=skipped) == "removed"]
         busy = [e.key for e in doomed if e.key not in removed and cache.exists(e.key)]
-        tmp = hygiene.clean_tmp(cache)
+        tmp = hygiene.clean_tmp(cache, skipped=skipped)
     rows = [summaries.get(k) or {"key": k, "label": "?"} for k in removed]
+    for line in skipped:
+        log(f"musekern: warning: {line}")
     if as_json:
         emit_json({"cache_dir": str(cache.root), "dry_run": dry_run, "removed": rows, "busy": busy,
-                   "temp_dirs_removed": tmp, "gemm_tuning_removed": tuned})
+                   "temp_dirs_removed": tmp, "gemm_tuning_removed": tuned, "skipped": skipped})
         return
     for r in rows:
         click.echo(f"{'would remove' if dry_run else 'removed'} {r['key'][:16]} {r['label']}")
@@ -216,6 +220,11 @@ def stats_cmd(zero, cache_dir, as_json):
     if zero:
         hygiene.zero_counters(cache)
     s = hygiene.stats(cache)
+    if s["policy_problem"]:
+        log(f"musekern: warning: {s['policy_problem']}; no size policy is applied meanwhile")
+    if s["not_own_dirs"]:
+        log(f"musekern: warning: {'; '.join(s['not_own_dirs'])}, where the cache keeps a directory of its own: "
+            "maintenance (clean, gc, verify --repair) refuses this cache until that is removed (`rm PATH`)")
     if as_json:
         emit_json(s)
         return
@@ -289,8 +298,11 @@ def gc_cmd(max_size, older_than, set_max, dry_run, cache_dir, as_json):
         if size is None and set_max is None:
             raise click.UsageError("give --max-size SIZE and/or --older-than DURATION, or keep a policy with "
                                    "`musekern gc --set-max-size 2G`, e.g. `musekern gc --max-size 2G`")
+    skipped: list[str] = []
     doomed = [] if size is None and age is None else hygiene.gc(cache, max_size=size, older_than=age,
-                                                                now=time.time(), dry_run=dry_run)
+                                                                now=time.time(), dry_run=dry_run, skipped=skipped)
+    for line in skipped:
+        log(f"musekern: warning: {line}")
     after = hygiene.stats(cache)
     if dry_run:  # nothing was removed: report what would be left
         after = {**after, "entries": after["entries"] - len(doomed),
@@ -298,7 +310,7 @@ def gc_cmd(max_size, older_than, set_max, dry_run, cache_dir, as_json):
     if as_json:
         emit_json({"cache_dir": str(cache.root), "dry_run": dry_run, "max_size": size,
                    "removed": [e.summary() for e in doomed], "entries_left": after["entries"],
-                   "bytes_left": after["bytes"]})
+                   "bytes_left": after["bytes"], "skipped": skipped})
         return
     for e in doomed:
         click.echo(f"{'would remove' if dry_run else 'removed'} {e.key[:16]} {e.label}")

@@ -54,13 +54,14 @@ def describe(e: OSError, path, doing: str = "") -> str:
     return f"{head}: {reason(e)}; {fix_for(e)}"
 
 
-def read_regular(path, limit: int, dir_fd: int | None = None, shown=None) -> bytes:
+def read_regular(path, limit: int, dir_fd: int | None = None, shown=None,
+                 fix: str = "; remove it (`musekern verify --repair`)") -> bytes:
     """The bytes of regular file `path` (relative to `dir_fd` if given), at most `limit` of them.
 
     Raises FileNotFoundError when it does not exist (the caller decides what a missing file means) and
     ReadProblem (one line naming `shown`, default `path`) for a directory, FIFO, device, socket, symlink or
     symlink loop, a file larger than `limit`, or any other OSError. Never blocks on a FIFO, never reads more
-    than `limit` + 1 bytes."""
+    than `limit` + 1 bytes. `fix` ends the message for a file that is not regular."""
     shown = path if shown is None else shown
     try:
         fd = os.open(path, _READ_FLAGS, dir_fd=dir_fd)
@@ -72,7 +73,7 @@ def read_regular(path, limit: int, dir_fd: int | None = None, shown=None) -> byt
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
-            raise ReadProblem(f"{shown} is {kind}, not a regular file; remove it (`musekern verify --repair`)")
+            raise ReadProblem(f"{shown} is {kind}, not a regular file{fix}")
         if st.st_size > limit:
             raise ReadProblem(f"{shown} is {st.st_size} bytes, more than the {limit} it may hold")
         buf = bytearray()

@@ -202,3 +202,17 @@ def plant_outside(cache: Cache, rel: str, outside: Path, keys) -> Path:
     shutil.rmtree(planted)
     planted.symlink_to(outside, target_is_directory=True)
     return planted
+
+
+def fake_builds(monkeypatch):
+    """prepare() without the compiler: each variant 'compiles' to a fake cubin with a real-shaped manifest."""
+    from musekern.build import prepare as prepare_mod
+    from musekern.build.compile import Built
+
+    def build_variant(variant, arch):
+        cubin = b"\x7fELF" + hashlib.sha256(f"{variant.label}{arch}".encode()).digest() * 64
+        return Built(cubin, {"kernel": variant.kernel, "label": variant.label, "variant": variant.params(),
+                             "symbol": "kernel_fake", "arch": arch, "abi": FAKE_ABI.to_json(), "built_with": {}})
+
+    monkeypatch.setattr(prepare_mod, "build_variant", build_variant)
+    return prepare_mod

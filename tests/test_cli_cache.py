@@ -453,3 +453,102 @@ def test_stats_warns_of_a_planted_link_and_reads_nothing_through_it(cli, tmp_pat
     assert r.exit_code == 0 and doc["staging"] == {"live": 0, "debris": 0, "debris_bytes": 0}
     assert doc["not_own_dirs"] == [f"{cache.tmp_dir} is a symbolic link to {tmp_path / 'outside'}"]
     assert "refuses this cache" in r.stderr
+
+
+# ---------------------------------------------------------------- issue 28: a damaged policy.json
+# every way the size policy can be damaged (the issue's five, plus what its bounded reader must also refuse) x the
+# three commands that read it. prepare and stats do not need it (everything is present; stats only shows it): one
+# warning line, exit 0, no policy applied; a plain `gc` trims to it: one error line, exit 1; `gc --max-size` does not
+# need it: exit 0. Before the fix, 18/18 of the issue's runs ended in a traceback (read_regular's ReadProblem was
+# not caught); bad JSON or wrong types made `stats` fail (exit 1) although it does not need the policy.
+POLICY_DAMAGE = ["directory", "fifo", "symlink", "dev_zero", "too_large", "bad_json", "string", "negative",
+                 "bool", "list", "no_key", "nested", "huge_number", "utf16"]
+
+
+def _damage_policy(path: Path, how: str, tmp_path: Path) -> None:
+    good = json.dumps({"max_size": 10**9})
+    if how == "directory":
+        path.mkdir()
+    elif how == "fifo":
+        os.mkfifo(path)
+    elif how == "symlink":  # even to a good policy: the store reads regular files only, no links
+        (tmp_path / "elsewhere.json").write_text(good)
+        path.symlink_to(tmp_path / "elsewhere.json")
+    elif how == "dev_zero":
+        path.symlink_to("/dev/zero")
+    else:
+        path.write_bytes({"too_large": good.encode() + b" " * (1 << 17), "bad_json": b'{"max_size": ',
+                          "string": b'{"max_size": "2G"}', "negative": b'{"max_size": -1}',
+                          "bool": b'{"max_size": true}', "list": b"[1]", "no_key": b"{}",
+                          "nested": b"[" * 100_000 + b"]" * 100_000, "huge_number": b'{"max_size": 1' + b"0" * 5000
+                          + b"}", "utf16": good.encode("utf-16")}[how])
+
+
+def _policy_run(args, root: Path, prefix=None) -> tuple[int, str, str]:
+    """`musekern ARGS --cache-dir ROOT`, prepare's builds faked: here, or in a child run as `prefix` (another user)."""
+    if prefix is None:
+        from store_fakes import fake_builds
+
+        from musekern.cli import main
+
+        with pytest.MonkeyPatch.context() as mp:
+            fake_builds(mp)
+            r = CliRunner().invoke(main, [*args, "--cache-dir", str(root)])
+        crash = r.exception is not None and not isinstance(r.exception, SystemExit)
+        return r.exit_code, r.stdout, r.stderr + ("Traceback: " + repr(r.exception) if crash else "")
+    code = ("import sys, pytest; sys.path.insert(0, 'tests'); import store_fakes; "
+            "store_fakes.fake_builds(pytest.MonkeyPatch()); from musekern.cli import main; "
+            "main(sys.argv[1:], prog_name='musekern')")
+    env = {k: v for k, v in os.environ.items() if k != "MUSEKERN_MAX_SIZE"}
+    r = subprocess.run([*prefix, sys.executable, "-c", code, *args, "--cache-dir", str(root)], capture_output=True,
+                       text=True, timeout=120, cwd=Path(__file__).resolve().parents[1], env=env)
+    return r.returncode, r.stdout, r.stderr
+
+
+POLICY_COMMANDS = {"prepare": (("prepare", "--target", "h200", "--variant",
+                                "qk_norm[dtype=bfloat16,has_scale=False,head_dim=64]"), 0, "warning"),
+                   "stats": (("stats",), 0, "warning"), "gc": (("gc",), 1, "error"),
+                   "gc --max-size": (("gc", "--max-size", "1G"), 0, None)}
+
+
+def _policy_cache(root: Path) -> Cache:
+    c = Cache(root)
+    code, _, err = _policy_run(POLICY_COMMANDS["prepare"][0], root)  # everything present: prepare needs nothing
+    assert code == 0, err
+    return c
+
+
+@pytest.mark.parametrize("how", POLICY_DAMAGE)
+def test_a_damaged_size_policy_is_one_line_never_a_traceback(tmp_path, monkeypatch, how):
+    monkeypatch.delenv("MUSEKERN_MAX_SIZE", raising=False)
+    c = _policy_cache(tmp_path / "cache")
+    _damage_policy(c.policy_path, how, tmp_path)
+    for name, (args, want, level) in POLICY_COMMANDS.items():
+        code, out, err = _policy_run(args, c.root)
+        lines = [ln for ln in err.splitlines() if "size policy" in ln]
+        assert code == want and "Traceback" not in err, (how, name, code, err[-2000:])
+        if level is not None:
+            assert len(lines) == 1 and lines[0].startswith(f"musekern: {level}: ") and str(c.policy_path) in lines[0]
+            assert "musekern gc --set-max-size" in lines[0] and len(lines[0]) < 1000, (how, name, lines)
+    assert len(c.entries()) == 1  # nothing was evicted by a policy that could not be read
+
+
+def test_an_unreadable_size_policy_is_one_line(world_dir, monkeypatch):
+    """chmod 000 for real: as root the commands run as `nobody`, who owns the cache but not policy.json."""
+    monkeypatch.delenv("MUSEKERN_MAX_SIZE", raising=False)
+    prefix = as_other_user()
+    c = _policy_cache(world_dir / "cache")
+    c.policy_path.write_text(json.dumps({"max_size": 1}))
+    os.chmod(c.policy_path, 0o000)
+    if prefix:
+        for d, dirs, files in os.walk(c.root):
+            for n in [d, *(os.path.join(d, x) for x in dirs + files)]:
+                if n != str(c.policy_path):
+                    os.chown(n, 65534, 65534, follow_symlinks=False)
+    for name, (args, want, level) in POLICY_COMMANDS.items():
+        code, _, err = _policy_run(args, c.root, prefix)
+        lines = [ln for ln in err.splitlines() if "size policy" in ln]
+        assert code == want and "Traceback" not in err, (name, code, err[-2000:])
+        if level is not None:
+            assert len(lines) == 1 and "permission denied" in lines[0] and str(c.policy_path) in lines[0], lines
+    assert len(c.entries()) == 1

@@ -8,6 +8,7 @@ import stat
 
 import pytest
 from click.testing import CliRunner
+from store_fakes import fake_builds
 
 from musekern.cli import main
 from musekern.store import hygiene
@@ -130,24 +131,6 @@ def test_without_the_dsl_a_corrupt_entry_is_missing_not_a_hit(tmp_path, monkeypa
 # ---------------------------------------------------------------- issue 12: the whole plan onto a full disk
 
 
-def _fake_builds(monkeypatch):
-    """prepare() without the compiler: each variant 'compiles' to a fake cubin with a real-shaped manifest."""
-    import hashlib
-
-    from store_fakes import FAKE_ABI
-
-    from musekern.build import prepare as prepare_mod
-    from musekern.build.compile import Built
-
-    def build_variant(variant, arch):
-        cubin = b"\x7fELF" + hashlib.sha256(f"{variant.label}{arch}".encode()).digest() * 64
-        return Built(cubin, {"kernel": variant.kernel, "label": variant.label, "variant": variant.params(),
-                             "symbol": "kernel_fake", "arch": arch, "abi": FAKE_ABI.to_json(), "built_with": {}})
-
-    monkeypatch.setattr(prepare_mod, "build_variant", build_variant)
-    return prepare_mod
-
-
 def _plan():
     from musekern.config import load_config
     from musekern.targets import get_target
@@ -163,7 +146,7 @@ def test_prepare_onto_a_full_disk_fails_per_variant_and_tears_nothing(tmp_path, 
     `OSError: [Errno 28] No space left on device`, naming no path), and no torn entry."""
     from store_fakes import fail_writes_under
 
-    prepare_mod = _fake_builds(monkeypatch)
+    prepare_mod = fake_builds(monkeypatch)
     cache = Cache(tmp_path / "c")
     fail_writes_under(monkeypatch, cache.root, room)
     report = prepare_mod.prepare(_plan(), cache, plan_name="cfg|h200")
@@ -179,7 +162,7 @@ def test_prepare_counts_lookups_and_trims_to_the_size_policy_keeping_its_plan(tm
     never removing what this plan needs; each planned variant counts one hit or miss, each build one built."""
     from store_fakes import fake_cubin, fake_manifest, fake_parts
 
-    prepare_mod = _fake_builds(monkeypatch)
+    prepare_mod = fake_builds(monkeypatch)
     monkeypatch.delenv("MUSEKERN_MAX_SIZE", raising=False)
     cache = Cache(tmp_path / "c")
     old = [fake_parts(i) for i in range(3)]
@@ -201,7 +184,7 @@ def test_prepare_into_a_cache_under_proc_is_one_cache_error(tmp_path, monkeypatc
     FileNotFoundError traceback)."""
     from musekern.store.cache import CacheError
 
-    prepare_mod = _fake_builds(monkeypatch)
+    prepare_mod = fake_builds(monkeypatch)
     with pytest.raises(CacheError) as ei:
         prepare_mod.prepare(_plan()[:1], Cache("/proc/nope"))
     assert "/proc/nope" in str(ei.value) and "\n" not in str(ei.value) and "--cache-dir" in str(ei.value)
@@ -216,7 +199,7 @@ def test_prepare_and_import_onto_a_real_full_tmpfs(tmp_path, monkeypatch, room_k
     import end without a traceback, every failure is one line, nothing is torn, no staging dir is left."""
     import subprocess
 
-    prepare_mod = _fake_builds(monkeypatch)
+    prepare_mod = fake_builds(monkeypatch)
     src = Cache(tmp_path / "src")
     plan = _plan()
     assert prepare_mod.prepare(plan, src).ok
@@ -258,7 +241,7 @@ def test_prepare_and_import_onto_a_real_full_tmpfs(tmp_path, monkeypatch, room_k
 def test_prepare_never_writes_or_deletes_through_a_planted_link(tmp_path, monkeypatch, rel):
     from store_fakes import lived_in, plant_outside, tree
 
-    _fake_builds(monkeypatch)
+    fake_builds(monkeypatch)
     monkeypatch.setenv("MUSEKERN_MAX_SIZE", "1")
     cache, keys = lived_in(tmp_path / "c")
     planted = plant_outside(cache, rel, tmp_path / "outside", keys)

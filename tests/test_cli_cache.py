@@ -552,3 +552,78 @@ def test_an_unreadable_size_policy_is_one_line(world_dir, monkeypatch):
         if level is not None:
             assert len(lines) == 1 and "permission denied" in lines[0] and str(c.policy_path) in lines[0], lines
     assert len(c.entries()) == 1
+
+
+# ---------------------------------------------------------------- issue 28, finding 8 (store and CLI side)
+def test_clean_all_beside_a_held_tuning_lock_says_so_at_once(cli, filled):
+    """Before: 20 s of silence (the tuning lock waited for twice, 10 s each), then the records kept unsaid."""
+    import fcntl
+
+    from musekern.store import tuning
+
+    tuning.tuning_dir(filled).mkdir()
+    record = tuning.tuning_dir(filled) / "gpu.sm90.132sms.cublaslt1.json"
+    record.write_text("{}")
+    fd = os.open(tuning.lock_path(filled), os.O_RDWR | os.O_CREAT)  # another open file description: a writer
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        t0 = time.monotonic()
+        r = cli("clean", "--all", "--cache-dir", filled.root, "--json")
+        took = time.monotonic() - t0
+    finally:
+        os.close(fd)
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and took < 3 and len(doc["removed"]) == 4 and record.exists(), took
+    assert len(doc["skipped"]) == 1 and str(tuning.lock_path(filled)) in doc["skipped"][0]
+    assert r.stderr.count("\n") == 1 and "GEMM tuning records kept" in r.stderr and "clean --all" in r.stderr
+    assert cli("clean", "--all", "--cache-dir", filled.root).exit_code == 0 and not record.exists()
+
+
+def test_clean_all_without_a_locks_dir_removes_the_tuning_records(cli, filled):
+    """Before: the tuning lock could not be made without locks/, and the records were kept, silently."""
+    from musekern.store import tuning
+
+    tuning.tuning_dir(filled).mkdir()
+    (tuning.tuning_dir(filled) / "gpu.sm90.132sms.cublaslt1.json").write_text("{}")
+    import shutil
+
+    shutil.rmtree(filled.locks_dir)
+    r = cli("clean", "--all", "--cache-dir", filled.root, "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["gemm_tuning_removed"] == ["gpu.sm90.132sms.cublaslt1"]
+    assert os.listdir(tuning.tuning_dir(filled)) == []
+
+
+# a lock file that is no file: a directory (the issue's), a link to one, a FIFO; each maintenance command that
+# takes entry locks. Before: `gc` stopped at the first such key with an error (entries after it never collected).
+@pytest.mark.parametrize("how", ["directory", "symlink", "fifo"])
+@pytest.mark.parametrize("args", [("gc", "--max-size", "0"), ("clean", "--all"), ("clean", "--stale")], ids=" ".join)
+def test_a_lock_file_that_is_not_a_file_skips_its_entry_in_one_line(cli, filled, tmp_path, how, args):
+    hygiene.record_plan(filled, "p", [fake_parts(9).key()])  # a plan that needs none of them: all stale
+    key = sorted(e.key for e in filled.entries())[0]
+    lock = filled.locks_dir / f"{key}.lock"
+    lock.unlink()
+    if how == "directory":
+        lock.mkdir()
+    elif how == "symlink":
+        (tmp_path / "elsewhere").mkdir()
+        lock.symlink_to(tmp_path / "elsewhere")
+    else:
+        os.mkfifo(lock)
+    r = cli(*args, "--cache-dir", filled.root, "--json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and [e.key for e in filled.entries()] == [key], r.stderr  # the others went
+    assert len(doc["skipped"]) == 1 and r.stderr.count("\n") == 1 and f"rm -r {lock}" in r.stderr, r.stderr
+    assert f"entry {key[:16]} kept" in r.stderr and f"musekern {args[0]}" in r.stderr
+
+
+@pytest.mark.parametrize("query,msg", [("25c9", "'25c9' is too short: give at least 6 hex digits of the key (2 entries "
+                                               "start with it"), ("25c9ab", "'25c9ab' is ambiguous: 2 entries start")])
+def test_explain_a_short_or_ambiguous_key_prefix_says_so(cli, tmp_path, query, msg):
+    """Before: `explain 25c9` said "no entry labelled '25c9'"; an ambiguous prefix printed click's usage block."""
+    c = Cache(tmp_path / "cache")
+    put(c, fake_parts(0))
+    for tail in ("0", "1"):  # two entry directories whose keys share 25c9ab (uncommitted: explain matches them too)
+        (c.entries_dir / ("25c9ab" + tail * 58)).mkdir()
+    r = cli("explain", query, "--cache-dir", c.root)
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and msg in r.stderr, r.stderr
+    assert "no entry labelled" not in r.stderr and "Usage:" not in r.stderr

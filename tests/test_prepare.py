@@ -250,3 +250,45 @@ def test_prepare_never_writes_or_deletes_through_a_planted_link(tmp_path, monkey
     assert tree(tmp_path / "outside") == before
     assert r.exit_code in (0, 1) and f"{planted} is a symbolic link" in r.stderr, r.stderr
     assert "Traceback" not in r.output
+
+
+def test_a_size_policy_below_the_plan_says_what_it_evicted_and_that_it_cannot_be_met(tmp_path, monkeypatch):
+    """MUSEKERN_MAX_SIZE=100K, smaller than the plan: before, prepare evicted another plan's entries and printed only
+    "nothing to do", the cache left over the limit unsaid. Now: one line for what was evicted (and that another
+    recorded plan needed it), one that the limit cannot be met, the plan's own entries all kept."""
+    from store_fakes import fake_parts, put
+
+    fake_builds(monkeypatch)
+    cache = Cache(tmp_path / "c")
+    other = [fake_parts(i) for i in range(3)]
+    for p in other:
+        put(cache, p)
+    hygiene.record_plan(cache, "other|h200", [p.key() for p in other])
+    run = lambda: CliRunner().invoke(main, ["prepare", "--target", "h200", "--cache-dir", str(cache.root)])  # noqa
+    assert run().exit_code == 0  # the whole bundled plan, built (fake)
+    planned = {e.key for e in cache.entries()} - {p.key() for p in other}
+    monkeypatch.setenv("MUSEKERN_MAX_SIZE", "100K")
+    r = run()
+    assert r.exit_code == 0 and "nothing to build; 3 other entries evicted by the size policy" in r.stdout, r.stdout
+    lines = [ln for ln in r.stderr.splitlines() if "size policy" in ln]
+    assert len(lines) == 2 and all(ln.startswith("musekern: warning: ") for ln in lines), r.stderr
+    assert "evicted 3 least recently used entries" in lines[0] and "3 of them needed by another recorded plan" \
+        in lines[0] and "MUSEKERN_MAX_SIZE" in lines[0]
+    assert "over its size policy at most 97.7 KiB" in lines[1] and "raise the limit" in lines[1]
+    assert {e.key for e in cache.entries()} == planned
+    r = run()  # nothing left to evict: only that the limit cannot be met
+    assert [ln for ln in r.stderr.splitlines() if "size policy" in ln] == lines[1:] and "nothing to do" in r.stdout
+
+
+def test_the_size_policy_never_evicts_what_prepare_served_from_without_the_dsl(tmp_path, monkeypatch):
+    """No DSL installed: another DSL version's builds serve the plan; they are what this prepare needs, so the size
+    policy keeps them (before: the plan's exact keys were kept, and the entries actually serving it evicted)."""
+    prepare_mod = fake_builds(monkeypatch)
+    cache = Cache(tmp_path / "c")
+    plan = _plan()
+    assert prepare_mod.prepare(plan, cache).ok
+    hygiene.set_max_size(cache, 1)
+    monkeypatch.setattr(prepare_mod, "dsl_version", lambda: None)
+    report = prepare_mod.prepare(plan, cache)
+    assert report.count(prepare_mod.HIT) == len(plan) and report.trimmed == []
+    assert len(cache.entries()) == len(plan)

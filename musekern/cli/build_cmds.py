@@ -172,11 +172,13 @@ def prepare_cmd(model_path, target_names, tp, variant_labels, cache_dir, jobs, s
                 for r in report.results]
         click.echo(table(rows, ["target", "arch", "status", "time", "key", "variant"]))
         n = len(report.results)
+        evicted = f"; {len(report.trimmed)} other entries evicted by the size policy" if report.trimmed else ""
         if report.count(HIT) == n:
-            click.echo(f"all {n} variants already in the cache; nothing to do ({cache.root})")
+            click.echo(f"all {n} variants already in the cache; nothing to {'build' if evicted else 'do'}{evicted} "
+                       f"({cache.root})")
         else:
             click.echo(f"{report.count(BUILT)} built, {report.count(PULLED)} pulled, {report.count(HIT)} cached, "
-                       f"{report.count(FAILED)} failed -> {cache.root}")
+                       f"{report.count(FAILED)} failed{evicted} -> {cache.root}")
     if not report.ok:
         raise SystemExit(1)
 

@@ -19,6 +19,7 @@ from ..store import hygiene, lookup, tuning
 from .common import (
     EXIT_FAIL,
     Failure,
+    UsageFailure,
     cache_dir_option,
     emit_json,
     json_option,
@@ -33,6 +34,7 @@ from .common import (
 )
 
 __all__ = ["parse_size", "parse_duration", "register"]
+MIN_KEY_PREFIX = 6  # hex digits of a key that `explain` takes as a key prefix
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
@@ -357,10 +359,16 @@ def explain_cmd(what, model_path, target_names, tp, cache_dir, as_json):
     cache = _open(cache_dir)
     w = what.strip().lower()
     result: dict = {"cache_dir": str(cache.root), "query": what}
-    if re.fullmatch(r"[0-9a-f]{6,64}", w):
+    if re.fullmatch(f"[0-9a-f]{{1,{MIN_KEY_PREFIX - 1}}}", w):  # no label is hex digits only
+        n = sum(k.startswith(w) for k in cache.entry_keys())
+        raise UsageFailure(f"key prefix {what!r} is too short: give at least {MIN_KEY_PREFIX} hex digits of the key "
+                           f"({n} entr{'y starts' if n == 1 else 'ies start'} with it; `musekern ls{_cd(cache)}` "
+                           "shows 16)")
+    if re.fullmatch(f"[0-9a-f]{{{MIN_KEY_PREFIX},64}}", w):
         matches = [k for k in cache.entry_keys() if k.startswith(w)]
         if len(matches) > 1:
-            raise click.UsageError(f"key prefix {what!r} is ambiguous ({len(matches)} entries); give more digits")
+            raise UsageFailure(f"key prefix {what!r} is ambiguous: {len(matches)} entries start with it; give more "
+                               f"digits (`musekern ls{_cd(cache)}` shows 16)")
         if not matches:
             raise Failure(f"no entry with key {what!r} in {cache.root}; `musekern ls{_cd(cache)}` lists them")
         entry = cache.get(matches[0])

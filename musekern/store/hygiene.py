@@ -198,7 +198,7 @@ def clean_tmp(cache: Cache, dry_run: bool = False, skipped: list | None = None) 
         return 0
     check_own_dirs(cache, "clean")
     n = 0
-    if not tuning_busy(cache, skipped if not dry_run else None):
+    if not tuning_busy(cache):  # else a tuning writer is at work: its temp file is no debris (and is not waited for)
         n += tuning.clean_debris(cache, dry_run)  # killed tuning writers' temp files
     items = [i for i in staging(cache) if not i["live"]]
     if dry_run:
@@ -225,9 +225,10 @@ def tuning_busy(cache: Cache, skipped: list | None = None) -> bool:
     lock = tuning.lock_path(cache)
     if not locks.is_held(lock):
         return False
-    if skipped is not None:
-        skipped.append(f"GEMM tuning records kept: another process holds {lock} (a GEMM tuning run is writing them); "
-                       "run `musekern clean --all` again when it is done")
+    line = (f"GEMM tuning records kept: another process holds {lock} (a GEMM tuning run is writing them); run "
+            "`musekern clean --all` again when it is done")
+    if skipped is not None and line not in skipped:
+        skipped.append(line)
     return True
 
 

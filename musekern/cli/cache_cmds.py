@@ -31,6 +31,7 @@ from .common import (
     target_option,
     tp_flag,
     tp_option,
+    wide_option,
 )
 
 __all__ = ["parse_size", "parse_duration", "register"]
@@ -77,6 +78,7 @@ def _writable(cache, what: str, command: str) -> None:
 @click.option("--kernel", default=None, help="Only entries of this kernel.")
 @click.option("--arch", default=None, help="Only entries for this arch (e.g. sm_90a).")
 @cache_dir_option
+@wide_option
 @json_option
 def ls_cmd(kernel, arch, cache_dir, as_json):
     """List cache entries: key, kernel, arch, size, label, and whether each verifies (BAD: does not)."""

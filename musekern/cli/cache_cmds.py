@@ -188,9 +188,8 @@ def clean_cmd(stale, all_, dry_run, cache_dir, as_json):
         removed, busy, tmp, tuned, skipped = (result["removed"], result["busy"], result["tmp"], result["tuning"],
                                               result["skipped"])
     else:
-        removed = [e.key for e in doomed
-                   if hygiene.remove_entry(cache, e.key, command="clean", skipped=skipped) == "removed"]
-        busy = [e.key for e in doomed if e.key not in removed and cache.exists(e.key)]
+        done = {e.key: hygiene.remove_entry(cache, e.key, command="clean", skipped=skipped) for e in doomed}
+        removed, busy = ([k for k, r in done.items() if r == want] for want in ("removed", "busy"))
         tmp = hygiene.clean_tmp(cache, skipped=skipped)
     rows = [summaries.get(k) or {"key": k, "label": "?"} for k in removed]
     for line in skipped:

@@ -98,7 +98,7 @@ def plans(cache: Cache) -> dict[str, list[str]]:
         try:
             d = parse_json(read_regular(f, 64 << 20), str(f))
             out[str(d["name"])] = [k for k in d["keys"] if is_key(k)]
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ReadProblem, ValueError, KeyError, TypeError):  # a link, a FIFO, a directory: not ours
             continue
     return out
 

@@ -139,6 +139,15 @@ def parse_size(text: str) -> int:
     return n
 
 
+def human_size(n: int) -> str:
+    """1536 -> '1.5 KiB': how every command shows a size (powers of 2)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
 def size(var: Variable) -> int | None:
     """A size variable (None when unset or empty); raises EnvError naming the variable."""
     raw = _raw(var)

@@ -150,3 +150,69 @@ def lock_held_elsewhere(cache: Cache, key: str):
     finally:
         release.set()
         t.join()
+
+
+# ---------------------------------------------------------------- planted links (issue 28, finding 2)
+# every directory the store makes below the cache directory; FAMILY stands for the one index/<family>/ there
+OWN_DIRS = ("v2", "v2/entries", "v2/tmp", "v2/locks", "v2/used", "v2/plans", "v2/index", "v2/index/FAMILY",
+            "v2/stats", "v2/tuning")
+
+
+def lived_in(root: Path, n: int = 4) -> tuple[Cache, list[str]]:
+    """A cache with something in each of its own directories: entries (so index/ and locks/), a recorded plan
+    (one entry of it: the others are stale), last-used stamps, counters, a dead writer's staging dir, a GEMM
+    tuning record and a killed tuning writer's temp file."""
+    from musekern.store import hygiene
+
+    c = Cache(root)
+    ps = [fake_parts(i) for i in range(n)]
+    for p in ps:
+        put(c, p)
+        c.touch(p.key())
+    hygiene.record_plan(c, "cfg|h200", [ps[0].key()])
+    hygiene.count(c, "hit", 3)
+    (c.tmp_dir / f"{fake_parts(99).key()}.1.dead").mkdir()
+    (c.tmp_dir / "stray").write_text("debris")
+    tuning = c.base / "tuning"
+    tuning.mkdir()
+    (tuning / "gpu.sm90.132sms.cublaslt1.json").write_text("{}")
+    (tuning / ".gpu.sm90.132sms.cublaslt1.json.1.dead.tmp").write_text("{")
+    return c, [p.key() for p in ps]
+
+
+def plant_outside(cache: Cache, rel: str, outside: Path, keys) -> Path:
+    """Replace the cache's own directory `rel` (from OWN_DIRS) with a symbolic link to `outside`, a directory of
+    sentinel files named as that directory's own items would be (keys, key.lock, counters, plans, staging names,
+    tuning records and temp files, key-named directories), plus, for v2, a copy of the whole of v2. Returns the
+    planted path."""
+    outside.mkdir(parents=True)
+    names = ["a.txt", "p.json", "hit", "miss", "built", "pulled", "tuning.lock", "stray",
+             "gpu.sm90.132sms.cublaslt1.json", ".gpu.sm90.132sms.cublaslt1.json.1.dead.tmp"]
+    names += [*keys, *(f"{k}.lock" for k in keys), *(f"{k}.1.dead" for k in keys)]
+    for name in names:
+        (outside / name).write_text("sentinel")
+    for k in keys[:2]:
+        (outside / f"trash.{k}.1.x").mkdir()
+        (outside / f"trash.{k}.1.x" / "kernel.cubin").write_text("sentinel")
+    if rel == "v2/index/FAMILY":
+        rel = f"v2/index/{sorted(os.listdir(cache.index_dir))[0]}"
+    planted = cache.root / rel
+    if rel == "v2":
+        shutil.copytree(planted, outside, symlinks=True, dirs_exist_ok=True)
+    shutil.rmtree(planted)
+    planted.symlink_to(outside, target_is_directory=True)
+    return planted
+
+
+def fake_builds(monkeypatch):
+    """prepare() without the compiler: each variant 'compiles' to a fake cubin with a real-shaped manifest."""
+    from musekern.build import prepare as prepare_mod
+    from musekern.build.compile import Built
+
+    def build_variant(variant, arch):
+        cubin = b"\x7fELF" + hashlib.sha256(f"{variant.label}{arch}".encode()).digest() * 64
+        return Built(cubin, {"kernel": variant.kernel, "label": variant.label, "variant": variant.params(),
+                             "symbol": "kernel_fake", "arch": arch, "abi": FAKE_ABI.to_json(), "built_with": {}})
+
+    monkeypatch.setattr(prepare_mod, "build_variant", build_variant)
+    return prepare_mod

@@ -2,6 +2,7 @@
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -105,6 +106,8 @@ def test_doctor_reports_missing_then_ok(run, tmp_path):
     r = run("doctor", "--target", "h200", code=1)
     assert "32 planned variant(s) missing from the cache" in r.stdout
     assert "cublaslt" in r.stdout and "none recorded" in r.stdout
+    assert max(map(len, r.stdout.splitlines())) <= 120  # long labels wrapped (issue 28): --wide has one a line
+    r = run("doctor", "--target", "h200", "--wide", code=1)
     assert all(m["variant"] in r.stdout for m in doc["missing"])  # every one, not "e.g." the first
     assert "fix: musekern prepare --target h200" in r.stderr  # fix commands go with the errors
 
@@ -425,3 +428,59 @@ def test_shards_split_the_builds_not_just_the_entries(tp, builds_total, n):
     assert max(map(len, builds)) - min(map(len, builds)) <= 1
     flat = [e for s in shards for e in s]
     assert len(flat) == len(set(flat)) and set(flat) == set(plan)  # and every entry in exactly one shard
+
+
+# ---------------------------------------------------------------- issue 28, finding 9: CI logs
+def test_prepare_without_a_terminal_prints_one_line_per_finished_variant(run, monkeypatch):
+    """Before: one line at the start, then nothing until the end of a long build (click's bar draws nothing
+    without a terminal)."""
+    from store_fakes import fake_builds
+
+    fake_builds(monkeypatch)
+    r = run("prepare", "--target", "h200", *QK)
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("[")]
+    labels = [QK[1], QK[3]]
+    assert len(lines) == 2 and [ln.split()[0] for ln in lines] == ["[1/2]", "[2/2]"], r.stderr
+    assert all(re.fullmatch(r"\[\d/2\] built \d+\.\ds (.*) \(h200\)", ln).group(1) in labels for ln in lines)
+    r = run("prepare", "--target", "h200", *QK)
+    assert [ln.split()[1] for ln in r.stderr.splitlines() if ln.startswith("[")] == ["hit", "hit"]
+
+
+def test_progress_on_a_terminal_is_a_bar_not_lines():
+    import io
+
+    from musekern.cli.common import Progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Tty()
+    with Progress(3, "prepare", lambda item: f"built {item}", file=out) as done:
+        for item in ("a", "b", "c"):
+            done(item)
+    assert "[1/3]" not in out.getvalue() and "prepare" in out.getvalue()
+
+
+# the widest table (plan: 218 columns before), ls's, and a table of one 300-character cell
+@pytest.mark.parametrize("args", [("plan", "--target", "h200"), ("plan", "--target", "h200", "--tp", "1,2,4,8")])
+def test_tables_fit_120_columns_unless_wide(run, args):
+    narrow, wide = run(*args).stdout.splitlines(), run(*args, "--wide").stdout.splitlines()
+    rows = len(json.loads(run(*args, "--json").stdout)["rows"])
+    assert max(map(len, narrow)) <= 120 and len(narrow) > rows + 3  # wrapped rows: more lines than rows
+    assert max(map(len, wide)) > 120 and len(wide) == rows + 3  # header, rule, rows, summary
+
+
+@pytest.mark.parametrize("width", [40, 80, 120])
+def test_a_wrapped_table_keeps_every_character_of_every_cell(width):
+    from musekern.cli.common import table
+
+    label = "qkv_front[" + ",".join(f"p{i}={'x' * (i % 7)}" for i in range(40)) + "]"
+    rows = [["h200", 1, label], ["h100", 22, "short"], ["b200", 3, "y" * 300]]
+    lines = table(rows, ["target", "tp", "label"], width=width).splitlines()
+    assert max(map(len, lines)) <= width
+    start = lines[0].index("label")
+    col = [ln[start:] for ln in lines[2:]]
+    firsts = [i for i, ln in enumerate(lines[2:]) if ln[:start].strip()]
+    cells = ["".join(col[a:b]) for a, b in zip(firsts, [*firsts[1:], len(col)], strict=True)]
+    assert cells == [label, "short", "y" * 300]

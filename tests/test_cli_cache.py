@@ -16,7 +16,16 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-from store_fakes import FAKE_ABI, as_other_user, fail_writes_under, lock_held_elsewhere
+from store_fakes import (
+    FAKE_ABI,
+    OWN_DIRS,
+    as_other_user,
+    fail_writes_under,
+    lived_in,
+    lock_held_elsewhere,
+    plant_outside,
+    tree,
+)
 
 from musekern.cli import cache_cmds
 from musekern.cli.cache_cmds import parse_duration, parse_size
@@ -455,3 +464,237 @@ def test_verify_refuses_a_cubin_of_another_arch(cli, tmp_path):
         (e.path / f).write_bytes(data)
     r = cli("verify", "--cache-dir", c.root)
     assert r.exit_code == 1 and "built for sm_100a, the entry's arch is sm_90a" in r.stdout
+
+
+# ---------------------------------------------------------------- issue 28: no deletes outside the cache
+# every maintenance command (dry runs too: they must say what the real run would do) x every directory the store
+# makes, planted as a link to an outside directory of sentinels named as that directory's items would be. Before
+# the fix: `clean` emptied a linked tmp/ (25 of 25 sentinels), `clean --all` deleted 21 through plans/ or used/
+# and 4 through entries/, `verify --repair` 4 through entries/, `stats --zero` 4 through stats/, `gc` 4 through
+# used/, and a linked v2/ lost 1-23 files to every command.
+MAINTENANCE = [("clean",), ("clean", "--all"), ("clean", "--stale"), ("clean", "--all", "--dry-run"),
+               ("gc", "--max-size", "0"), ("gc", "--older-than", "0s"), ("gc", "--max-size", "0", "--dry-run"),
+               ("stats", "--zero"), ("verify", "--repair")]
+
+
+@pytest.mark.parametrize("rel", OWN_DIRS)
+@pytest.mark.parametrize("args", MAINTENANCE, ids=" ".join)
+def test_maintenance_never_deletes_or_writes_through_a_planted_link(cli, tmp_path, rel, args):
+    cache, keys = lived_in(tmp_path / "cache")
+    outside = tmp_path / "outside"
+    planted = plant_outside(cache, rel, outside, keys)
+    before = tree(outside)
+    r = cli(*args, "--cache-dir", cache.root)
+    assert tree(outside) == before  # 0 outside files removed, changed or created
+    err = r.stderr.strip().splitlines()
+    assert r.exit_code == 1 and len(err) == 1, (r.exit_code, r.stderr)
+    assert f"{planted} is a symbolic link to {outside}" in err[0] and f"rm {planted}" in err[0], err
+    # the fix it names works: the link goes (never what it points at), and the command runs
+    planted.unlink()
+    no_plan_left = args == ("clean", "--stale") and rel in ("v2", "v2/plans")  # "no plan is recorded": exit 1
+    assert cli(*args, "--cache-dir", cache.root).exit_code == int(no_plan_left) and tree(outside) == before
+
+
+def test_stats_warns_of_a_planted_link_and_reads_nothing_through_it(cli, tmp_path):
+    cache, keys = lived_in(tmp_path / "cache")
+    plant_outside(cache, "v2/tmp", tmp_path / "outside", keys)
+    r = cli("stats", "--cache-dir", cache.root, "--json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and doc["staging"] == {"live": 0, "debris": 0, "debris_bytes": 0}
+    assert doc["not_own_dirs"] == [f"{cache.tmp_dir} is a symbolic link to {tmp_path / 'outside'}"]
+    assert "refuses this cache" in r.stderr
+
+
+# ---------------------------------------------------------------- issue 28: a damaged policy.json
+# every way the size policy can be damaged (the issue's five, plus what its bounded reader must also refuse) x the
+# three commands that read it. prepare and stats do not need it (everything is present; stats only shows it): one
+# warning line, exit 0, no policy applied; a plain `gc` trims to it: one error line, exit 1; `gc --max-size` does not
+# need it: exit 0. Before the fix, 18/18 of the issue's runs ended in a traceback (read_regular's ReadProblem was
+# not caught); bad JSON or wrong types made `stats` fail (exit 1) although it does not need the policy.
+POLICY_DAMAGE = ["directory", "fifo", "symlink", "dev_zero", "too_large", "bad_json", "string", "negative",
+                 "bool", "list", "no_key", "nested", "huge_number", "utf16"]
+
+
+def _damage_policy(path: Path, how: str, tmp_path: Path) -> None:
+    good = json.dumps({"max_size": 10**9})
+    if how == "directory":
+        path.mkdir()
+    elif how == "fifo":
+        os.mkfifo(path)
+    elif how == "symlink":  # even to a good policy: the store reads regular files only, no links
+        (tmp_path / "elsewhere.json").write_text(good)
+        path.symlink_to(tmp_path / "elsewhere.json")
+    elif how == "dev_zero":
+        path.symlink_to("/dev/zero")
+    else:
+        path.write_bytes({"too_large": good.encode() + b" " * (1 << 17), "bad_json": b'{"max_size": ',
+                          "string": b'{"max_size": "2G"}', "negative": b'{"max_size": -1}',
+                          "bool": b'{"max_size": true}', "list": b"[1]", "no_key": b"{}",
+                          "nested": b"[" * 100_000 + b"]" * 100_000, "huge_number": b'{"max_size": 1' + b"0" * 5000
+                          + b"}", "utf16": good.encode("utf-16")}[how])
+
+
+def _policy_run(args, root: Path, prefix=None) -> tuple[int, str, str]:
+    """`musekern ARGS --cache-dir ROOT`, prepare's builds faked: here, or in a child run as `prefix` (another user)."""
+    if prefix is None:
+        from store_fakes import fake_builds
+
+        from musekern.cli import main
+
+        with pytest.MonkeyPatch.context() as mp:
+            fake_builds(mp)
+            r = CliRunner().invoke(main, [*args, "--cache-dir", str(root)])
+        crash = r.exception is not None and not isinstance(r.exception, SystemExit)
+        return r.exit_code, r.stdout, r.stderr + ("Traceback: " + repr(r.exception) if crash else "")
+    code = ("import sys, pytest; sys.path.insert(0, 'tests'); import store_fakes; "
+            "store_fakes.fake_builds(pytest.MonkeyPatch()); from musekern.cli import main; "
+            "main(sys.argv[1:], prog_name='musekern')")
+    env = {k: v for k, v in os.environ.items() if k != "MUSEKERN_MAX_SIZE"}
+    r = subprocess.run([*prefix, sys.executable, "-c", code, *args, "--cache-dir", str(root)], capture_output=True,
+                       text=True, timeout=120, cwd=Path(__file__).resolve().parents[1], env=env)
+    return r.returncode, r.stdout, r.stderr
+
+
+POLICY_COMMANDS = {"prepare": (("prepare", "--target", "h200", "--variant",
+                                "qk_norm[dtype=bfloat16,has_scale=False,head_dim=64]"), 0, "warning"),
+                   "stats": (("stats",), 0, "warning"), "gc": (("gc",), 1, "error"),
+                   "gc --max-size": (("gc", "--max-size", "1G"), 0, None)}
+
+
+def _policy_cache(root: Path) -> Cache:
+    c = Cache(root)
+    code, _, err = _policy_run(POLICY_COMMANDS["prepare"][0], root)  # everything present: prepare needs nothing
+    assert code == 0, err
+    return c
+
+
+@pytest.mark.parametrize("how", POLICY_DAMAGE)
+def test_a_damaged_size_policy_is_one_line_never_a_traceback(tmp_path, monkeypatch, how):
+    monkeypatch.delenv("MUSEKERN_MAX_SIZE", raising=False)
+    c = _policy_cache(tmp_path / "cache")
+    _damage_policy(c.policy_path, how, tmp_path)
+    for name, (args, want, level) in POLICY_COMMANDS.items():
+        code, out, err = _policy_run(args, c.root)
+        lines = [ln for ln in err.splitlines() if "size policy" in ln]
+        assert code == want and "Traceback" not in err, (how, name, code, err[-2000:])
+        if level is not None:
+            assert len(lines) == 1 and lines[0].startswith(f"musekern: {level}: ") and str(c.policy_path) in lines[0]
+            assert "musekern gc --set-max-size" in lines[0] and len(lines[0]) < 1000, (how, name, lines)
+    assert len(c.entries()) == 1  # nothing was evicted by a policy that could not be read
+
+
+def test_an_unreadable_size_policy_is_one_line(world_dir, monkeypatch):
+    """chmod 000 for real: as root the commands run as `nobody`, who owns the cache but not policy.json."""
+    monkeypatch.delenv("MUSEKERN_MAX_SIZE", raising=False)
+    prefix = as_other_user()
+    c = _policy_cache(world_dir / "cache")
+    c.policy_path.write_text(json.dumps({"max_size": 1}))
+    os.chmod(c.policy_path, 0o000)
+    if prefix:
+        for d, dirs, files in os.walk(c.root):
+            for n in [d, *(os.path.join(d, x) for x in dirs + files)]:
+                if n != str(c.policy_path):
+                    os.chown(n, 65534, 65534, follow_symlinks=False)
+    for name, (args, want, level) in POLICY_COMMANDS.items():
+        code, _, err = _policy_run(args, c.root, prefix)
+        lines = [ln for ln in err.splitlines() if "size policy" in ln]
+        assert code == want and "Traceback" not in err, (name, code, err[-2000:])
+        if level is not None:
+            assert len(lines) == 1 and "permission denied" in lines[0] and str(c.policy_path) in lines[0], lines
+    assert len(c.entries()) == 1
+
+
+# ---------------------------------------------------------------- issue 28, finding 8 (store and CLI side)
+def test_clean_all_beside_a_held_tuning_lock_says_so_at_once(cli, filled):
+    """Before: 20 s of silence (the tuning lock waited for twice, 10 s each), then the records kept unsaid."""
+    import fcntl
+
+    from musekern.store import tuning
+
+    tuning.tuning_dir(filled).mkdir()
+    record = tuning.tuning_dir(filled) / "gpu.sm90.132sms.cublaslt1.json"
+    record.write_text("{}")
+    fd = os.open(tuning.lock_path(filled), os.O_RDWR | os.O_CREAT)  # another open file description: a writer
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        t0 = time.monotonic()
+        r = cli("clean", "--all", "--cache-dir", filled.root, "--json")
+        took = time.monotonic() - t0
+    finally:
+        os.close(fd)
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and took < 3 and len(doc["removed"]) == 4 and record.exists(), took
+    assert len(doc["skipped"]) == 1 and str(tuning.lock_path(filled)) in doc["skipped"][0]
+    assert r.stderr.count("\n") == 1 and "GEMM tuning records kept" in r.stderr and "clean --all" in r.stderr
+    assert cli("clean", "--all", "--cache-dir", filled.root).exit_code == 0 and not record.exists()
+
+
+def test_clean_all_without_a_locks_dir_removes_the_tuning_records(cli, filled):
+    """Before: the tuning lock could not be made without locks/, and the records were kept, silently."""
+    from musekern.store import tuning
+
+    tuning.tuning_dir(filled).mkdir()
+    (tuning.tuning_dir(filled) / "gpu.sm90.132sms.cublaslt1.json").write_text("{}")
+    import shutil
+
+    shutil.rmtree(filled.locks_dir)
+    r = cli("clean", "--all", "--cache-dir", filled.root, "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["gemm_tuning_removed"] == ["gpu.sm90.132sms.cublaslt1"]
+    assert os.listdir(tuning.tuning_dir(filled)) == []
+
+
+# a lock file that is no file: a directory (the issue's), a link to one, a FIFO; each maintenance command that
+# takes entry locks. Before: `gc` stopped at the first such key with an error (entries after it never collected).
+@pytest.mark.parametrize("how", ["directory", "symlink", "fifo"])
+@pytest.mark.parametrize("args", [("gc", "--max-size", "0"), ("clean", "--all"), ("clean", "--stale")], ids=" ".join)
+def test_a_lock_file_that_is_not_a_file_skips_its_entry_in_one_line(cli, filled, tmp_path, how, args):
+    hygiene.record_plan(filled, "p", [fake_parts(9).key()])  # a plan that needs none of them: all stale
+    key = sorted(e.key for e in filled.entries())[0]
+    lock = filled.locks_dir / f"{key}.lock"
+    lock.unlink()
+    if how == "directory":
+        lock.mkdir()
+    elif how == "symlink":
+        (tmp_path / "elsewhere").mkdir()
+        lock.symlink_to(tmp_path / "elsewhere")
+    else:
+        os.mkfifo(lock)
+    r = cli(*args, "--cache-dir", filled.root, "--json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and [e.key for e in filled.entries()] == [key], r.stderr  # the others went
+    assert len(doc["skipped"]) == 1 and r.stderr.count("\n") == 1 and f"rm -r {lock}" in r.stderr, r.stderr
+    assert doc.get("busy", []) == []  # skipped for its lock file, not held by a running prepare
+    assert f"entry {key[:16]} kept" in r.stderr and f"musekern {args[0]}" in r.stderr
+
+
+@pytest.mark.parametrize("query,msg", [("25c9", "'25c9' is too short: give at least 6 hex digits of the key (2 entries "
+                                               "start with it"), ("25c9ab", "'25c9ab' is ambiguous: 2 entries start")])
+def test_explain_a_short_or_ambiguous_key_prefix_says_so(cli, tmp_path, query, msg):
+    """Before: `explain 25c9` said "no entry labelled '25c9'"; an ambiguous prefix printed click's usage block."""
+    c = Cache(tmp_path / "cache")
+    put(c, fake_parts(0))
+    for tail in ("0", "1"):  # two entry directories whose keys share 25c9ab (uncommitted: explain matches them too)
+        (c.entries_dir / ("25c9ab" + tail * 58)).mkdir()
+    r = cli("explain", query, "--cache-dir", c.root)
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and msg in r.stderr, r.stderr
+    assert "no entry labelled" not in r.stderr and "Usage:" not in r.stderr
+
+
+# a plan record that is no file (hostile input found while testing finding 2): before, stats, gc, stats --zero and
+# clean --stale ended in a traceback (read_regular's ReadProblem was not caught); now the record is skipped
+@pytest.mark.parametrize("how", ["symlink", "fifo", "directory"])
+@pytest.mark.parametrize("args", [("stats",), ("stats", "--zero"), ("gc", "--max-size", "1G"), ("clean", "--stale")],
+                         ids=" ".join)
+def test_a_plan_record_that_is_no_file_is_skipped(cli, filled, tmp_path, how, args):
+    hygiene.record_plan(filled, "p", [e.key for e in filled.entries()])
+    bad = filled.plans_dir / "evil.0123456789ab.json"
+    if how == "symlink":
+        (tmp_path / "elsewhere.json").write_text(json.dumps({"name": "x", "keys": []}))
+        bad.symlink_to(tmp_path / "elsewhere.json")
+    elif how == "fifo":
+        os.mkfifo(bad)
+    else:
+        bad.mkdir()
+    r = cli(*args, "--cache-dir", filled.root)
+    assert r.exit_code == 0 and len(filled.entries()) == 4, r.output
+    assert hygiene.plans(filled) == {"p": sorted(e.key for e in filled.entries())}

@@ -8,6 +8,7 @@ import stat
 
 import pytest
 from click.testing import CliRunner
+from store_fakes import fake_builds
 
 from musekern.cli import main
 from musekern.store import hygiene
@@ -130,24 +131,6 @@ def test_without_the_dsl_a_corrupt_entry_is_missing_not_a_hit(tmp_path, monkeypa
 # ---------------------------------------------------------------- issue 12: the whole plan onto a full disk
 
 
-def _fake_builds(monkeypatch):
-    """prepare() without the compiler: each variant 'compiles' to a fake cubin with a real-shaped manifest."""
-    import hashlib
-
-    from store_fakes import FAKE_ABI
-
-    from musekern.build import prepare as prepare_mod
-    from musekern.build.compile import Built
-
-    def build_variant(variant, arch):
-        cubin = b"\x7fELF" + hashlib.sha256(f"{variant.label}{arch}".encode()).digest() * 64
-        return Built(cubin, {"kernel": variant.kernel, "label": variant.label, "variant": variant.params(),
-                             "symbol": "kernel_fake", "arch": arch, "abi": FAKE_ABI.to_json(), "built_with": {}})
-
-    monkeypatch.setattr(prepare_mod, "build_variant", build_variant)
-    return prepare_mod
-
-
 def _plan():
     from musekern.config import load_config
     from musekern.targets import get_target
@@ -163,7 +146,7 @@ def test_prepare_onto_a_full_disk_fails_per_variant_and_tears_nothing(tmp_path, 
     `OSError: [Errno 28] No space left on device`, naming no path), and no torn entry."""
     from store_fakes import fail_writes_under
 
-    prepare_mod = _fake_builds(monkeypatch)
+    prepare_mod = fake_builds(monkeypatch)
     cache = Cache(tmp_path / "c")
     fail_writes_under(monkeypatch, cache.root, room)
     report = prepare_mod.prepare(_plan(), cache, plan_name="cfg|h200")
@@ -179,7 +162,7 @@ def test_prepare_counts_lookups_and_trims_to_the_size_policy_keeping_its_plan(tm
     never removing what this plan needs; each planned variant counts one hit or miss, each build one built."""
     from store_fakes import fake_cubin, fake_manifest, fake_parts
 
-    prepare_mod = _fake_builds(monkeypatch)
+    prepare_mod = fake_builds(monkeypatch)
     monkeypatch.delenv("MUSEKERN_MAX_SIZE", raising=False)
     cache = Cache(tmp_path / "c")
     old = [fake_parts(i) for i in range(3)]
@@ -201,7 +184,7 @@ def test_prepare_into_a_cache_under_proc_is_one_cache_error(tmp_path, monkeypatc
     FileNotFoundError traceback)."""
     from musekern.store.cache import CacheError
 
-    prepare_mod = _fake_builds(monkeypatch)
+    prepare_mod = fake_builds(monkeypatch)
     with pytest.raises(CacheError) as ei:
         prepare_mod.prepare(_plan()[:1], Cache("/proc/nope"))
     assert "/proc/nope" in str(ei.value) and "\n" not in str(ei.value) and "--cache-dir" in str(ei.value)
@@ -216,7 +199,7 @@ def test_prepare_and_import_onto_a_real_full_tmpfs(tmp_path, monkeypatch, room_k
     import end without a traceback, every failure is one line, nothing is torn, no staging dir is left."""
     import subprocess
 
-    prepare_mod = _fake_builds(monkeypatch)
+    prepare_mod = fake_builds(monkeypatch)
     src = Cache(tmp_path / "src")
     plan = _plan()
     assert prepare_mod.prepare(plan, src).ok
@@ -272,3 +255,64 @@ def test_signed_ci_warming_and_trusting_consumers(tmp_path, nginx_server, monkey
     c = prepare(tmp_path / "c", *LABELS, "--remote", url)
     assert c["counts"]["pulled"] == 0 and c["counts"]["built"] == 2
     assert len(c["warnings"]) == 2 and all("signed only by untrusted key ci-1" in w for w in c["warnings"])
+
+
+# every directory the store makes, planted as a link to an outside directory of sentinels: prepare (its builds,
+# plan record, stamps, counters, index markers and its size policy's evictions) writes and deletes nothing there,
+# and says why. Before the fix, with MUSEKERN_MAX_SIZE=1: 4 sentinels deleted through used/, 13 files created
+# through v2/, 3 through entries/, 2 through index/, 1 through locks/, 2 counters appended to through stats/.
+@pytest.mark.parametrize("rel", __import__("store_fakes").OWN_DIRS)
+def test_prepare_never_writes_or_deletes_through_a_planted_link(tmp_path, monkeypatch, rel):
+    from store_fakes import lived_in, plant_outside, tree
+
+    fake_builds(monkeypatch)
+    monkeypatch.setenv("MUSEKERN_MAX_SIZE", "1")
+    cache, keys = lived_in(tmp_path / "c")
+    planted = plant_outside(cache, rel, tmp_path / "outside", keys)
+    before = tree(tmp_path / "outside")
+    r = CliRunner().invoke(main, ["prepare", "--target", "h200", "--cache-dir", str(cache.root), *LABELS[:2]])
+    assert tree(tmp_path / "outside") == before
+    assert r.exit_code in (0, 1) and f"{planted} is a symbolic link" in r.stderr, r.stderr
+    assert "Traceback" not in r.output
+
+
+def test_a_size_policy_below_the_plan_says_what_it_evicted_and_that_it_cannot_be_met(tmp_path, monkeypatch):
+    """MUSEKERN_MAX_SIZE=100K, smaller than the plan: before, prepare evicted another plan's entries and printed only
+    "nothing to do", the cache left over the limit unsaid. Now: one line for what was evicted (and that another
+    recorded plan needed it), one that the limit cannot be met, the plan's own entries all kept."""
+    from store_fakes import fake_parts, put
+
+    fake_builds(monkeypatch)
+    cache = Cache(tmp_path / "c")
+    other = [fake_parts(i) for i in range(3)]
+    for p in other:
+        put(cache, p)
+    hygiene.record_plan(cache, "other|h200", [p.key() for p in other])
+    run = lambda: CliRunner().invoke(main, ["prepare", "--target", "h200", "--cache-dir", str(cache.root)])  # noqa
+    assert run().exit_code == 0  # the whole bundled plan, built (fake)
+    planned = {e.key for e in cache.entries()} - {p.key() for p in other}
+    monkeypatch.setenv("MUSEKERN_MAX_SIZE", "100K")
+    r = run()
+    assert r.exit_code == 0 and "nothing to build; 3 other entries evicted by the size policy" in r.stdout, r.stdout
+    lines = [ln for ln in r.stderr.splitlines() if "size policy" in ln]
+    assert len(lines) == 2 and all(ln.startswith("musekern: warning: ") for ln in lines), r.stderr
+    assert "evicted 3 least recently used entries" in lines[0] and "3 of them needed by another recorded plan" \
+        in lines[0] and "MUSEKERN_MAX_SIZE" in lines[0]
+    assert "over its size policy at most 97.7 KiB" in lines[1] and "raise the limit" in lines[1]
+    assert {e.key for e in cache.entries()} == planned
+    r = run()  # nothing left to evict: only that the limit cannot be met
+    assert [ln for ln in r.stderr.splitlines() if "size policy" in ln] == lines[1:] and "nothing to do" in r.stdout
+
+
+def test_the_size_policy_never_evicts_what_prepare_served_from_without_the_dsl(tmp_path, monkeypatch):
+    """No DSL installed: another DSL version's builds serve the plan; they are what this prepare needs, so the size
+    policy keeps them (before: the plan's exact keys were kept, and the entries actually serving it evicted)."""
+    prepare_mod = fake_builds(monkeypatch)
+    cache = Cache(tmp_path / "c")
+    plan = _plan()
+    assert prepare_mod.prepare(plan, cache).ok
+    hygiene.set_max_size(cache, 1)
+    monkeypatch.setattr(prepare_mod, "dsl_version", lambda: None)
+    report = prepare_mod.prepare(plan, cache)
+    assert report.count(prepare_mod.HIT) == len(plan) and report.trimmed == []
+    assert len(cache.entries()) == len(plan)

@@ -82,15 +82,20 @@ def split_transcript(lines: list[str]) -> tuple[list[str], str, list[str], int, 
     return lines[:i], lines[i], lines[i + 1:-2], int(m[1]), lines[-1]
 
 
-def cells(row: str) -> list[str]:
-    """A table row's cells with the time column (machine-dependent) blanked."""
-    return ["" if TIME.match(c) else c for c in re.split(r"\s{2,}", row.strip())]
-
-
 def table_rows(lines: list[str]) -> list[list[str]]:
-    """The data rows of a prepare table (header and rule dropped), as cells."""
+    """The data rows of a prepare table (header and rule dropped), as cells, the time column (machine-dependent)
+    blanked. The rule gives the columns; a row wrapped onto more lines (cli/common.table fits 120 columns: a long
+    label goes on under its column, the first cell blank) is joined back."""
     assert lines[0].startswith("target") and set(lines[1].replace(" ", "")) == {"-"}, lines[:2]
-    return [cells(r) for r in lines[2:]]
+    spans = [m.span() for m in re.finditer(r"-+", lines[1])]
+    rows: list[list[str]] = []
+    for ln in lines[2:]:
+        parts = [ln[a:b if i < len(spans) - 1 else None].strip() for i, (a, b) in enumerate(spans)]
+        if rows and not parts[0]:
+            rows[-1] = [x + y for x, y in zip(rows[-1], parts, strict=True)]
+        else:
+            rows.append(parts)
+    return [["" if TIME.match(c) else c for c in r] for r in rows]
 
 
 # ---------------------------------------------------------------- running commands as a user would
@@ -163,6 +168,17 @@ def test_transcript_is_the_bundled_plan_on_a_neutral_path(tmp_path):
     if dsl_version() is not None:  # keys are computed without compiling: source hash + DSL version
         assert [r[4] for r in rows] == [key_parts(e.variant, e.arch, dsl_version()).key()[:12] for e in shown], \
             "README's prepare keys are stale: run `make readme`"
+
+
+def test_the_transcript_reads_the_same_wrapped_to_120_columns():
+    """`make readme` after issue 28 writes prepare's table fitted to 120 columns (long labels wrapped): it reads as
+    the same rows as the one-line-a-row transcript."""
+    from musekern.cli.common import table
+
+    _, _, lines, _, _ = split_transcript(prepare_transcript())
+    rows = table_rows(lines)
+    wrapped = table(rows, ["target", "arch", "status", "time", "key", "variant"], width=120).splitlines()
+    assert max(map(len, wrapped)) <= 120 and len(wrapped) >= len(lines) and table_rows(wrapped) == rows
 
 
 # ---------------------------------------------------------------- "Using it"
@@ -326,7 +342,9 @@ def test_container_builds_as_written(tmp_path):
     # The build stage's prepare printed the table the README's top section shows (same variants, same keys)
     lines = outputs[0].splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.split()[:3] == ["target", "arch", "status"])
-    built = table_rows(lines[start:start + 2 + PLANNED])  # header, rule, one row a build
+    end = next(i for i in range(start, len(lines)) if re.match(r"\d+ built, ", lines[i]))  # the summary line
+    built = table_rows(lines[start:end])  # header, rule, one row a build (wrapped onto more lines or not)
+    assert len(built) == PLANNED
     _, _, readme_table, _, _ = split_transcript(prepare_transcript())
     shown = table_rows(readme_table)
     assert built[:len(shown)] == shown, "README's prepare output is stale: run `make readme`"

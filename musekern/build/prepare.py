@@ -108,7 +108,7 @@ def prepare(entries, cache: Cache, jobs: int = 1, remote=None, upload: bool = Fa
     if shard:
         entries = shard_plan(entries, *shard)
     policy = Policy.build(dsl=version)
-    missing = []
+    missing, used = [], set()  # used: the entries this run serves from, kept by the size policy like the plan's keys
 
     def finish(res):
         report.results.append(res)
@@ -122,6 +122,7 @@ def prepare(entries, cache: Cache, jobs: int = 1, remote=None, upload: bool = Fa
         if present is None:
             missing.append((e, parts, res))
         else:
+            used.add(present.key)  # another DSL version's build where no DSL is installed
             if not cache.read_only:
                 cache.index(present.parts, present.key)  # entries from before the index get their marker
             finish(res)
@@ -169,7 +170,8 @@ def prepare(entries, cache: Cache, jobs: int = 1, remote=None, upload: bool = Fa
                      ("pulled", report.count(PULLED))):
         hygiene.count(cache, event, n)
     try:  # the lasting size policy, ccache-style: trim after the run, keeping everything this plan needs
-        _, trimmed = hygiene.apply_policy(cache, keep={p.key() for p in all_parts.values()})
+        _, trimmed = hygiene.apply_policy(cache, keep={p.key() for p in all_parts.values()} | used,
+                                          notes=report.warnings)
         report.trimmed = [e.key for e in trimmed]
     except CacheError as e:
         report.warnings.append(f"size policy not applied: {e}")

@@ -1,14 +1,13 @@
 """`musekern plan` and `musekern prepare`."""
 from __future__ import annotations
 
-import sys
-
 import click
 
 from ..variants import FRONT_MAX_TOKENS, PlanEntry, plan_model, served_tokens, shard_plan, variant_from_label
 from ..variants.qkv_epilogue import rows_served
 from .common import (
     Failure,
+    Progress,
     UsageFailure,
     cache_dir_option,
     emit_json,
@@ -24,6 +23,7 @@ from .common import (
     tp_option,
     trusted_keys_option,
     warn,
+    wide_option,
 )
 
 
@@ -78,6 +78,11 @@ def _cache_failure(cache, e: OSError) -> Failure:
     return Failure(fs.describe(e, e.filename or cache.root, "cannot write the cache at"))
 
 
+def _done_line(r) -> str:
+    """A finished variant in a log without a terminal: status, time, label, target."""
+    return f"{r.status} {r.seconds:.1f}s {r.label} ({r.target})" + (f": {r.error}" if r.error else "")
+
+
 def model_json(model) -> dict:
     """What every --json result that plans says about the model: source, TP sizes and where they came
     from, dtypes, and the warnings (also said on stderr)."""
@@ -89,6 +94,7 @@ def model_json(model) -> dict:
 @model_option
 @target_option
 @tp_option
+@wide_option
 @json_option
 def plan_cmd(model_path, target_names, tp, as_json):
     """List every kernel variant the model needs, per target and TP rank."""
@@ -120,6 +126,7 @@ def plan_cmd(model_path, target_names, tp, as_json):
 @click.option("--upload", is_flag=True, help="Push entries this run built or has to --remote.")
 @sign_key_option
 @trusted_keys_option
+@wide_option
 @json_option
 def prepare_cmd(model_path, target_names, tp, variant_labels, cache_dir, jobs, shard, remote, upload, sign_key,
                 trusted_keys, as_json):
@@ -155,12 +162,10 @@ def prepare_cmd(model_path, target_names, tp, variant_labels, cache_dir, jobs, s
     plan_name = None if variant_labels else f"{model.source}|{','.join(t.name for t in targets)}"
     n = len(shard_plan(entries, *shard)) if shard else len(entries)
     log(f"musekern prepare: {n} variant(s) for {', '.join(t.name for t in targets)} -> {cache.root}")
-    bar = click.progressbar(length=n, label="prepare", file=sys.stderr, show_pos=True,
-                            item_show_func=lambda r: r.label if r else None)
     try:
-        with bar:
-            report = prepare(entries, cache, jobs=jobs, remote=rem, upload=upload,
-                             on_done=lambda r: bar.update(1, r), plan_name=plan_name, shard=shard, sign=sign)
+        with Progress(n, "prepare", _done_line, show=lambda r: r.label) as done:
+            report = prepare(entries, cache, jobs=jobs, remote=rem, upload=upload, on_done=done,
+                             plan_name=plan_name, shard=shard, sign=sign)
     except BuildExtraMissing as e:
         raise Failure(str(e)) from None
     except ReadOnlyCacheError as e:
@@ -180,11 +185,13 @@ def prepare_cmd(model_path, target_names, tp, variant_labels, cache_dir, jobs, s
                 for r in report.results]
         click.echo(table(rows, ["target", "arch", "status", "time", "key", "variant"]))
         n = len(report.results)
+        evicted = f"; {len(report.trimmed)} other entries evicted by the size policy" if report.trimmed else ""
         if report.count(HIT) == n:
-            click.echo(f"all {n} variants already in the cache; nothing to do ({cache.root})")
+            click.echo(f"all {n} variants already in the cache; nothing to {'build' if evicted else 'do'}{evicted} "
+                       f"({cache.root})")
         else:
             click.echo(f"{report.count(BUILT)} built, {report.count(PULLED)} pulled, {report.count(HIT)} cached, "
-                       f"{report.count(FAILED)} failed -> {cache.root}")
+                       f"{report.count(FAILED)} failed{evicted} -> {cache.root}")
     if not report.ok:
         raise SystemExit(1)
 

@@ -14,11 +14,12 @@ import time
 
 import click
 
-from ..env import parse_size
+from ..env import human_size, parse_size
 from ..store import hygiene, lookup, tuning
 from .common import (
     EXIT_FAIL,
     Failure,
+    UsageFailure,
     cache_dir_option,
     emit_json,
     json_option,
@@ -33,9 +34,11 @@ from .common import (
     tp_option,
     trusted_keys_option,
     warn,
+    wide_option,
 )
 
 __all__ = ["parse_size", "parse_duration", "register"]
+MIN_KEY_PREFIX = 6  # hex digits of a key that `explain` takes as a key prefix
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
@@ -51,12 +54,7 @@ def parse_duration(text: str) -> float:
     return total
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+_human = human_size
 
 
 def _open(cache_dir, must_exist: bool = False):
@@ -83,6 +81,7 @@ def _writable(cache, what: str, command: str) -> None:
 @click.option("--kernel", default=None, help="Only entries of this kernel.")
 @click.option("--arch", default=None, help="Only entries for this arch (e.g. sm_90a).")
 @cache_dir_option
+@wide_option
 @json_option
 def ls_cmd(kernel, arch, cache_dir, as_json):
     """List cache entries: key, kernel, arch, size, label, and whether each verifies (BAD: does not)."""
@@ -120,6 +119,8 @@ def verify_cmd(repair, cache_dir, as_json):
     """Re-check every entry (manifest digest, key, ABI, cubin hash); exit 1 naming each bad one (--repair
     removes them, each re-checked under its lock first). A missing cache directory is an error."""
     cache = _open(cache_dir, must_exist=True)
+    if repair:
+        hygiene.check_own_dirs(cache, "verify --repair")  # refused before anything is removed
     keys = cache.entry_keys()
     bad, gone = {}, []
     for k in keys:
@@ -146,6 +147,8 @@ def verify_cmd(repair, cache_dir, as_json):
         click.echo(f"{len(keys)} entries checked, {len(bad)} bad"
                    + (f", {len(gone)} removed meanwhile by another command" if gone else "")
                    + (f", {len(removed)} removed" if repair else ""))
+    for line in fixed.get("skipped", ()):
+        log(f"musekern: warning: {line}")
     if fixed["busy"]:
         log(f"musekern: warning: {len(fixed['busy'])} bad entr{'y is' if len(fixed['busy']) == 1 else 'ies are'} "
             f"being rebuilt by a running prepare; run `musekern verify{_cd(cache)}` when it is done")
@@ -172,7 +175,8 @@ def clean_cmd(stale, all_, dry_run, cache_dir, as_json):
     cache = _open(cache_dir)
     if not dry_run:
         _writable(cache, "clean", "clean")
-    doomed, busy, tuned = [], [], []
+    hygiene.check_own_dirs(cache, "clean")  # a link where tmp/, plans/... should be: refused before anything goes
+    doomed, busy, tuned, skipped = [], [], [], []
     if all_:
         doomed = cache.entries()
     elif stale:
@@ -184,15 +188,18 @@ def clean_cmd(stale, all_, dry_run, cache_dir, as_json):
         tuned = tuning.scope_files(cache) if all_ else []
     elif all_:
         result = hygiene.clear(cache)
-        removed, busy, tmp, tuned = result["removed"], result["busy"], 0, result["tuning"]
+        removed, busy, tmp, tuned, skipped = (result["removed"], result["busy"], result["tmp"], result["tuning"],
+                                              result["skipped"])
     else:
-        removed = [e.key for e in doomed if cache.remove_if(e.key, command="clean") == "removed"]
-        busy = [e.key for e in doomed if e.key not in removed and cache.exists(e.key)]
-        tmp = hygiene.clean_tmp(cache)
+        done = {e.key: hygiene.remove_entry(cache, e.key, command="clean", skipped=skipped) for e in doomed}
+        removed, busy = ([k for k, r in done.items() if r == want] for want in ("removed", "busy"))
+        tmp = hygiene.clean_tmp(cache, skipped=skipped)
     rows = [summaries.get(k) or {"key": k, "label": "?"} for k in removed]
+    for line in skipped:
+        log(f"musekern: warning: {line}")
     if as_json:
         emit_json({"cache_dir": str(cache.root), "dry_run": dry_run, "removed": rows, "busy": busy,
-                   "temp_dirs_removed": tmp, "gemm_tuning_removed": tuned})
+                   "temp_dirs_removed": tmp, "gemm_tuning_removed": tuned, "skipped": skipped})
         return
     for r in rows:
         click.echo(f"{'would remove' if dry_run else 'removed'} {r['key'][:16]} {r['label']}")
@@ -219,6 +226,11 @@ def stats_cmd(zero, cache_dir, as_json):
     if zero:
         hygiene.zero_counters(cache)
     s = hygiene.stats(cache)
+    if s["policy_problem"]:
+        log(f"musekern: warning: {s['policy_problem']}; no size policy is applied meanwhile")
+    if s["not_own_dirs"]:
+        log(f"musekern: warning: {'; '.join(s['not_own_dirs'])}, where the cache keeps a directory of its own: "
+            "maintenance (clean, gc, verify --repair) refuses this cache until that is removed (`rm PATH`)")
     if as_json:
         emit_json(s)
         return
@@ -292,8 +304,11 @@ def gc_cmd(max_size, older_than, set_max, dry_run, cache_dir, as_json):
         if size is None and set_max is None:
             raise click.UsageError("give --max-size SIZE and/or --older-than DURATION, or keep a policy with "
                                    "`musekern gc --set-max-size 2G`, e.g. `musekern gc --max-size 2G`")
+    skipped: list[str] = []
     doomed = [] if size is None and age is None else hygiene.gc(cache, max_size=size, older_than=age,
-                                                                now=time.time(), dry_run=dry_run)
+                                                                now=time.time(), dry_run=dry_run, skipped=skipped)
+    for line in skipped:
+        log(f"musekern: warning: {line}")
     after = hygiene.stats(cache)
     if dry_run:  # nothing was removed: report what would be left
         after = {**after, "entries": after["entries"] - len(doomed),
@@ -301,7 +316,7 @@ def gc_cmd(max_size, older_than, set_max, dry_run, cache_dir, as_json):
     if as_json:
         emit_json({"cache_dir": str(cache.root), "dry_run": dry_run, "max_size": size,
                    "removed": [e.summary() for e in doomed], "entries_left": after["entries"],
-                   "bytes_left": after["bytes"]})
+                   "bytes_left": after["bytes"], "skipped": skipped})
         return
     for e in doomed:
         click.echo(f"{'would remove' if dry_run else 'removed'} {e.key[:16]} {e.label}")
@@ -348,10 +363,16 @@ def explain_cmd(what, model_path, target_names, tp, cache_dir, as_json):
     cache = _open(cache_dir)
     w = what.strip().lower()
     result: dict = {"cache_dir": str(cache.root), "query": what}
-    if re.fullmatch(r"[0-9a-f]{6,64}", w):
+    if re.fullmatch(f"[0-9a-f]{{1,{MIN_KEY_PREFIX - 1}}}", w):  # no label is hex digits only
+        n = sum(k.startswith(w) for k in cache.entry_keys())
+        raise UsageFailure(f"key prefix {what!r} is too short: give at least {MIN_KEY_PREFIX} hex digits of the key "
+                           f"({n} entr{'y starts' if n == 1 else 'ies start'} with it; `musekern ls{_cd(cache)}` "
+                           "shows 16)")
+    if re.fullmatch(f"[0-9a-f]{{{MIN_KEY_PREFIX},64}}", w):
         matches = [k for k in cache.entry_keys() if k.startswith(w)]
         if len(matches) > 1:
-            raise click.UsageError(f"key prefix {what!r} is ambiguous ({len(matches)} entries); give more digits")
+            raise UsageFailure(f"key prefix {what!r} is ambiguous: {len(matches)} entries start with it; give more "
+                               f"digits (`musekern ls{_cd(cache)}` shows 16)")
         if not matches:
             raise Failure(f"no entry with key {what!r} in {cache.root}; `musekern ls{_cd(cache)}` lists them")
         entry = cache.get(matches[0])

@@ -4,6 +4,8 @@ from __future__ import annotations
 import errno
 import functools
 import json
+import re
+import sys
 
 import click
 
@@ -163,11 +165,93 @@ def warn(msg: str) -> None:
     log(f"musekern: warning: {msg}")
 
 
-def table(rows: list[list], headers: list[str]) -> str:
+TABLE_WIDTH = 120  # columns every table fits by default (CI logs, a laptop terminal); --wide: no limit
+_MIN_WRAP = 12  # a wrapped column keeps at least this many columns (or its header's width)
+_BREAKS = re.compile(r"(?<=[,\s\]|/])|(?=\[)")  # a long label breaks after , ] | / or a space, or before [
+
+
+def _set_wide(ctx, param, value):
+    if value:
+        ctx.meta["musekern.wide"] = True
+
+
+wide_option = click.option("--wide", is_flag=True, expose_value=False, callback=_set_wide, is_eager=True,
+                           help=f"Print tables at full width, one line a row (default: they fit {TABLE_WIDTH} "
+                                "columns, long cells wrapped; --json has every field).")
+
+
+def _table_width() -> int | None:
+    ctx = click.get_current_context(silent=True)
+    return None if ctx is not None and ctx.meta.get("musekern.wide") else TABLE_WIDTH
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    """`text` in lines of at most `width`, broken where a label reads well (after a comma, before a bracket)."""
+    lines, cur = [], ""
+    for piece in (p for p in _BREAKS.split(text) if p):
+        while len(piece) > width:  # a piece longer than the column: cut it
+            if cur:
+                lines.append(cur.rstrip())
+                cur = ""
+            lines.append(piece[:width])
+            piece = piece[width:]
+        if len(cur) + len(piece) > width and cur:
+            lines.append(cur.rstrip())
+            cur = ""
+        cur += piece.lstrip() if not cur else piece
+    return lines + [cur.rstrip()] if cur or not lines else lines
+
+
+def table(rows: list[list], headers: list[str], width: int | None = 0) -> str:
+    """Rows under headers, columns two spaces apart, fitting `width` columns (default TABLE_WIDTH, None: no limit,
+    as `--wide` asks): the widest columns are narrowed to one cap and their cells wrapped onto more lines."""
+    width = _table_width() if width == 0 else width
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()  # noqa: E731
-    return "\n".join([fmt(cells[0]), fmt(["-" * w for w in widths])] + [fmt(r) for r in cells[1:]])
+    room = None if width is None else width - 2 * (len(widths) - 1)
+    if room is not None and sum(widths) > room:
+        cap = max(widths)
+        floors = [max(_MIN_WRAP, len(h)) for h in cells[0]]
+        while cap > 1 and sum(min(w, max(cap, f)) for w, f in zip(widths, floors, strict=True)) > room:
+            cap -= 1
+        widths = [min(w, max(cap, f)) for w, f in zip(widths, floors, strict=True)]
+    out = []
+    for r in [cells[0], ["-" * w for w in widths], *cells[1:]]:
+        parts = [_wrap(c, w) if len(c) > w else [c] for c, w in zip(r, widths, strict=True)]
+        for i in range(max(len(p) for p in parts)):
+            out.append("  ".join((p[i] if i < len(p) else "").ljust(w)
+                                 for p, w in zip(parts, widths, strict=True)).rstrip())
+    return "\n".join(out)
+
+
+class Progress:
+    """Progress of `length` items on stderr: a bar on a terminal; elsewhere (CI logs, a pipe) one line per finished
+    item, `[i/length] <line(item)>`, so a long run shows its progress as it goes (the bar shows `show(item)`, default
+    `line(item)`). Call it with each finished item."""
+
+    def __init__(self, length: int, label: str, line, show=None, file=None):
+        self.length, self.line, self.done = length, line, 0
+        self.file = file if file is not None else sys.stderr
+        self.bar = None
+        if self.file.isatty():
+            self.bar = click.progressbar(length=length, label=label, file=self.file, show_pos=True,
+                                         item_show_func=lambda item: (show or line)(item) if item else None)
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+    def __call__(self, item) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1, item)
+        else:
+            click.echo(f"[{self.done}/{self.length}] {self.line(item)}", file=self.file)
 
 
 def environment() -> list[dict]:

@@ -22,6 +22,7 @@ from .common import (
     target_option,
     tp_flag,
     tp_option,
+    wide_option,
 )
 
 
@@ -94,6 +95,7 @@ def _fix_command(model_path, tp, cache_dir, missing) -> str:
 @target_option
 @tp_option
 @cache_dir_option
+@wide_option
 @json_option
 def doctor_cmd(model_path, target_names, tp, cache_dir, as_json):
     """Report versions, GPU and driver, the cache, MUSEKERN_* variables, and the model's variants missing

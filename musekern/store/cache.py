@@ -77,7 +77,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
-from . import access, fs, locks
+from . import access, fs, locks, owndirs
 from .entry import CUBIN_NAME, MANIFEST_NAME, Entry, Inspection
 from .errors import CacheAccessError, CacheError, CorruptEntryError, MissingEntryError, ReadOnlyCacheError
 from .fs import ReadProblem, fsync_dir, read_regular, rmtree, write_new_file
@@ -168,10 +168,17 @@ class Cache:
         """The CacheError for an OSError met while writing `path` (store/access.py)."""
         return access.write_error(self.root, e, path, command)
 
+    @property
+    def own_dirs(self) -> tuple[Path, ...]:
+        """The directories the store makes below the cache directory (store/owndirs.py: never followed)."""
+        return (self.base, self.entries_dir, self.tmp_dir, self.locks_dir, self.used_dir, self.plans_dir,
+                self.index_dir, self.stats_dir)
+
     def _mkdirs(self, *dirs: Path, command: str = "prepare") -> None:
+        """Make `dirs`, following no symbolic link below the cache directory (owndirs.NotOwnDirError)."""
         for d in dirs:
             try:
-                d.mkdir(parents=True, exist_ok=True)
+                owndirs.make(self.root, d, command=command)
             except OSError as e:
                 raise self.access_error(e, d, command) from None
 
@@ -354,12 +361,10 @@ class Cache:
         """Mark `key` in its family's index (best effort: without the marker, `find` scans). Every commit
         does; `prepare` also does for the entries it finds present, so caches written before the index
         existed get their markers."""
-        d = self.index_dir / parts.family()
         try:
-            d.mkdir(parents=True, exist_ok=True)
-            with open(d / key, "ab"):
-                pass
-        except OSError:
+            with owndirs.opened(self.root, self.index_dir / parts.family(), create=True) as fd:
+                owndirs.create_empty(fd, key)
+        except (OSError, CacheError):
             pass
 
     # ------------------------------------------------------------ writes
@@ -452,13 +457,17 @@ class Cache:
         holds the key's lock, so the trash dir is never taken for a dead writer's)."""
         self._mkdirs(self.tmp_dir, command=command)
         trash = self._stage_name(path.name, trash=True)
-        try:
-            os.rename(path, trash)
-        except FileNotFoundError:
-            return
-        except OSError as e:
-            raise self.access_error(e, path, command) from None
-        rmtree(trash)
+        with owndirs.opened(self.root, path.parent, command) as src, \
+                owndirs.opened(self.root, self.tmp_dir, command) as dst:  # renameat: no link followed
+            try:
+                if src is None or dst is None:
+                    return
+                os.rename(path.name, trash.name, src_dir_fd=src, dst_dir_fd=dst)
+            except FileNotFoundError:
+                return
+            except OSError as e:
+                raise self.access_error(e, path, command) from None
+            owndirs.remove(dst, trash.name)
 
     def obtain(self, parts: KeyParts, build: Callable[[], tuple[bytes, dict]], remote=None,
                sign=None) -> tuple[Entry, str]:
@@ -498,9 +507,9 @@ class Cache:
         self._discard(self.entry_path(key), command)
         if family is not None:
             with contextlib.suppress(OSError):
-                (self.index_dir / family / key).unlink()
+                owndirs.unlink(self.root, self.index_dir / family / key, command)
         with contextlib.suppress(OSError):
-            (self.used_dir / key).unlink()
+            owndirs.unlink(self.root, self.used_dir / key, command)
 
     def remove(self, key: str, command: str = "clean") -> None:
         """Delete an entry (and its last-used stamp), waiting for its lock; a missing entry is not an error."""
@@ -528,15 +537,13 @@ class Cache:
         """Record that `key` was used now (for gc). Never writes on a read-only cache, never raises."""
         if not is_key(key) or self.read_only:
             return
-        stamp = self.used_dir / key
         try:
-            try:
-                os.utime(stamp)
-            except FileNotFoundError:
-                self.used_dir.mkdir(parents=True, exist_ok=True)
-                with open(stamp, "ab"):
-                    pass
-        except OSError:
+            with owndirs.opened(self.root, self.used_dir, create=True) as fd:
+                try:
+                    os.utime(key, dir_fd=fd, follow_symlinks=False)  # a planted link's own time, never its target's
+                except FileNotFoundError:
+                    owndirs.create_empty(fd, key)
+        except (OSError, CacheError):
             pass
 
     def last_used(self, entry: Entry | str) -> float:
@@ -544,7 +551,7 @@ class Cache:
         key = entry if isinstance(entry, str) else entry.key
         for p in (self.used_dir / key, self.entries_dir / key / MANIFEST_NAME):
             try:
-                return p.stat().st_mtime
+                return os.lstat(p).st_mtime
             except OSError:
                 continue
         return 0.0

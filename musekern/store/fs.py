@@ -59,14 +59,16 @@ def describe(e: OSError, path, doing: str = "") -> str:
     return f"{head}: {reason(e)}; {fix_for(e)}"
 
 
-def read_regular(path, limit: int, dir_fd: int | None = None, shown=None, follow_symlinks: bool = False) -> bytes:
+def read_regular(path, limit: int, dir_fd: int | None = None, shown=None, follow_symlinks: bool = False,
+                 fix: str = "; remove it (`musekern verify --repair`)") -> bytes:
     """The bytes of regular file `path` (relative to `dir_fd` if given), at most `limit` of them.
 
     Raises FileNotFoundError when it does not exist (the caller decides what a missing file means) and
     ReadProblem (one line naming `shown`, default `path`) for a directory, FIFO, device, socket, symlink or
     symlink loop, a file larger than `limit`, or any other OSError. Never blocks on a FIFO, never reads more
     than `limit` + 1 bytes. `follow_symlinks` is for a file the user names (a model config in the HF hub cache is
-    a symlink); what it points at must still be a regular file."""
+    a symlink); what it points at must still be a regular file. `fix` ends the message for a file that is not
+    regular."""
     shown = path if shown is None else shown
     try:
         fd = os.open(path, _READ_FLAGS & ~os.O_NOFOLLOW if follow_symlinks else _READ_FLAGS, dir_fd=dir_fd)
@@ -78,8 +80,7 @@ def read_regular(path, limit: int, dir_fd: int | None = None, shown=None, follow
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
-            raise ReadProblem(f"{shown} is {kind}, not a regular file; remove it (`musekern verify --repair`)",
-                              f"is {kind}, not a regular file")
+            raise ReadProblem(f"{shown} is {kind}, not a regular file{fix}", f"is {kind}, not a regular file")
         if st.st_size > limit:
             why = f"is {st.st_size} bytes, more than the {limit} it may hold"
             raise ReadProblem(f"{shown} {why}", why)

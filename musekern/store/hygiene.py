@@ -20,18 +20,46 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 import time
 from pathlib import Path
 
 from .. import env
-from . import tuning
+from . import locks, owndirs, tuning
 from .cache import CACHE_FORMAT, Cache, CacheError, Entry, manifest_bytes, staging_key
-from .fs import atomic_write, read_regular, rmtree
+from .fs import ReadProblem, atomic_write, read_regular
 from .keys import is_key, sha256_hex
 from .manifest import parse_json
 
 POLICY_MAX_BYTES = 1 << 16
 COUNTERS = ("hit", "miss", "built", "pulled")
+
+
+# ---------------------------------------------------------------- the cache's own directories (store/owndirs.py)
+def own_dirs(cache: Cache) -> list[Path]:
+    """Every directory the store makes below the cache directory: the layout's, tuning/ and index/<family>/."""
+    dirs = [*cache.own_dirs, tuning.tuning_dir(cache)]
+    if owndirs.problem(cache.base) is None and owndirs.problem(cache.index_dir) is None:
+        with contextlib.suppress(OSError):
+            dirs += [cache.index_dir / n for n in sorted(os.listdir(cache.index_dir))]
+    return dirs
+
+
+def check_own_dirs(cache: Cache, command: str) -> None:
+    """Refuse (NotOwnDirError, one line naming each and the fix) a cache where a symbolic link or a file stands
+    where one of its own directories should be: maintenance never deletes or writes through one."""
+    owndirs.check(own_dirs(cache), command)
+
+
+def remove_entry(cache: Cache, key: str, keep=None, command: str = "clean", skipped: list | None = None) -> str:
+    """`Cache.remove_if`, with a key whose lock file is not a file (a directory, a link) skipped: "skipped", and
+    one line naming it in `skipped`, instead of stopping the whole command."""
+    try:
+        return cache.remove_if(key, keep=keep, command=command)
+    except locks.LockFileError as e:
+        if skipped is not None:
+            skipped.append(f"entry {key[:16]} kept: {e}, then re-run `musekern {command}`")
+        return "skipped"
 
 
 # ---------------------------------------------------------------- plans (clean --stale)
@@ -70,7 +98,7 @@ def plans(cache: Cache) -> dict[str, list[str]]:
         try:
             d = parse_json(read_regular(f, 64 << 20), str(f))
             out[str(d["name"])] = [k for k in d["keys"] if is_key(k)]
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ReadProblem, ValueError, KeyError, TypeError):  # a link, a FIFO, a directory: not ours
             continue
     return out
 
@@ -99,20 +127,15 @@ def count(cache: Cache, event: str, n: int = 1) -> None:
         raise ValueError(f"unknown counter {event!r}")
     if n <= 0 or not cache.base.is_dir() or cache.read_only:
         return
-    path = cache.stats_dir / event
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        except FileNotFoundError:
-            with contextlib.suppress(OSError):
-                cache.stats_dir.mkdir(exist_ok=True)
-            continue
-        except OSError:
-            return
-        with contextlib.suppress(OSError):
-            os.write(fd, b"." * n)
-        os.close(fd)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        with owndirs.opened(cache.root, cache.stats_dir, create=True) as dir_fd:
+            fd = os.open(event, flags, 0o644, dir_fd=dir_fd)
+    except (OSError, CacheError):  # a link where stats/ (or the counter) should be: never written through
         return
+    with contextlib.suppress(OSError):
+        os.write(fd, b"." * n)
+    os.close(fd)
 
 
 def counters(cache: Cache) -> dict[str, int]:
@@ -127,9 +150,10 @@ def counters(cache: Cache) -> dict[str, int]:
 
 def zero_counters(cache: Cache) -> None:
     cache.require_writable("zero the counters", "stats --zero")
-    for event in COUNTERS:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(cache.stats_dir / event)
+    check_own_dirs(cache, "stats --zero")
+    with owndirs.opened(cache.root, cache.stats_dir, "stats --zero") as fd:
+        for event in COUNTERS if fd is not None else ():
+            owndirs.remove(fd, event)
 
 
 # ---------------------------------------------------------------- staging debris
@@ -137,8 +161,9 @@ def staging(cache: Cache) -> list[dict]:
     """Every item of tmp/: {"path", "key", "live", "bytes"}. Live: its key's lock is held, so its writer is at
     work; not live: debris of a dead writer (or a stray file). Reads only: works on a read-only cache."""
     try:
-        names = sorted(os.listdir(cache.tmp_dir))
-    except OSError:
+        with owndirs.opened(cache.root, cache.tmp_dir) as fd:
+            names = owndirs.names(fd) if fd is not None else []
+    except (OSError, CacheError):  # a link or a file where tmp/ should be: not listed through (stats warns)
         return []
     out = []
     for name in names:
@@ -150,39 +175,61 @@ def staging(cache: Cache) -> list[dict]:
 
 
 def _tree_bytes(path: Path) -> int:
+    """Bytes of a file, or of a tree (no symbolic link followed: a link counts as itself)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return 0
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_size
     total = 0
-    for dirpath, _dirs, files in os.walk(path):
+    for dirpath, _dirs, files in os.walk(path):  # os.walk follows no link below `path`, a real directory
         for f in files:
             with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(dirpath, f)).st_size
-    with contextlib.suppress(OSError):
-        if not os.path.isdir(path):
-            total += os.lstat(path).st_size
     return total
 
 
-def clean_tmp(cache: Cache, dry_run: bool = False) -> int:
+def clean_tmp(cache: Cache, dry_run: bool = False, skipped: list | None = None) -> int:
     """Remove the staging debris of dead writers now (no age rule): an item whose key's lock is free, taken
-    while holding that lock. A live writer's staging dir is never touched. Returns how many were (or, dry
-    run, would be) removed."""
+    while holding that lock. A live writer's staging dir is never touched, nor anything a link in tmp/ points at.
+    Returns how many were (or, dry run, would be) removed; what could not be is said in `skipped`."""
     if cache.read_only and not dry_run:
         return 0
-    n = tuning.clean_debris(cache, dry_run)  # killed tuning writers' temp files
-    for item in staging(cache):
-        if item["live"]:
-            continue
-        if dry_run:
-            n += 1
-            continue
-        if item["key"] is None:
-            rmtree(Path(item["path"]))
-            n += 1
-            continue
-        with cache.try_lock(item["key"], "clean") as held:
-            if held:  # its writer is gone (a new writer of this key would use a new name)
-                rmtree(Path(item["path"]))
-                n += 1
+    check_own_dirs(cache, "clean")
+    n = 0
+    if not tuning_busy(cache):  # else a tuning writer is at work: its temp file is no debris (and is not waited for)
+        n += tuning.clean_debris(cache, dry_run)  # killed tuning writers' temp files
+    items = [i for i in staging(cache) if not i["live"]]
+    if dry_run:
+        return n + len(items)
+    with owndirs.opened(cache.root, cache.tmp_dir, "clean") as fd:
+        for item in items if fd is not None else ():
+            name = Path(item["path"]).name
+            if item["key"] is None:
+                n += owndirs.remove(fd, name)
+                continue
+            try:
+                with cache.try_lock(item["key"], "clean") as held:
+                    if held:  # its writer is gone (a new writer of this key would use a new name)
+                        n += owndirs.remove(fd, name)
+            except locks.LockFileError as e:
+                if skipped is not None:
+                    skipped.append(f"staging dir {item['path']} kept: {e}, then re-run `musekern clean`")
     return n
+
+
+def tuning_busy(cache: Cache, skipped: list | None = None) -> bool:
+    """Whether a GEMM tuning writer holds the tuning lock now (then its records and temp files stay: waiting for it
+    could take tuning.LOCK_WAIT_S); one line in `skipped` when so."""
+    lock = tuning.lock_path(cache)
+    if not locks.is_held(lock):
+        return False
+    line = (f"GEMM tuning records kept: another process holds {lock} (a GEMM tuning run is writing them); run "
+            "`musekern clean --all` again when it is done")
+    if skipped is not None and line not in skipped:
+        skipped.append(line)
+    return True
 
 
 # ---------------------------------------------------------------- stats, gc, repair, clear
@@ -199,25 +246,33 @@ def stats(cache: Cache) -> dict:
             t["entries"] += 1
             t["bytes"] += size
     items = staging(cache)
-    max_size, source = policy_max_size(cache)
+    try:
+        max_size, source, policy_problem = *policy_max_size(cache), None
+    except CacheError as e:  # stats does not need the policy: said, not fatal
+        max_size, source, policy_problem = None, None, str(e)
+    bad_dirs = [f"{d} is {why}" for d in own_dirs(cache) if (why := owndirs.problem(d)) is not None]
     return {"cache_dir": str(cache.root), "format": CACHE_FORMAT, "read_only": cache.read_only,
             "entries": len(entries), "bytes": total, "by_kernel": by_kernel, "by_arch": by_arch,
             "uncommitted": len(cache.entry_keys()) - len(entries), "plans": sorted(plans(cache)),
             "gemm_tuning": tuning.summary(cache),
             "counters": counters(cache), "max_size": max_size, "max_size_source": source,
+            "policy_problem": policy_problem, "not_own_dirs": bad_dirs,
             "staging": {"live": sum(i["live"] for i in items), "debris": sum(not i["live"] for i in items),
                         "debris_bytes": sum(i["bytes"] for i in items if not i["live"])}}
 
 
 def gc(cache: Cache, max_size: int | None = None, older_than: float | None = None,
-       now: float | None = None, dry_run: bool = False, keep=()) -> list[Entry]:
+       now: float | None = None, dry_run: bool = False, keep=(), skipped: list | None = None,
+       command: str = "gc") -> list[Entry]:
     """Remove entries unused for `older_than` seconds, then least recently used ones until the
     cache holds at most `max_size` bytes; never the keys in `keep`, nor an entry a writer holds, nor one used
-    since gc looked at it. Returns the removed (or, dry run, removable) entries."""
+    since gc looked at it. Returns the removed (or, dry run, removable) entries; an entry that could not be
+    removed for a reason the user must fix (its lock file is a directory) is one line in `skipped`."""
     if max_size is None and older_than is None:
         raise ValueError("gc needs max_size and/or older_than")
     if not dry_run:
-        cache.require_writable("collect garbage", "gc")
+        cache.require_writable("collect garbage", command)
+    check_own_dirs(cache, command)
     now = time.time() if now is None else now
     keep = set(keep)
     lru = sorted(((cache.last_used(e), e.key, e) for e in cache.entries()), key=lambda t: (t[0], t[1]))
@@ -240,8 +295,8 @@ def gc(cache: Cache, max_size: int | None = None, older_than: float | None = Non
     removed = []
     for used, e in doomed:
         # re-checked under the entry's lock: skipped if a writer holds it or someone used it since
-        if cache.remove_if(e.key, keep=lambda _insp, k=e.key, u=used: cache.last_used(k) > u, command="gc") \
-                == "removed":
+        if remove_entry(cache, e.key, keep=lambda _insp, k=e.key, u=used: cache.last_used(k) > u, command=command,
+                        skipped=skipped) == "removed":
             removed.append(e)
     return removed
 
@@ -251,8 +306,9 @@ def repair(cache: Cache) -> dict:
     writer replaced meanwhile is kept). Returns {"bad": {key: problems}, "removed": {key: problems seen under
     the lock}, "kept": [keys sound on the re-check], "busy": [keys a writer held], "gone": [keys]}."""
     cache.require_writable("repair", "verify --repair")
+    check_own_dirs(cache, "verify --repair")
     bad = cache.audit()
-    out: dict = {"bad": bad, "removed": {}, "kept": [], "busy": [], "gone": []}
+    out: dict = {"bad": bad, "removed": {}, "kept": [], "busy": [], "gone": [], "skipped": []}
     for key in bad:
         seen = {}
 
@@ -260,10 +316,10 @@ def repair(cache: Cache) -> dict:
             seen["problems"] = list(insp.problems)
             return insp.status != "bad"
 
-        result = cache.remove_if(key, keep=keep, command="verify --repair")
+        result = remove_entry(cache, key, keep=keep, command="verify --repair", skipped=out["skipped"])
         if result == "removed":
             out["removed"][key] = seen["problems"]
-        else:
+        elif result != "skipped":
             out[result].append(key)
     return out
 
@@ -271,21 +327,25 @@ def repair(cache: Cache) -> dict:
 def clear(cache: Cache) -> dict:
     """`clean --all`: remove every entry no writer holds, their stamps and index markers, every recorded plan,
     the GEMM tuning records and dead writers' staging debris. Live writers' entries and staging dirs, and the lock
-    files, stay. Returns {"removed": [keys], "busy": [keys a writer held], "tuning": [scopes removed]}."""
+    files, stay. Returns {"removed": [keys], "busy": [keys a writer held], "tuning": [scopes removed], "tmp": staging
+    items removed, "skipped": [one line each: what was kept and why (the tuning lock held, a lock file that is a
+    directory)]}."""
     cache.require_writable("clean", "clean")
-    out: dict = {"removed": [], "busy": [], "tuning": tuning.clear(cache)}
+    check_own_dirs(cache, "clean")
+    out: dict = {"removed": [], "busy": [], "tuning": [], "skipped": [], "tmp": 0}
+    if not tuning_busy(cache, out["skipped"]):
+        out["tuning"] = tuning.clear(cache)
     for k in cache.entry_keys():
-        result = cache.remove_if(k, command="clean")
+        result = remove_entry(cache, k, command="clean", skipped=out["skipped"])
         if result in ("removed", "busy"):
             out[result].append(k)
     for d, doomed in ((cache.plans_dir, lambda n: True),  # every plan; the stamps of entries that are gone
                       (cache.used_dir, lambda n: not is_key(n) or not cache.exists(n))):
-        with contextlib.suppress(OSError):
-            for name in os.listdir(d):
+        with owndirs.opened(cache.root, d, "clean") as fd:
+            for name in owndirs.names(fd) if fd is not None else ():
                 if doomed(name):
-                    with contextlib.suppress(OSError):
-                        os.unlink(d / name)
-    clean_tmp(cache)
+                    owndirs.remove(fd, name)
+    out["tmp"] = clean_tmp(cache, skipped=out["skipped"])
     return out
 
 
@@ -299,22 +359,30 @@ def policy_max_size(cache: Cache) -> tuple[int | None, str | None]:
             return env.size(env.MAX_SIZE), "env"
         except env.EnvError as e:
             raise CacheError(str(e)) from None
+    path = cache.policy_path
+    fix = (f"remove it (`rm -r {path}`) and keep a new one with `musekern gc --set-max-size SIZE --cache-dir "
+           f"{cache.root}` (or set MUSEKERN_MAX_SIZE)")
     try:
-        raw = read_regular(cache.policy_path, POLICY_MAX_BYTES)
+        raw = read_regular(path, POLICY_MAX_BYTES, fix="")  # the bounded reader: regular files only, no link
     except FileNotFoundError:
         return None, None
-    except (OSError, ValueError) as e:
-        raise CacheError(f"cannot read the size policy {cache.policy_path}: {e}; rewrite it with "
-                         f"`musekern gc --set-max-size SIZE --cache-dir {cache.root}`") from None
+    except (ReadProblem, OSError, ValueError) as e:
+        raise CacheError(f"cannot read the size policy: {_one_line(e)}; {fix}") from None
     try:
-        d = parse_json(raw, str(cache.policy_path))
+        d = parse_json(raw, str(path))
+        if not isinstance(d, dict) or "max_size" not in d:
+            raise ValueError('not {"max_size": BYTES}')
         size = d["max_size"]
-        if type(size) is not int or size < 0:
+        if type(size) is not int or not 0 <= size <= env.MAX_SIZE_BYTES:
             raise ValueError("max_size is not a size in bytes")
-    except (ValueError, KeyError, TypeError) as e:
-        raise CacheError(f"bad size policy {cache.policy_path} ({e}); rewrite it with "
-                         f"`musekern gc --set-max-size SIZE --cache-dir {cache.root}`") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise CacheError(f"bad size policy {path} ({_one_line(e)}); {fix}") from None
     return size, "policy.json"
+
+
+def _one_line(e: Exception, limit: int = 300) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def set_max_size(cache: Cache, size: int | None) -> Path:
@@ -333,11 +401,33 @@ def set_max_size(cache: Cache, size: int | None) -> Path:
     return path
 
 
-def apply_policy(cache: Cache, keep=()) -> tuple[int | None, list[Entry]]:
+def apply_policy(cache: Cache, keep=(), notes: list | None = None) -> tuple[int | None, list[Entry]]:
     """After prepare: trim the cache down to its size policy, least recently used first, never removing `keep`
-    (what this prepare needed). (max size or None, removed entries); nothing on a read-only cache."""
-    max_size, _ = policy_max_size(cache)
+    (what this prepare needed). (max size or None, removed entries); nothing on a read-only cache. With `notes`, one
+    line each for what the user should know: what was evicted (and which other recorded plans needed it), a limit
+    that cannot be met because `keep` alone is larger, an entry that could not be removed."""
+    max_size, source = policy_max_size(cache)
     if max_size is None or cache.read_only:
         return max_size, []
-    return max_size, gc(cache, max_size=max_size, keep=keep)
+    keep = set(keep)
+    removed = gc(cache, max_size=max_size, keep=keep, skipped=notes, command="prepare")
+    if notes is None:
+        return max_size, removed
+    limit = f"at most {env.human_size(max_size)} ({'MUSEKERN_MAX_SIZE' if source == 'env' else cache.policy_path})"
+    if removed:
+        needed = set().union(*plans(cache).values())
+        others = sum(e.key in needed for e in removed)
+        notes.append(f"size policy {limit}: evicted {len(removed)} least recently used entr"
+                     f"{'y' if len(removed) == 1 else 'ies'} ({env.human_size(sum(e.size_bytes for e in removed))})"
+                     + (f", {others} of them needed by another recorded plan (its `musekern prepare` builds them "
+                        "again)" if others else ""))
+    entries = cache.entries()
+    total = sum(e.size_bytes for e in entries)
+    if total > max_size:
+        mine = sum(e.size_bytes for e in entries if e.key in keep)
+        notes.append(f"the cache holds {env.human_size(total)}, over its size policy {limit}: this plan's own "
+                     f"entries take {env.human_size(mine)} and are never evicted by its prepare; raise the limit "
+                     f"(`musekern gc --set-max-size SIZE` or MUSEKERN_MAX_SIZE)")
+    return max_size, removed
+
 

@@ -10,13 +10,39 @@ import contextlib
 import errno
 import fcntl
 import os
+import stat
 import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator
 
+from .errors import CacheAccessError
+
 _held_lock = threading.Lock()
 _held: dict[tuple[str, int], list] = {}  # (lock path, thread) -> [fd, depth]: flock is not reentrant
+_NOT_A_FILE = (errno.EISDIR, errno.ELOOP, errno.ENXIO, errno.ENODEV, errno.ETXTBSY)
+
+
+class LockFileError(CacheAccessError):
+    """A lock file that is a directory, a symbolic link, a FIFO or a device: no lock can be taken with it, and
+    maintenance skips its key (one line: the path and the fix)."""
+
+    def __init__(self, path: Path, kind: str):
+        self.path = path
+        super().__init__(f"{path} is {kind}, not a lock file: remove it (`rm -r {path}`; musekern makes a new one)")
+
+
+def _not_a_lock(path: Path, fd: int | None = None, e: OSError | None = None) -> LockFileError | None:
+    """LockFileError when `path` (open at `fd`, or failed to open with `e`) is no regular file, else None."""
+    try:
+        st = os.fstat(fd) if fd is not None else os.lstat(path)
+    except OSError:
+        return LockFileError(path, "not a regular file") if e is not None and e.errno in _NOT_A_FILE else None
+    if stat.S_ISREG(st.st_mode):
+        return None
+    kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a symbolic link" if stat.S_ISLNK(st.st_mode)
+            else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file")
+    return LockFileError(path, kind)
 
 
 @contextlib.contextmanager
@@ -38,9 +64,13 @@ def held(path: Path, wait: bool, on_error: Callable[[OSError, Path], Exception],
                 mine[1] -= 1
         return
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
     except OSError as e:
-        raise on_error(e, path) from None
+        raise (_not_a_lock(path, e=e) or on_error(e, path)) from None
+    bad = _not_a_lock(path, fd)
+    if bad is not None:
+        os.close(fd)
+        raise bad
     try:
         try:
             _take(fd, wait, timeout)

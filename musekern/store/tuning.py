@@ -29,8 +29,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import locks
-from .cache import Cache
+from . import locks, owndirs
+from .cache import Cache, CacheError
 from .fs import ReadProblem, atomic_write, describe, read_regular
 from .manifest import manifest_bytes, parse_json
 
@@ -42,6 +42,7 @@ ALGO_BYTES = 64  # cublasLtMatmulAlgo_t
 MAX_WORKSPACE = 1 << 31
 MAX_DIM = 1 << 24
 LOCK_WAIT_S = 10.0
+_FULL_SAID: set[str] = set()  # scopes whose full file was said in this process
 _NAME = re.compile(r"[A-Za-z0-9_.,=\[\]-]{1,100}")
 _SCOPE = re.compile(r"[A-Za-z0-9.-]{1,160}")
 
@@ -134,21 +135,26 @@ def load(cache: Cache, scope_name: str) -> dict[tuple[int, int], Record]:
     return out
 
 
+def lock_path(cache: Cache) -> Path:
+    return cache.locks_dir / "tuning.lock"
+
+
 def _locked(cache: Cache):
     """The tuning lock (locks/tuning.lock), tried for up to LOCK_WAIT_S: yields whether it is held (also where the
     filesystem has no locks, NFS `nolock`: records are advice). OSError where the lock file cannot be made or
     opened."""
-    return locks.held(cache.locks_dir / "tuning.lock", wait=True, on_error=lambda e, p: e, timeout=LOCK_WAIT_S)
+    return locks.held(lock_path(cache), wait=True, on_error=lambda e, p: e, timeout=LOCK_WAIT_S)
 
 
-def _fit(new: dict, old: dict, scope_name: str) -> bytes:
-    """The file's bytes: every shape of `new`, then of `old`, as many as MAX_SHAPES and MAX_BYTES allow."""
+def _fit(new: dict, old: dict, scope_name: str) -> tuple[bytes, int]:
+    """(the file's bytes, how many shapes they hold): every shape of `new`, then of `old`, as many as MAX_SHAPES and
+    MAX_BYTES allow."""
     items = list(new.items()) + [(k, v) for k, v in old.items() if k not in new]
     items = items[:MAX_SHAPES]
     while True:
         raw = manifest_bytes({"format": FORMAT, "scope": scope_name, "shapes": dict(items)})
         if len(raw) <= MAX_BYTES or not items:
-            return raw
+            return raw, len(items)
         items = items[:max(0, len(items) - max(1, (len(raw) - MAX_BYTES) * len(items) // len(raw) + 1))]
 
 
@@ -172,15 +178,25 @@ def save(cache: Cache, scope_name: str, records: dict[tuple[int, int], Record]) 
             step.mkdir(exist_ok=True)
         if not _real_dir(cache):
             return f"{tuning_dir(cache)} is not a directory (a symbolic link?): remove it; tuning not recorded"
-        step = cache.locks_dir / "tuning.lock"
+        step = lock_path(cache)
         with _locked(cache) as held:
             if not held:
                 return f"{step} was held for {LOCK_WAIT_S:.0f} s by another process: tuning not recorded"
             step = target
             old = {f"{n}x{m}": _value(r) for (n, m), r in load(cache, scope_name).items()}
-            atomic_write(target, _fit(good, old, scope_name))
+            raw, kept = _fit(good, old, scope_name)
+            atomic_write(target, raw)
     except OSError as e:
         return describe(e, step, "cannot record the GEMM tuning in")
+    except CacheError as e:  # a lock file that is a directory, a link where a directory should be
+        return f"GEMM tuning not recorded: {e}"
+    dropped = len(good) + sum(k not in good for k in old) - kept
+    if dropped and scope_name not in _FULL_SAID:  # said once per process and scope: the next save drops them too
+        _FULL_SAID.add(scope_name)
+        full = (f"{dropped} of {kept + dropped} GEMM tuning records not kept: {target} holds at most "
+                f"{MAX_BYTES >> 20} MiB / {MAX_SHAPES} shapes (the shapes just measured first); those shapes are "
+                "timed again in each new process (`musekern clean --all` clears the file)")
+        return f"{why}; {full}" if why else full
     return why
 
 
@@ -212,11 +228,12 @@ def _remove(cache: Cache, names) -> list[str]:
     tuning/ is no real directory); the names removed."""
     gone = []
     if _real_dir(cache):
-        with contextlib.suppress(OSError), _locked(cache) as held:
-            for name in names() if held else ():
-                with contextlib.suppress(OSError):
-                    os.unlink(tuning_dir(cache) / name)
-                    gone.append(name)
+        with contextlib.suppress(OSError), owndirs.opened(cache.root, tuning_dir(cache)) as fd:
+            owndirs.make(cache.root, cache.locks_dir)  # a missing locks/ would keep every record, silently
+            with _locked(cache) as held:
+                for name in names() if held and fd is not None else ():
+                    if owndirs.remove(fd, name):  # through tuning/'s fd: no link followed
+                        gone.append(name)
     return gone
 
 

@@ -74,9 +74,10 @@ def time_front(samples: int = SAMPLES) -> tuple[list, list, float]:
     from musekern.bench.report import floor_us
     from musekern.bench.timing import copy_bandwidth
     from musekern.config import load_config
+    from musekern.kernels.qkv_front.rules import front_serves
+    from musekern.kernels.qkv_front.variant import FRONT_MAX_TOKENS
     from musekern.ops.qkv_front import _variant
     from musekern.targets import get_target
-    from musekern.variants import FRONT_MAX_TOKENS, front_serves
 
     model = load_config()
     bw = copy_bandwidth()

@@ -31,7 +31,7 @@ def cached_digests(cache: str) -> dict:
 
 def compare(cache: str, builds) -> list[str]:
     """One line per build whose sm_90a cubin compiled here is not the one CACHE holds under its label."""
-    from musekern.kernels import compile_variant
+    from musekern.builder.compile import compile_variant
 
     old = cached_digests(cache)
     bad = []
@@ -46,8 +46,8 @@ def main(argv) -> int:
     from qkv_front_builds import gpu_test_builds
 
     from musekern.config import load_config
+    from musekern.plan import plan_model
     from musekern.targets import get_target
-    from musekern.variants import plan_model
 
     if len(argv) != 1:
         print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)

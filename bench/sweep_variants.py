@@ -21,12 +21,13 @@ from cuda.bindings import driver as drv
 
 from musekern.bench.report import commit_info
 from musekern.bench.timing import Graph, copy_bandwidth, time_graphs
+from musekern.kernels.qkv_front.rules import fixed_rows, token_tiles
+from musekern.kernels.qkv_front.variant import HIDDEN, TOKEN_TILE, QkvFrontVariant, launch_grid
 from musekern.ops.qkv_front import launch_args
+from musekern.plan import variant_from_label
 from musekern.runtime import get_kernel
 from musekern.runtime.driver import launch_config
 from musekern.targets import get_target
-from musekern.variants import QkvFrontVariant, fixed_rows, token_tiles, variant_from_label
-from musekern.variants.qkv_front import HIDDEN, TOKEN_TILE, launch_grid
 
 H200 = get_target("h200")  # the grid's tile counts are the H200's
 

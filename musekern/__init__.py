@@ -16,7 +16,7 @@ _LAZY = {
     "get_kernel": ("musekern.runtime", "get_kernel"),
     "load_config": ("musekern.config", "load_config"),
     "get_target": ("musekern.targets", "get_target"),
-    "plan_model": ("musekern.variants", "plan_model"),
+    "plan_model": ("musekern.plan", "plan_model"),
 }
 
 __all__ = ["__version__", *_LAZY]

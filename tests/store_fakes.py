@@ -96,9 +96,9 @@ def real_builds() -> tuple:
 
     if importlib.util.find_spec("cutlass") is None:
         pytest.skip("needs the build extra (nvidia-cutlass-dsl) to compile a real cubin")
-    from musekern.build.compile import build_variant
+    from musekern.builder.compile import build_variant
+    from musekern.kernels.qk_norm.variant import QkNormVariant
     from musekern.store.keys import dsl_version, key_parts
-    from musekern.variants import QkNormVariant
 
     out = []
     for v in (QkNormVariant("bfloat16", 64, False), QkNormVariant("float16", 128, True)):

@@ -77,8 +77,8 @@ def test_no_target_without_gpu_or_config(run, tmp_path):
 
 
 def test_prepare_without_build_extra_names_it(run, monkeypatch):
-    monkeypatch.setattr("musekern.build.compile.dsl_version", lambda: None)
-    monkeypatch.setattr("musekern.build.prepare.dsl_version", lambda: None)
+    monkeypatch.setattr("musekern.builder.compile.dsl_version", lambda: None)
+    monkeypatch.setattr("musekern.builder.prepare.dsl_version", lambda: None)
     r = run("prepare", "--target", "h200", *QK, code=1)
     assert "musekern[build]" in r.output
 
@@ -188,8 +188,8 @@ def test_tp_overrides_the_config_on_every_planning_command(run, args, full, tp8)
 
 
 def test_prepare_takes_tp(run, monkeypatch):
-    monkeypatch.setattr("musekern.build.prepare.dsl_version", lambda: None)  # stop before compiling anything
-    monkeypatch.setattr("musekern.build.compile.dsl_version", lambda: None)
+    monkeypatch.setattr("musekern.builder.prepare.dsl_version", lambda: None)  # stop before compiling anything
+    monkeypatch.setattr("musekern.builder.compile.dsl_version", lambda: None)
     r = run("prepare", "--target", "h200", "--tp", "8", code=1)
     assert "musekern prepare: 14 variant(s) for h200" in r.stderr
 
@@ -362,7 +362,7 @@ def test_export_shard_is_what_prepare_shard_built(run, tmp_path):
 def test_shards_split_the_builds_not_just_the_entries(tp, builds_total, n):
     """h100 and h200 share every sm_90a build: sharding the README's two-target plan must split the compiles."""
     from musekern.config import load_config, with_tensor_parallel
-    from musekern.variants import plan_model, shard_plan
+    from musekern.plan import plan_model, shard_plan
 
     plan = plan_model(with_tensor_parallel(load_config(), tp), [get_target("h200"), get_target("h100")])
     shards = [shard_plan(plan, k, n) for k in range(1, n + 1)]

@@ -183,9 +183,9 @@ def test_explain_key_and_label(cli, filled):
 
 def _plan_parts(target="h200", dsl=None):
     from musekern.config import load_config
+    from musekern.plan import plan_model
     from musekern.store.keys import dsl_version, key_parts
     from musekern.targets import get_target
-    from musekern.variants import plan_model
 
     plan = plan_model(load_config(None), [get_target(target)])
     return [(pe, key_parts(pe, pe.arch, dsl or dsl_version())) for pe in plan]

@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 
 from musekern.config import ConfigError, load_config, parse_config, with_tensor_parallel
+from musekern.plan import plan_model
 from musekern.targets import get_target
-from musekern.variants import plan_model
 
 DATA = Path(__file__).parent / "data"
 
@@ -162,6 +162,6 @@ def test_top_level_not_object(tmp_path):
 def test_the_configs_front_limit_is_the_planners():
     """config.py cannot import the planner (the planner imports the config): the two constants are kept equal here."""
     from musekern.config import FRONT_MAX_TOKENS
-    from musekern.variants import FRONT_MAX_TOKENS as planner
+    from musekern.kernels.qkv_front.variant import FRONT_MAX_TOKENS as planner
 
     assert FRONT_MAX_TOKENS == planner

@@ -21,8 +21,8 @@ import time
 import pytest
 from qkv_front_builds import front_builds, front_candidates, gpu_test_builds
 
-from musekern.targets import SM90_REGS_PER_SM, TARGETS, get_target
-from musekern.variants.qkv_front import (
+from musekern.kernels.qkv_front.rules import CTAS_PER_SM, qkv_front_variants
+from musekern.kernels.qkv_front.variant import (
     FRONT_MAX_TOKENS,
     HEAD_COLS,
     K_TILE,
@@ -34,12 +34,12 @@ from musekern.variants.qkv_front import (
     padded_tokens,
     smem_bytes,
 )
-from musekern.variants.qkv_front_rules import CTAS_PER_SM, qkv_front_variants
+from musekern.targets import SM90_REGS_PER_SM, TARGETS, get_target
 
 
 def planned_variants():
     from musekern.config import load_config
-    from musekern.variants import plan_model
+    from musekern.plan import plan_model
 
     return [e.variant for e in plan_model(load_config(), [get_target("h200")]) if e.kernel == "qkv_front"]
 
@@ -103,10 +103,15 @@ def test_ops_import_does_not_import_cutlass():
 # ---------------------------------------------------------------- needs the DSL
 @pytest.fixture(scope="module")
 def kmod():
+    """The kernel class, its ABI record and the builder's compile, under one name."""
     pytest.importorskip("cutlass")
-    from musekern.kernels import qkv_front
+    from types import SimpleNamespace
 
-    return qkv_front
+    from musekern.builder.compile import compile_variant
+    from musekern.kernels.qkv_front.abi import abi_for
+    from musekern.kernels.qkv_front.kernel import QkvFrontKernel
+
+    return SimpleNamespace(QkvFrontKernel=QkvFrontKernel, abi_for=abi_for, compile_variant=compile_variant)
 
 
 # every build the GPU tests and the bench launch above M = 16: the CuTe struct the kernel allocates is the size

@@ -118,7 +118,7 @@ def test_two_cold_prepares_give_identical_cubins(tmp_path):
 def test_without_the_dsl_a_corrupt_entry_is_missing_not_a_hit(tmp_path, monkeypatch):
     """No build extra: entries of any DSL version serve, but only if they verify."""
     prepare(tmp_path / "c", *LABELS)
-    monkeypatch.setattr("musekern.build.prepare.dsl_version", lambda: None)
+    monkeypatch.setattr("musekern.builder.prepare.dsl_version", lambda: None)
     assert prepare(tmp_path / "c", *LABELS)["counts"]["hit"] == 2
     e = Cache(tmp_path / "c").entries()[0]
     os.chmod(e.cubin_path, stat.S_IRUSR | stat.S_IWUSR)
@@ -136,8 +136,8 @@ def _fake_builds(monkeypatch):
 
     from store_fakes import FAKE_ABI
 
-    from musekern.build import prepare as prepare_mod
-    from musekern.build.compile import Built
+    from musekern.builder import prepare as prepare_mod
+    from musekern.builder.compile import Built
 
     def build_variant(variant, arch):
         cubin = b"\x7fELF" + hashlib.sha256(f"{variant.label}{arch}".encode()).digest() * 64
@@ -150,8 +150,8 @@ def _fake_builds(monkeypatch):
 
 def _plan():
     from musekern.config import load_config
+    from musekern.plan import plan_model
     from musekern.targets import get_target
-    from musekern.variants import plan_model
 
     return plan_model(load_config(None), [get_target("h200")])
 

@@ -40,8 +40,8 @@ TIME = re.compile(r"^\d+\.\ds$")
 
 def _planned() -> int:
     from musekern.config import load_config, with_tensor_parallel
+    from musekern.plan import plan_model
     from musekern.targets import get_target
-    from musekern.variants import plan_model
 
     return len(plan_model(with_tensor_parallel(load_config(CONFIG), (1, 2, 4, 8)), [get_target("h200")]))
 
@@ -140,9 +140,9 @@ def test_readme_shows_no_machines_paths_and_no_test_counts():
 
 def test_transcript_is_the_bundled_plan_on_a_neutral_path(tmp_path):
     from musekern.config import load_config
+    from musekern.plan import plan_model
     from musekern.store.keys import dsl_version, key_parts
     from musekern.targets import get_target
-    from musekern.variants import plan_model
 
     _, header, table, summary = split_transcript(prepare_transcript())
     plan = plan_model(load_config(), [get_target("h200")])
@@ -164,8 +164,9 @@ def test_python_example_uses_a_planned_variant():
     import ast
 
     from musekern.config import load_config
+    from musekern.kernels.qk_norm.variant import qk_norm_variant
+    from musekern.plan import plan_model
     from musekern.targets import get_target
-    from musekern.variants import plan_model, qk_norm_variant
 
     code = "\n".join(b for lang, b in fenced_blocks(section("Using it")) if lang == "python")
     calls = [n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") ==

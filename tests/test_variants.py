@@ -6,26 +6,29 @@ import sys
 import pytest
 
 from musekern.config import load_config
-from musekern.targets import SMEM_RESERVED_PER_CTA, get_target
-from musekern.variants import (
-    QkNormVariant,
-    QkvFrontVariant,
+from musekern.kernels.qk_norm.variant import QkNormVariant, qk_norm_variant, supports_qk_norm
+from musekern.kernels.qkv_front.rules import (
+    MAX_RING_STAGES,
+    SMEM_RESERVE_BYTES,
     fixed_rows,
     front_serves,
     k_split,
-    plan_model,
-    qk_norm_variant,
     qkv_front_variants,
     ring_stages,
-    shard_plan,
-    supports_qk_norm,
-    supports_shape,
     token_tiles,
     variant,
-    variant_from_label,
 )
-from musekern.variants.qkv_front import FRONT_MAX_TOKENS, K_TILES, SPLIT_CHOICES, smem_bytes, stage_bytes
-from musekern.variants.qkv_front_rules import MAX_RING_STAGES, SMEM_RESERVE_BYTES
+from musekern.kernels.qkv_front.variant import (
+    FRONT_MAX_TOKENS,
+    K_TILES,
+    SPLIT_CHOICES,
+    QkvFrontVariant,
+    smem_bytes,
+    stage_bytes,
+    supports_shape,
+)
+from musekern.plan import plan_model, shard_plan, variant_from_label
+from musekern.targets import SMEM_RESERVED_PER_CTA, get_target
 
 H200 = get_target("h200")
 
@@ -157,7 +160,7 @@ def test_qk_norm_variants():
 @pytest.mark.parametrize("hd,m,heads,vpt", [(64, 16, 64, 1), (128, 16, 32, 1), (64, 64, 64, 1), (64, 65, 64, 4),
                                            (64, 4096, 128, 4), (256, 1, 1, 1)])
 def test_qk_norm_variant_by_input_size(hd, m, heads, vpt):
-    from musekern.variants.qk_norm import qk_norm_vectors
+    from musekern.kernels.qk_norm.variant import qk_norm_vectors
 
     assert qk_norm_variant("bfloat16", hd, 1.0, qk_norm_vectors(hd, m, heads)).vecs_per_thread == vpt
     assert qk_norm_variant("bfloat16", hd, 1.0).vecs_per_thread == 4
@@ -239,7 +242,7 @@ def test_k_split_wide(n, target, tiles, s):
                                          (4352, 2, 40, False), (4352, 2, 48, False), (4352, 2, 56, True),
                                          (4352, 2, 64, True)])
 def test_recv_in_ring_rule(n, nkv, m, rir):
-    from musekern.variants.qkv_front_rules import ring_stages
+    from musekern.kernels.qkv_front.rules import ring_stages
 
     v = variant(n, m, nkv, H200)
     assert v.recv_in_ring == rir
@@ -358,7 +361,7 @@ def test_front_variants_above_16(n, nkv, served, tiles):
 # `prepare --variant` sorts any set of labels: variants whose params leave out different defaults (an int in one
 # where the other has a str) still order
 def test_plan_entries_of_mixed_fields_sort():
-    from musekern.variants import PlanEntry
+    from musekern.plan import PlanEntry
 
     a = QkvFrontVariant(2176, 1, 4, 4, 2, 0, "late", warp_split="k", trigger_ahead=4)
     b = QkvFrontVariant(2176, 1, 4, 4, 2, 0, "late", trigger_ahead=4)

@@ -100,7 +100,7 @@ def _kernel_class():
     from cutlass.cute.nvgpu import cpasync
     from cutlass.memory import SmemAllocator
 
-    from musekern.kernels.qkv_front import ring_tma
+    from musekern.kernels.qkv_front.kernel import ring_tma
 
     class SkeletonProbe:
         def __init__(self, c: ProbeConfig):
@@ -238,7 +238,7 @@ def build(outdir: str, config_set: str = "planned") -> None:
     from cutlass import BFloat16, Float32
     from cutlass.cute.runtime import make_ptr
 
-    from musekern.kernels._dsl import compile_to_cubin
+    from musekern.builder.dsl import compile_to_cubin
     from musekern.store.abi import KernelAbi, LaunchSpec, TensorMapSpec, check_abi_against_ptx, pointer, tensormap
 
     os.makedirs(outdir, exist_ok=True)
@@ -246,7 +246,7 @@ def build(outdir: str, config_set: str = "planned") -> None:
     bf = make_ptr(BFloat16, 1 << 20, cute.AddressSpace.gmem, assumed_align=16)
     f32 = make_ptr(Float32, 1 << 20, cute.AddressSpace.gmem, assumed_align=16)
     manifest = []
-    from musekern.variants.qkv_front import ring_smem_bytes
+    from musekern.kernels.qkv_front.variant import ring_smem_bytes
 
     for c in CONFIG_SETS[config_set]:
         k = cls(c)

@@ -65,8 +65,8 @@ def trace_row(v) -> int:
 def _variant(n, m, overrides):
     import dataclasses
 
+    from musekern.kernels.qkv_front.rules import variant
     from musekern.targets import get_target
-    from musekern.variants import variant
 
     return dataclasses.replace(variant(n, m, KV[n], get_target("h200")), **overrides)
 
@@ -95,7 +95,7 @@ def _traced_class():
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import dsl_user_op
 
-    from musekern.kernels.qkv_front import QkvFrontKernel
+    from musekern.kernels.qkv_front.kernel import QkvFrontKernel
 
     @dsl_user_op
     def _read(reg, *, loc=None, ip=None):
@@ -211,9 +211,10 @@ def _traced_class():
 
 def compile_traced(v):
     """cubin, PTX, symbol and ABI of the traced build of v (its PTX `.entry` checked against the front's ABI)."""
-    from musekern.kernels import CompiledKernel
-    from musekern.kernels._dsl import compile_to_cubin
-    from musekern.kernels.qkv_front import abi_for, compile_args
+    from musekern.builder.compile import CompiledKernel
+    from musekern.builder.dsl import compile_to_cubin
+    from musekern.kernels.qkv_front.abi import abi_for
+    from musekern.kernels.qkv_front.kernel import compile_args
     from musekern.store.abi import check_abi_against_ptx
 
     cubin, ptx, symbol = compile_to_cubin(_traced_class()(v), *compile_args(v), arch="sm_90a")
@@ -348,10 +349,10 @@ def run(outdir: str, out_json: str) -> int:
     import torch
 
     from musekern.bench.timing import Graph, time_graphs
+    from musekern.kernels.qkv_front.variant import HIDDEN, launch_grid, padded_tokens
     from musekern.ops.qkv_front import launch_args
+    from musekern.plan import variant_from_label
     from musekern.runtime.loader import LoadedKernel
-    from musekern.variants import variant_from_label
-    from musekern.variants.qkv_front import HIDDEN, launch_grid, padded_tokens
 
     man = json.load(open(os.path.join(outdir, "manifest.json")))
     torch.zeros(1, device="cuda")  # the primary context, current: the predecessor loads its module into it

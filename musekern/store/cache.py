@@ -53,7 +53,7 @@ What stands in for recomputing it:
 1. The key determines the ABI. The key's source hash covers the kernel's source, its variant module and
    store/abi.py (where the ABI record is defined), and the key also holds the variant's params, the arch, the
    DSL version and ABI_VERSION; compiles are deterministic. So for one key there is exactly one ABI, the one
-   the build checked against the PTX `.entry` before the entry could be committed (build/compile.py).
+   the build checked against the PTX `.entry` before the entry could be committed (builder/compile.py).
 2. The digest binds the recorded ABI to that key and to the cubin's sha256: it cannot change without the
    manifest failing its check.
 3. A pulled or imported entry must be the variant that was asked for: its key parts re-derive the key, and

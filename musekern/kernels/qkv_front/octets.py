@@ -1,6 +1,6 @@
 """qkv_front's owner epilogue for the wgmma builds with 16 owned tokens or more: eight lanes a token, 16-byte accesses.
 
-A mixin of `QkvFrontKernel` (musekern/kernels/qkv_front.py, whose docstring has the whole kernel): the method reads
+A mixin of `QkvFrontKernel` (kernel.py, whose docstring has the whole kernel): the method reads
 the kernel's static fields (`n`, `tt`, `S`, `owned`, `nkv`). The owner's tokens are taken four at a time by a warp:
 lane l works on token 4 g + l // 8 of group g (warp w takes groups w, w + 4, ...), columns 8 (l % 8) .. + 7 = RoPE pairs
 4 (l % 8) .. + 3. Its partials, cos|sin and stores are 16-byte vectors; the RMS norm's sum is the lane's 8 squares then
@@ -13,7 +13,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from ..variants.qkv_front import CONSUMER_WARPS, HEAD_COLS
+from .variant import CONSUMER_WARPS, HEAD_COLS
 
 OCT = 8  # columns a lane (16 bytes of bf16), lanes a token
 QUAD = 4  # fp32 a 16-byte vector

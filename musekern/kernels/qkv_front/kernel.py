@@ -2,7 +2,7 @@
 
 y = epilogue(bf16(x @ W^T)); see musekern/reference.py::qkv_front_reference for the exact math.
 
-Launch (musekern/variants/qkv_front.py is the single source of truth for every constant):
+Launch (musekern/kernels/qkv_front/variant.py is the single source of truth for every constant):
   grid  = heads * S CTAs along x, S consecutive CTAs per head (64 columns of y); cluster = (S, 1, 1), or
   (2 S, 1, 1) with x_mcast (a head pair), block = 192 threads: warps 0-3 consumers (mma.sync or wgmma),
   warp 4 TMA producer, warp 5 aux.
@@ -23,13 +23,13 @@ swizzled ring (variant warp_split "rows"). With warp_split "k" consumer warp w i
 not once per warp; 4 x tiles independent accumulators) and the four warps' partials are summed in
 warp order in the idle W ring after the last k-tile. With warp_split "wg" (3 token tiles and more) the four
 consumer warps are warpgroup 0 and issue wgmma m64nTTk16 with both operands straight from the swizzled ring
-(musekern/kernels/qkv_front_mma.py has the consumer roles). After the last k-tile each consumer thread
+(kernels/qkv_front/mma.py has the consumer roles). After the last k-tile each consumer thread
 sends its FP32 partial of token t to the owner CTA of its head, rank t % S, with st.async (DSMEM,
 completes on the owner's receive mbarrier); the owner sums the S partials in rank order 0..S-1
 (bitwise deterministic: the order depends on neither the ring depth nor timing), rounds to bf16 and
 runs the epilogue for its tokens:
 RMS norm (q, k heads), interleaved RoPE (q, k), y store, K/V cache insert (k, v heads): a lane per RoPE pair, or in the
-wgmma builds with 16 owned tokens or more eight lanes a token with 16-byte accesses (musekern/kernels/qkv_front_epi.py).
+wgmma builds with 16 owned tokens or more eight lanes a token with 16-byte accesses (kernels/qkv_front/octets.py).
 With S == 1 the partials go to the CTA's own shared memory with plain stores; so do, in the wgmma builds with S > 1,
 the partials of the CTA's own tokens (st.async carries the other S - 1 ranks'; bench/NOTES.md "The partials'
 exchange").
@@ -54,8 +54,9 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.memory import SmemAllocator
 from cutlass.utils import hopper_helpers as sm90_utils
 
-from ..store.abi import KernelAbi, LaunchSpec, TensorMapSpec, coord_tensor, pointer, scalar, tensormap
-from ..variants.qkv_front import (
+from .mma import BAR_AUX, BAR_PARTIALS, BAR_RED, CONSUMER_THREADS, CtaPlace, FrontConsumers
+from .octets import OCTET_MIN_OWNED, FrontOctetEpilogue
+from .variant import (
     CONSUMER_WARPS,
     HEAD_COLS,
     HIDDEN,
@@ -66,22 +67,14 @@ from ..variants.qkv_front import (
     TOKEN_TILE,
     W_STAGE_BYTES,
     QkvFrontVariant,
-    cluster_size,
     launch_grid,
     owned_tokens,
     padded_tokens,
     smem_bytes,
-    x_box_rows,
 )
-from .qkv_front_epi import OCTET_MIN_OWNED, FrontOctetEpilogue
-from .qkv_front_mma import BAR_AUX, BAR_PARTIALS, BAR_RED, CONSUMER_THREADS, CtaPlace, FrontConsumers
 
-# sm_90a: the target. sm_100a: compiles (mma.sync, TMA, clusters, st.async and griddepcontrol all exist
-# on Blackwell) but is checked on CPU only, never run.
-SUPPORTED_ARCHES = ("sm_90a", "sm_100a")
 PRODUCER_WARP = CONSUMER_WARPS  # warp 4
 AUX_WARP = CONSUMER_WARPS + 1  # warp 5
-BOX_COLS = 64  # a 128B-swizzle TMA box is 64 bf16 columns wide
 
 
 def ring_tma(mW, mX, stages: int, tt: int, x_mcast: bool = False):
@@ -136,6 +129,12 @@ def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool):
 
 class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
     """One compiled qkv_front variant. Static: N, KV heads, tiles, ring depth, S, fixed M."""
+
+    def __repr__(self):
+        # CuTe DSL names the compiled kernel after str(self) (the jit's `self` argument, its address dropped): this is
+        # the repr the class had in musekern/kernels/qkv_front.py, so the symbol names, and with them the cubins, stay
+        # those of the builds made before the kernel moved into its folder.
+        return f"<musekern.kernels.qkv_front.QkvFrontKernel object at {id(self):#x}>"
 
     def __init__(self, v: QkvFrontVariant):
         assert HIDDEN % K_TILE == 0 and K_TILES % v.splits == 0, "S must divide the 64 k-tiles"
@@ -370,7 +369,7 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
             kv_head = head - self.nq - self.nkv
         if cutlass.const_expr(self.v.warp_split == "wg" and self.owned >= OCTET_MIN_OWNED):
             # eight lanes a token, 16-byte vectors, where every warp takes a group of four tokens
-            # (musekern/kernels/qkv_front_epi.py)
+            # (kernels/qkv_front/octets.py)
             self.finish_octets(recv, cs, slots, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
                                v_block_stride, eps, place, warp_idx, lane, is_qk, is_k, is_v, kv_head)
         else:
@@ -489,38 +488,6 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
 
 
 # ---------------------------------------------------------------------- ABI and build
-def abi_for(v: QkvFrontVariant) -> KernelAbi:
-    """The launch ABI (pure: no compile). Order = the kernel's argument order (NOTES.md §3)."""
-    params = [tensormap("tma_w", "CUtensorMap of weight bf16 [N, 8192], box 64x64, 128B swizzle")]
-    # mW_tma: fully static shape (N, 8192) -> no parameter
-    xb = x_box_rows(v)
-    params.append(tensormap("tma_x", f"CUtensorMap of x bf16 [M, 8192], box 64x{xb}, 128B swizzle (rows >= M: 0)"))
-    if not v.fixed_m:
-        params.append(coord_tensor("x_coord", ("M",), "TMA coordinate tensor of x: its dynamic row count M"))
-    params += [
-        pointer("weight_ptr", "the weight's base address (read by no code since the L2 prefetch lever left; kept "
-                              "so the ABI and the cubins stay as they are)"),
-        pointer("y", "bf16 [M, N] output, contiguous"),
-        pointer("positions", "int64 [M]"),
-        pointer("cos_sin_cache", "float32 [max_pos, 64] contiguous"),
-        pointer("slot_mapping", "int64 [M]"),
-        pointer("key_cache", "bf16 [num_blocks, block_size, num_kv_heads, 64], inner dims contiguous"),
-        pointer("value_cache", "same layout as key_cache, own block stride"),
-        scalar("max_pos", "i32", "rows of cos_sin_cache"),
-        scalar("block_size", "i32"),
-        scalar("num_blocks", "i32"),
-        scalar("k_block_stride", "i64", "key_cache.stride(0) in elements"),
-        scalar("v_block_stride", "i64", "value_cache.stride(0) in elements"),
-        scalar("eps", "f32"),
-    ]
-    return KernelAbi(
-        params=tuple(params),
-        launch=LaunchSpec(block=(THREADS, 1, 1), cluster=(cluster_size(v), 1, 1), dynamic_smem_bytes=smem_bytes(v),
-                          pdl=True, grid=f"(heads * S, 1, 1) = ({v.heads} * {v.splits}, 1, 1)"),
-        tensormaps=(TensorMapSpec("tma_w", "weight", "bf16", (BOX_COLS, HEAD_COLS)),
-                    TensorMapSpec("tma_x", "x", "bf16", (BOX_COLS, xb))))
-
-
 def compile_args(v: QkvFrontVariant) -> tuple:
     """The arguments `QkvFrontKernel.__call__` is compiled with (pointers, scalars of the right types and
     alignment; values do not matter: M is dynamic unless fixed_m), in `abi_for`'s order."""
@@ -531,24 +498,10 @@ def compile_args(v: QkvFrontVariant) -> tuple:
             Int64(1 << 20), Int64(1 << 20), Float32(1e-5), cuda.CUstream(0))
 
 
-def check_arch(arch: str, v: QkvFrontVariant | None = None) -> None:
-    if arch not in SUPPORTED_ARCHES:
-        raise NotImplementedError(
-            f"qkv_front uses sm_90-class TMA, thread-block clusters and st.async; it is built for "
-            f"{' / '.join(SUPPORTED_ARCHES)}; {arch} is not supported")
-    if v is not None and v.warp_split == "wg" and arch != "sm_90a":
+def compile_call(v: QkvFrontVariant, arch: str):
+    """(the @cute.jit kernel object, its compile arguments) of `v`; the builder compiles it for `arch` on any machine
+    (no GPU needed)."""
+    if v.warp_split == "wg" and arch != "sm_90a":
         raise NotImplementedError(f"qkv_front warp_split 'wg' issues wgmma, which only sm_90a has; {arch} takes "
                                   f"'rows' or 'k' (up to 4 token tiles)")
-
-
-def compile_variant(v: QkvFrontVariant, arch: str):
-    """cubin, PTX and ABI of variant v for `arch` (the PTX `.entry` checked against `abi_for(v)`)."""
-    from ..store.abi import check_abi_against_ptx
-    from . import CompiledKernel
-    from ._dsl import compile_to_cubin
-
-    check_arch(arch, v)
-    cubin, ptx, symbol = compile_to_cubin(QkvFrontKernel(v), *compile_args(v), arch=arch)
-    abi = abi_for(v)
-    check_abi_against_ptx(abi, ptx, symbol)
-    return CompiledKernel(symbol=symbol, cubin=cubin, ptx=ptx, abi=abi)
+    return QkvFrontKernel(v), compile_args(v)

@@ -1,9 +1,9 @@
 """qkv_front, the fused Muse Spark decode attention front (seed 000): what the kernel compiles from.
 
 Shape constants, the variant (`QkvFrontVariant`, validated) and the launch geometry, pure Python (no
-cutlass, no GPU). The kernel (`musekern/kernels/qkv_front.py`) imports them, so the planner, the op and
+cutlass, no GPU). The kernel (kernel.py) imports them, so the planner, the op and
 the kernel cannot disagree on a tile size or a shared-memory budget; this file's bytes are part of the
-kernel's cache key (`store/keys.py`), the planning rules are not (`qkv_front_rules.py`).
+kernel's cache key (`sources`), the planning rules are not (rules.py).
 
 Structure: S = `splits` CTAs per 64-column head, one cluster (with `x_mcast`, the 2 S CTAs of a head pair);
 CTA r of a head streams the k-tiles r, r+S, r+2S, ... (K_TILE columns of K each, head h starting h tiles further
@@ -15,16 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .base import VariantMixin
+from ...model import FRONT_MAX_TOKENS, HEAD_DIM, HIDDEN, supports_shape
+from ..base import VariantMixin
 
-HIDDEN = 8192  # K of the projection (Muse Spark hidden size)
-HEAD_COLS = 64  # output columns per head = rows of W per cluster
+HEAD_COLS = HEAD_DIM  # output columns per head = rows of W per cluster
 TOKEN_TILE = 8  # tokens per MMA N-tile (mma.sync m16n8k16 / wgmma m64nNk16: W rows are M, tokens are N)
 MAX_TOKENS = 16  # the decode builds (1-2 tiles, every shard); above it the front serves where the rules say, up to
-# FRONT_MAX_TOKENS (qkv_front_rules.front_serves), else cuBLAS + the fused epilogue
-FRONT_MAX_TOKENS = 64  # the largest M one build serves (8 token tiles)
+# FRONT_MAX_TOKENS (rules.front_serves), else cuBLAS + the fused epilogue
 TILE_CHOICES = tuple(range(1, FRONT_MAX_TOKENS // TOKEN_TILE + 1))  # 8-token tiles a build may have (the rules plan
-# qkv_front_rules.PLANNED_TILES: M is padded up to the next one the shape has a build of)
+# rules.PLANNED_TILES: M is padded up to the next one the shape has a build of)
 SYNC_TILE_CHOICES = (1, 2, 4, 8)  # the tiles an mma.sync build ("rows", "k") takes: its x ldmatrix is x2 or x4
 K_TILE = 128  # K columns per ring stage: two 64-wide 128B-swizzled TMA boxes
 K_TILES = HIDDEN // K_TILE
@@ -48,6 +47,7 @@ WARP_SPLITS = ("rows", "k", "wg")
 class QkvFrontVariant(VariantMixin):
     """One compiled qkv_front: serves every layer whose weight has N rows, every M with `tiles` tiles."""
     kernel: ClassVar[str] = "qkv_front"
+    sources: ClassVar[tuple[str, ...]] = ("variant.py", "abi.py", "kernel.py", "mma.py", "octets.py")
     n: int  # rows of the weight = output columns (q|k|v|gate)
     num_kv_heads: int
     tiles: int  # 8-token tiles (TILE_CHOICES)
@@ -121,14 +121,6 @@ class QkvFrontVariant(VariantMixin):
     @property
     def num_q_heads(self) -> int:
         return (self.heads - 2 * self.num_kv_heads) // 2
-
-
-def supports_shape(n: int, num_kv_heads: int) -> bool:
-    """Can qkv_front serve a weight of N rows with these KV heads (q|k|v|gate, 64 columns a head)?"""
-    if n <= 0 or n % HEAD_COLS or num_kv_heads < 1:
-        return False
-    rest = n // HEAD_COLS - 2 * num_kv_heads  # q + gate heads
-    return rest >= 2 and rest % 2 == 0 and (rest // 2) % num_kv_heads == 0
 
 
 # ---------------------------------------------------------------- launch geometry

@@ -99,7 +99,7 @@ def front_candidates(target) -> list:
         out.append((f"tp{tp}-m16-wg", replace(v16, warp_split="wg"), 16))
         for m in (32, 48, 64) if tp > 1 else ():  # (TP1's deep ring does not size by it)
             v = variant(n, m, nkv, target)
-            st = ring_stages(v.splits, target, v.tiles, n, recv_in_ring=True)
+            st = ring_stages(v.k_split, target, v.tiles, n, recv_in_ring=True)
             out.append((f"tp{tp}-m{m}-rir", replace(v, recv_in_ring=True, stages=st,
                                                     trigger_ahead=st if v.trigger_ahead else 0), m))
         if tp == 8:
@@ -108,7 +108,7 @@ def front_candidates(target) -> list:
                 for rir in (False, True):
                     st = ring_stages(4, target, v.tiles, n, recv_in_ring=rir)
                     out.append((f"tp8-m{m}-s4{'-rir' if rir else ''}",
-                                replace(v, splits=4, stages=st, trigger="exit", trigger_ahead=0, warp_split="wg",
+                                replace(v, k_split=4, stages=st, trigger="exit", trigger_ahead=0, warp_split="wg",
                                         recv_in_ring=rir), m))
         # x multicast between the heads of a pair (half the x bytes read from the L2, the same CTAs streaming W):
         # each wgmma build with the other choice

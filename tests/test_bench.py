@@ -354,7 +354,7 @@ def test_sweep_grid_is_buildable_variants():
     assert jobs
     for v, m in jobs:
         assert variant_from_label(v.label) == v
-        assert (v.tiles, v.fixed_m) == (token_tiles(m, v.n, get_target("h200")), fixed_rows(m))
+        assert (v.tiles, v.fixed_rows) == (token_tiles(m, v.n, get_target("h200")), fixed_rows(m))
 
 
 def test_sweep_occupancy_asks_the_driver_with_the_kernels_launch_config(monkeypatch):

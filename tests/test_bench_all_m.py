@@ -96,7 +96,7 @@ def test_the_grid_covers_the_rules_edges():
         if not front_serves(s.n, m, t):
             return "gemm"
         v = variant(s.n, m, s.num_kv_heads, t)
-        return v.tiles, v.splits
+        return v.tiles, v.k_split
 
     for tp in all_m.ALL_M_TPS:
         s = model.shard(tp)

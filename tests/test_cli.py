@@ -133,8 +133,8 @@ def test_bad_remote_url_is_a_usage_error(run):
 
 
 @pytest.mark.parametrize("label,msg", [
-    ("qkv_front[fixed_m=0,n=100,num_kv_heads=1,splits=2,stages=4,tiles=1]", "not a q|k|v|gate layout"),
-    ("qkv_front[fixed_m=5,n=2176,num_kv_heads=1,splits=16,stages=99,tiles=9]", "tiles must be one of"),
+    ("qkv_front[fixed_rows=0,k_split=2,n=100,num_kv_heads=1,stages=4,tiles=1]", "not a q|k|v|gate layout"),
+    ("qkv_front[fixed_rows=5,k_split=16,n=2176,num_kv_heads=1,stages=99,tiles=9]", "tiles must be one of"),
 ])
 def test_impossible_variant_labels_are_usage_errors(run, label, msg):
     r = run("prepare", "--target", "h200", "--variant", label, code=2)
@@ -170,7 +170,7 @@ def _planned_count(run, args):
 
 # --tp 8 plans TP 8's 7 variants (4 qk_norm + 3 qkv_front) where the bundled config plans 16; explain asks for
 # one label (a TP 8 qkv_front one) and finds it planned once, or not at all under --tp 1.
-TP8_LABEL = ("qkv_front[fixed_m=8,n=2176,num_kv_heads=1,splits=2,stages=6,tiles=1,trigger=late,"
+TP8_LABEL = ("qkv_front[fixed_rows=8,k_split=2,n=2176,num_kv_heads=1,stages=6,tiles=1,trigger=late,"
              "trigger_ahead=6]")
 
 

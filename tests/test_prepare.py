@@ -108,7 +108,7 @@ def test_dead_remote_degrades_to_local_build(tmp_path, no_proxy):
 
 def test_two_cold_prepares_give_identical_cubins(tmp_path):
     """Compiles are reproducible: same keys, same cubin hashes, from two empty caches (also qkv_front)."""
-    labels = [*LABELS, "--variant", "qkv_front[fixed_m=0,n=2176,num_kv_heads=1,splits=2,stages=8,tiles=2]"]
+    labels = [*LABELS, "--variant", "qkv_front[fixed_rows=0,k_split=2,n=2176,num_kv_heads=1,stages=8,tiles=2]"]
     a, b = prepare(tmp_path / "a", *labels), prepare(tmp_path / "b", *labels)
     assert [r["key"] for r in a["results"]] == [r["key"] for r in b["results"]]
     sha = lambda d: {e.key: e.manifest["cubin_sha256"] for e in Cache(d).entries()}  # noqa: E731

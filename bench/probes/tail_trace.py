@@ -389,7 +389,7 @@ def run(outdir: str, out_json: str) -> int:
             us = time_graphs([g], 5)[mode]["us"]
             g.replay()  # the stamps of this replay are read below
             torch.cuda.synchronize()
-            ctas = v.heads * v.splits
+            ctas = v.heads * v.k_split
             layers, raw = [], None
             for j, y in enumerate(ys):
                 st = y[M:].contiguous().view(torch.int64).flatten()[: ctas * SLOTS].view(ctas, SLOTS).cpu()

@@ -27,8 +27,8 @@ def tokens_served(v: QkvFrontVariant, target, max_tokens: int) -> str:
 
 
 def plan_row(v: QkvFrontVariant, model, shard, target) -> dict:
-    return {"N": v.n, "heads": v.heads, "q_heads": v.num_q_heads, "kv_heads": v.num_kv_heads, "k_split": v.splits,
-            "stages": v.stages, "tiles": v.tiles, "fixed_rows": v.fixed_m,
+    return {"N": v.n, "heads": v.heads, "q_heads": v.num_q_heads, "kv_heads": v.num_kv_heads, "k_split": v.k_split,
+            "stages": v.stages, "tiles": v.tiles, "fixed_rows": v.fixed_rows,
             "tokens": tokens_served(v, target, model.max_decode_tokens if model else FRONT_MAX_TOKENS)}
 
 

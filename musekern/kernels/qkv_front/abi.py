@@ -17,7 +17,7 @@ def abi_for(v: QkvFrontVariant) -> KernelAbi:
     # mW_tma: fully static shape (N, 8192) -> no parameter
     xb = x_box_rows(v)
     params.append(tensormap("tma_x", f"CUtensorMap of x bf16 [M, 8192], box 64x{xb}, 128B swizzle (rows >= M: 0)"))
-    if not v.fixed_m:
+    if not v.fixed_rows:
         params.append(coord_tensor("x_coord", ("M",), "TMA coordinate tensor of x: its dynamic row count M"))
     params += [
         pointer("weight_ptr", "the weight's base address (read by no code since the L2 prefetch lever left; kept "
@@ -38,6 +38,6 @@ def abi_for(v: QkvFrontVariant) -> KernelAbi:
     return KernelAbi(
         params=tuple(params),
         launch=LaunchSpec(block=(THREADS, 1, 1), cluster=(cluster_size(v), 1, 1), dynamic_smem_bytes=smem_bytes(v),
-                          pdl=True, grid=f"(heads * S, 1, 1) = ({v.heads} * {v.splits}, 1, 1)"),
+                          pdl=True, grid=f"(heads * S, 1, 1) = ({v.heads} * {v.k_split}, 1, 1)"),
         tensormaps=(TensorMapSpec("tma_w", "weight", "bf16", (BOX_COLS, HEAD_COLS)),
                     TensorMapSpec("tma_x", "x", "bf16", (BOX_COLS, xb))))

@@ -212,13 +212,13 @@ class FrontConsumers:
         """This CTA's partial of (column m, token n) to the owner, rank n % S of this head (cluster rank
         n % S + S member), at recv[rank][n // S][m]: st.async into the owner's shared memory (completes on its
         receive barrier), or a plain store with S == 1 and, in the "wg" builds, for this CTA's own tokens."""
-        if cutlass.const_expr(self.S == 1):
+        if cutlass.const_expr(self.k_split == 1):
             recv[n * HEAD_COLS + m] = value
         else:
-            off = (place.rank * self.owned + n // self.S) * HEAD_COLS + m
-            owner = n % self.S + self.S * place.member  # (member 0 without x_mcast)
+            off = (place.rank * self.owned + n // self.k_split) * HEAD_COLS + m
+            owner = n % self.k_split + self.k_split * place.member  # (member 0 without x_mcast)
             if cutlass.const_expr(self.local_partials):
-                if n % self.S == place.rank:
+                if n % self.k_split == place.rank:
                     recv[off] = value  # my own token: a plain store (finish's BAR_PARTIALS orders it)
                 else:
                     cute.arch.store_async_dsmem(recv.iterator + off, f32_bits(value), recv_bar, owner)

@@ -25,8 +25,8 @@ RENAMED = {"splits": "k_split", "fixed_m": "fixed_rows"}
 
 
 def cached_digests(cache: str) -> dict:
-    """label -> (cubin sha256, kernel symbol) of every entry in a cache (from its manifest); labels spelled with today's parameter
-    names, so a cache built before a rename still compares."""
+    """label -> (cubin sha256, kernel symbol) of every entry in a cache (from its manifest); labels spelled with
+    today's parameter names, so a cache built before a rename still compares."""
     from musekern.store.keys import variant_label
 
     out = {}

@@ -157,11 +157,3 @@ def test_unreadable_file(tmp_path):
 def test_top_level_not_object(tmp_path):
     with pytest.raises(ConfigError, match="JSON object"):
         load_config(write(tmp_path, "[1, 2]"))
-
-
-def test_the_configs_front_limit_is_the_planners():
-    """config.py cannot import the planner (the planner imports the config): the two constants are kept equal here."""
-    from musekern.config import FRONT_MAX_TOKENS
-    from musekern.kernels.qkv_front.variant import FRONT_MAX_TOKENS as planner
-
-    assert FRONT_MAX_TOKENS == planner

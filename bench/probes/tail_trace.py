@@ -139,7 +139,7 @@ def _traced_class():
                    sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout):
             # the stamps go to rows of y the launch leaves unwritten
             self._tr = cute.make_tensor(cute.recast_ptr(y_ptr + trace_row(self.v) * self.n, dtype=Int64),
-                                        cute.make_layout(self.heads * self.S * SLOTS))
+                                        cute.make_layout(self.heads * self.k_split * SLOTS))
             self._stamp_slots(16, 17, cute.arch.thread_idx()[0] == 0)  # before the barriers' init, the cluster sync
             self._stamp_sm(cute.arch.thread_idx()[0] == 0)
             body(self, tma_w, mW_tma, tma_x, mX_tma, w_ptr, y_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr,
@@ -199,7 +199,7 @@ def _traced_class():
         @cute.jit
         def finish(self, st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
                    v_block_stride, eps, place, warp_idx, tidx):
-            if cutlass.const_expr(self.S > 1):
+            if cutlass.const_expr(self.k_split > 1):
                 cute.arch.mbarrier_wait(recv_bar, 0)  # what finish waits for first (a second wait returns at once)
             self._stamp(5, tidx == 0)
             base.finish(self, st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,

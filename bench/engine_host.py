@@ -55,8 +55,8 @@ def cuda_core_row(qk_variant, x, out, heads, eps, scale):
             from cuda.core import Device, LaunchConfig, ObjectCode, launch
         except ImportError:
             from cuda.core.experimental import Device, LaunchConfig, ObjectCode, launch
+        from musekern.kernels.qk_norm.variant import launch_grid
         from musekern.runtime.loader import device_arch, load_artifact, open_cache
-        from musekern.variants.qk_norm import launch_grid
 
         entry, cubin = load_artifact(qk_variant, device_arch(0), open_cache())
         kernel = ObjectCode.from_cubin(cubin).get_kernel(entry.manifest["symbol"])
@@ -83,10 +83,10 @@ def build_rows(n=2176, nkv=1, m=1):
 
     import musekern
     from musekern.bench.host import _inputs
+    from musekern.kernels.qk_norm.variant import qk_norm_variant, qk_norm_vectors
     from musekern.ops import library
     from musekern.ops import qkv_front as ops
     from musekern.runtime import get_kernel
-    from musekern.variants.qk_norm import qk_norm_variant, qk_norm_vectors
 
     library.prepare(n, [m], num_kv_heads=nkv, qk_norm_head_dims=(64,))
     a = dict(_inputs(n, nkv, m))
@@ -103,7 +103,7 @@ def build_rows(n=2176, nkv=1, m=1):
     qk = get_kernel(qv, device=0)
     qk_args = {"x": q.data_ptr(), "out": qo.data_ptr(), "m": 16, "heads": 16, "ld_x": q.stride(0), "ld_out": 1024,
                "eps": 1e-5, "scale": 0.125}
-    from musekern.variants.qk_norm import launch_grid as qk_grid
+    from musekern.kernels.qk_norm.variant import launch_grid as qk_grid
 
     qgrid = qk_grid(qv, 16, 16)
     qk_values = qk._block.values(qk_args)

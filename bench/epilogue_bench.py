@@ -12,7 +12,7 @@ Per (N, M), each a graph of `layers` launches replayed until >= 1.5 ms of GPU wo
   mm_unfused   torch.mm + the unfused torch epilogue (musekern/bench/unfused.py: no host sync)
   mm_compiled  torch.mm + torch.compile(musekern.reference.fused_qknorm_rope_kv_insert, dynamic=True), M >= 2 (M = 1
                would compile once more per N: torch specializes sizes 0 and 1)
-Bytes of the epilogue: musekern.variants.qkv_epilogue.epilogue_bytes (y's q|k read and written, v read, k|v cache
+Bytes of the epilogue: musekern.kernels.qkv_epilogue.variant.epilogue_bytes (y's q|k read and written, v read, k|v cache
 rows written, positions, slots, cos|sin rows). All slots valid (the unfused baseline needs that).
 
   python3 bench/epilogue_bench.py --out DIR [--ns 2176,4352,17408] [--ms 1,16,...] [--sweep-s 75] [--baselines-s 55]
@@ -35,15 +35,15 @@ from musekern.bench.report import commit_info
 from musekern.bench.timing import Graph, copy_bandwidth, copy_closures, log, loops_for, time_graphs
 from musekern.bench.unfused import unfused_epilogue
 from musekern.config import load_config
-from musekern.ops import qkv_epilogue as op
-from musekern.reference import fused_qknorm_rope_kv_insert, rope_cos_sin_table
-from musekern.variants.qkv_epilogue import (
+from musekern.kernels.qkv_epilogue.variant import (
     QkvEpilogueVariant,
     all_builds,
     epilogue_bytes,
     epilogue_variant,
     launch_grid,
 )
+from musekern.ops import qkv_epilogue as op
+from musekern.reference import fused_qknorm_rope_kv_insert, rope_cos_sin_table
 
 HIDDEN = 8192
 EPS = 1e-6

@@ -60,7 +60,7 @@ def run_tests(out_dir: str) -> dict:
 
 
 def variant_fields(v) -> dict:
-    return {"label": v.label, "tiles": v.tiles, "splits": v.splits, "stages": v.stages, "trigger": v.trigger,
+    return {"label": v.label, "tiles": v.tiles, "k_split": v.k_split, "stages": v.stages, "trigger": v.trigger,
             "trigger_ahead": v.trigger_ahead, "warp_split": v.warp_split}
 
 
@@ -74,9 +74,10 @@ def time_front(samples: int = SAMPLES) -> tuple[list, list, float]:
     from musekern.bench.report import floor_us
     from musekern.bench.timing import copy_bandwidth
     from musekern.config import load_config
+    from musekern.kernels.qkv_front.rules import front_serves
+    from musekern.kernels.qkv_front.variant import FRONT_MAX_TOKENS
     from musekern.ops.qkv_front import _variant
     from musekern.targets import get_target
-    from musekern.variants import FRONT_MAX_TOKENS, front_serves
 
     model = load_config()
     bw = copy_bandwidth()
@@ -122,7 +123,7 @@ def table(rows: list, alt_rows: list) -> None:
     cublas = {(r["tp"], r["M"]): r.get("cublas_us") for r in rows}
     print("alternatives (us; vs the plan's row at the same M)")
     for a in alt_rows:
-        print(f"  {a['name']:18} S={a['splits']} st={a['stages']:2} {a['trigger']:5} {a['warp_split']:4} "
+        print(f"  {a['name']:18} S={a['k_split']} st={a['stages']:2} {a['trigger']:5} {a['warp_split']:4} "
               f"chain {a.get('chain_us', '-'):>7} isolated {a.get('isolated_us', '-'):>7} "
               f"cuBLAS {cublas.get((a['tp'], a['M'])) or '-':>7}")
     print(f"{'TP':>3} {'N':>5} {'M':>3} {'tiles':>5} {'S':>2} {'st':>2} {'trig':5} {'warps':5} {'floor':>6} "
@@ -137,7 +138,7 @@ def table(rows: list, alt_rows: list) -> None:
                   f"{r['path']}")
             continue
         ratio = r["isolated_us"] / r["cublas_us"]
-        print(f"{r['tp']:3} {r['N']:5} {r['M']:3} {r['tiles']:5} {r['splits']:2} {r['stages']:2} {r['trigger']:5} "
+        print(f"{r['tp']:3} {r['N']:5} {r['M']:3} {r['tiles']:5} {r['k_split']:2} {r['stages']:2} {r['trigger']:5} "
               f"{r['warp_split']:5} {r['floor_us']:6.2f} {r['chain_us']:7.2f} {r['isolated_us']:7.2f} "
               f"{r['cublas_us']:7.2f} {r.get('unfused_us', 0):7.2f} {ratio:11.3f} "
               f"{'yes' if r['front_beats_cublas'] else 'NO':5} {r['path']}")

@@ -18,7 +18,7 @@ done; done; done; done
 while read -r lbl; do labels+=(--variant "$lbl"); done < <(PYTHONPATH=tests .venv/bin/python - <<'PY'
 from musekern.config import load_config
 from musekern.targets import get_target
-from musekern.variants import plan_model
+from musekern.plan import plan_model
 from qkv_front_builds import gpu_test_builds
 planned = [e.variant for e in plan_model(load_config(), [get_target("h200")]) if e.kernel == "qkv_front"]
 for v in gpu_test_builds(planned):

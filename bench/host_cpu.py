@@ -132,7 +132,7 @@ def loaded_kernel(label: str, abi):
 def load_front(m: int, n: int = N, nkv: int = NKV):
     """The LoadedKernel of the front build (N, m) plans on an H200, its ABI from the kernel module (a real
     manifest's), put where get_kernel finds it."""
-    from musekern.kernels.qkv_front import abi_for
+    from musekern.kernels.qkv_front.abi import abi_for
     from musekern.ops import qkv_front as ops
     from musekern.runtime import loader
 
@@ -143,9 +143,9 @@ def load_front(m: int, n: int = N, nkv: int = NKV):
 
 def load_qk_norm(m: int = 16, heads: int = 16, head_dim: int = 64, scale: float = 0.125):
     """The qk_norm build an [m, heads * head_dim] bf16 call with `scale` takes, loaded as `load_front` does."""
-    from musekern.kernels.qk_norm import abi_for
+    from musekern.kernels.qk_norm.abi import abi_for
+    from musekern.kernels.qk_norm.variant import qk_norm_variant, qk_norm_vectors
     from musekern.runtime import loader
-    from musekern.variants.qk_norm import qk_norm_variant, qk_norm_vectors
 
     v = qk_norm_variant("bfloat16", head_dim, scale, qk_norm_vectors(head_dim, m, heads))
     loader._LOADED[(v, 0, None)] = loaded_kernel(v.label, abi_for(v))

@@ -13,10 +13,10 @@ import sys
 import torch
 
 from musekern.config import load_config
+from musekern.kernels.qkv_epilogue.variant import epilogue_bytes
 from musekern.ops.qkv_epilogue import launch, qkv_epilogue
+from musekern.plan import variant_from_label
 from musekern.reference import rope_cos_sin_table
-from musekern.variants import variant_from_label
-from musekern.variants.qkv_epilogue import epilogue_bytes
 
 
 def main(argv) -> int:

@@ -4,9 +4,10 @@
 A change to a kernel's source file changes every key of that kernel (store/keys.py hashes the sources), also when
 it only edits comments; GPU results measured on the earlier cubins still hold if the bytes did not change. This
 compiles every planned h200 build and every build the GPU tests launch (tests/qkv_front_builds.py) and compares
-each cubin's sha256 with the manifest of the entry of the same label in CACHE (keys differ; labels do not).
+each cubin's sha256 and kernel symbol with the manifest of the entry of the same label in CACHE (keys differ; labels
+do not, once spelled with today's parameter names: RENAMED).
 
-  python3 bench/same_cubins.py CACHE        exit 0 when every build is in CACHE with the same bytes
+  python3 bench/same_cubins.py CACHE        exit 0 when every build is in CACHE with the same bytes and symbol
 """
 from __future__ import annotations
 
@@ -19,25 +20,33 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
+# parameters renamed since a cache was built (issue 27: one name per idea): old name -> today's
+RENAMED = {"splits": "k_split", "fixed_m": "fixed_rows"}
+
+
 def cached_digests(cache: str) -> dict:
-    """label -> cubin sha256 of every entry in a cache (the manifest's digest)."""
+    """label -> (cubin sha256, kernel symbol) of every entry in a cache (from its manifest); labels spelled with
+    today's parameter names, so a cache built before a rename still compares."""
+    from musekern.store.keys import variant_label
+
     out = {}
     for path in glob.glob(os.path.join(cache, "v*", "entries", "*", "manifest.json")):
         with open(path) as f:
             doc = json.load(f)
-        out[doc["label"]] = doc["cubin_sha256"]
+        params = {RENAMED.get(k, k): v for k, v in doc["variant"].items()}
+        out[variant_label(doc["kernel"], params)] = (doc["cubin_sha256"], doc["symbol"])
     return out
 
 
 def compare(cache: str, builds) -> list[str]:
     """One line per build whose sm_90a cubin compiled here is not the one CACHE holds under its label."""
-    from musekern.kernels import compile_variant
+    from musekern.builder.compile import compile_variant
 
     old = cached_digests(cache)
     bad = []
     for v in builds:
-        new = hashlib.sha256(compile_variant(v, "sm_90a").cubin).hexdigest()
-        if old.get(v.label) != new:
+        ck = compile_variant(v, "sm_90a")
+        if old.get(v.label) != (hashlib.sha256(ck.cubin).hexdigest(), ck.symbol):
             bad.append(f"{'missing' if v.label not in old else 'differs'}: {v.label}")
     return bad
 
@@ -46,8 +55,8 @@ def main(argv) -> int:
     from qkv_front_builds import gpu_test_builds
 
     from musekern.config import load_config
+    from musekern.plan import plan_model
     from musekern.targets import get_target
-    from musekern.variants import plan_model
 
     if len(argv) != 1:
         print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)

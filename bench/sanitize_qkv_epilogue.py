@@ -11,8 +11,8 @@ import sys
 
 import torch
 
+from musekern.kernels.qkv_epilogue.variant import all_builds
 from musekern.ops import qkv_epilogue as op
-from musekern.variants.qkv_epilogue import all_builds
 
 HD = 64
 SHAPES = [(2176, 1), (17408, 8), (256, 1), (1280, 2)]  # (N, nkv): TP8, TP1, the smallest layout, nq = 4 nkv

@@ -23,7 +23,8 @@ HIDDEN, HD = 8192, 64
 
 def planned_ms(n: int, num_kv_heads: int, target) -> list:
     """The smallest and the largest M of every front build the plan takes for N (M up to FRONT_MAX_TOKENS)."""
-    from musekern.variants import FRONT_MAX_TOKENS, served_tokens
+    from musekern.kernels.qkv_front.rules import served_tokens
+    from musekern.kernels.qkv_front.variant import FRONT_MAX_TOKENS
 
     builds = served_tokens(n, num_kv_heads, target, FRONT_MAX_TOKENS)
     return sorted({m for ms in builds.values() for m in (ms[0], ms[-1])})

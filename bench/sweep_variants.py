@@ -2,7 +2,7 @@
 """Time qkv_front builds that differ from the plan (ring depth, k_split) side by side, on the GPU.
 
 Usage (GPU machine, cache carried): python3 bench/sweep_variants.py OUT.json [LABEL ...]   (default: GRID)
-  or  python3 bench/sweep_variants.py OUT.json --n 8704 --kv 4 --stages 3,4,5,8 --splits 1 --m 1,16
+  or  python3 bench/sweep_variants.py OUT.json --n 8704 --kv 4 --stages 3,4,5,8 --k-split 1 --m 1,16
 
 Per variant and M: a CUDA graph of 8 launches over 8 distinct weights (streams from HBM, not L2),
 with PDL (chain) and without (isolated), timed like `musekern bench` (musekern/bench/timing.py: median of
@@ -21,12 +21,13 @@ from cuda.bindings import driver as drv
 
 from musekern.bench.report import commit_info
 from musekern.bench.timing import Graph, copy_bandwidth, time_graphs
+from musekern.kernels.qkv_front.rules import fixed_rows, token_tiles
+from musekern.kernels.qkv_front.variant import HIDDEN, TOKEN_TILE, QkvFrontVariant, launch_grid
 from musekern.ops.qkv_front import launch_args
+from musekern.plan import variant_from_label
 from musekern.runtime import get_kernel
 from musekern.runtime.driver import launch_config
 from musekern.targets import get_target
-from musekern.variants import QkvFrontVariant, fixed_rows, token_tiles, variant_from_label
-from musekern.variants.qkv_front import HIDDEN, TOKEN_TILE, launch_grid
 
 H200 = get_target("h200")  # the grid's tile counts are the H200's
 
@@ -35,22 +36,22 @@ DISTINCT_OUT = False  # --distinct-out: one y buffer per layer (as musekern benc
 # The default grid is the latest tuning round's (round 25: TP4 at k_split 1 with the deep ring, TP8's grid shape,
 # against the plan, which it kept: bench/NOTES.md, k_split). Every earlier round's grid, prediction and result is in
 # bench/HISTORY.md (the grids themselves: `git log -p bench/sweep_variants.py`).
-# Each entry: the variant's fields except tiles and fixed_m (from M), and the Ms to time.
+# Each entry: the variant's fields except tiles and fixed_rows (from M), and the Ms to time.
 TP4 = dict(n=4352, num_kv_heads=2)
-GRID = [(dict(TP4, splits=2, stages=4, trigger="exit", warp_split="k"), (1, 16))] \
-    + [(dict(TP4, splits=1, stages=11, trigger="late", trigger_ahead=a, warp_split=ws), (1,))
+GRID = [(dict(TP4, k_split=2, stages=4, trigger="exit", warp_split="k"), (1, 16))] \
+    + [(dict(TP4, k_split=1, stages=11, trigger="late", trigger_ahead=a, warp_split=ws), (1,))
        for ws, a in (("rows", 6), ("rows", 8), ("rows", 11), ("rows", 16), ("k", 8))] \
-    + [(dict(TP4, splits=1, stages=10, trigger="late", trigger_ahead=a, warp_split="k"), (16,)) for a in (8, 11)]
+    + [(dict(TP4, k_split=1, stages=10, trigger="late", trigger_ahead=a, warp_split="k"), (16,)) for a in (8, 11)]
 
 
 def grid_jobs():
-    return [(QkvFrontVariant(tiles=token_tiles(m, fields["n"], H200), fixed_m=fixed_rows(m), **fields), m)
+    return [(QkvFrontVariant(tiles=token_tiles(m, fields["n"], H200), fixed_rows=fixed_rows(m), **fields), m)
             for fields, ms in GRID for m in ms]
 
 
 def holds(v, m: int) -> bool:
     """Does build `v` take a call of M tokens (M within its padded tokens, the M == 8 build only M = 8)?"""
-    return (m + TOKEN_TILE - 1) // TOKEN_TILE <= v.tiles and fixed_rows(m) == v.fixed_m
+    return (m + TOKEN_TILE - 1) // TOKEN_TILE <= v.tiles and fixed_rows(m) == v.fixed_rows
 
 
 def occupancy(k) -> dict:
@@ -78,7 +79,7 @@ def run(v: QkvFrontVariant, m: int, weights, bw: float, pred) -> dict:
     outs = [torch.empty(m, v.n, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS if DISTINCT_OUT else 1)]
     args = [launch_args(x, w, pos, cs, slots, kv[0], kv[1], 1e-5, outs[j % len(outs)]) for j, w in enumerate(weights)]
     grid = launch_grid(v)
-    row = {"label": v.label, "N": v.n, "M": m, "stages": v.stages, "splits": v.splits, "trigger": v.trigger,
+    row = {"label": v.label, "N": v.n, "M": m, "stages": v.stages, "k_split": v.k_split, "trigger": v.trigger,
            "warp_split": v.warp_split, "trigger_ahead": v.trigger_ahead, **occupancy(k)}
     for mode, pdl in (("chain", True), ("isolated", False)):
         us = time_graph(mode, [lambda a=a, pdl=pdl: k.launch(grid, a, pdl=pdl) for a in args])
@@ -129,7 +130,7 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int)
     ap.add_argument("--kv", type=int)
     ap.add_argument("--stages", default="8")
-    ap.add_argument("--splits", default="1")
+    ap.add_argument("--k-split", default="1")
     ap.add_argument("--m", default="1,16")
     ap.add_argument("--loops", type=int, default=8, help="copies of the 8-layer sequence per graph")
     ap.add_argument("--distinct-out", action="store_true", help="one y buffer per layer (musekern bench's setup)")
@@ -149,7 +150,7 @@ def main(argv=None) -> int:
     if a.n:
         if max(ms) > 16:  # (above, a build's tile count and warp split depend on S: give labels)
             ap.error("--n builds the decode variants (M <= 16, mma.sync); give labels for larger M")
-        for st, sp, m in itertools.product(a.stages.split(","), a.splits.split(","), ms):
+        for st, sp, m in itertools.product(a.stages.split(","), a.k_split.split(","), ms):
             jobs.append((QkvFrontVariant(a.n, a.kv, token_tiles(m, a.n, H200), int(st), int(sp), fixed_rows(m)), m))
     bw = copy_bandwidth()  # also makes torch's CUDA context current (the predecessor loads into it)
     try:
@@ -184,7 +185,7 @@ def main(argv=None) -> int:
         if "error" in r:
             print(f"{r['label']:72} {r['M']:3} ERROR {r['error'][:60]}")
         else:
-            print(f"{r['N']:5} {r['splits']:2} {r['stages']:2} {r['trigger']:5} {r.get('trigger_ahead', 0):3} "
+            print(f"{r['N']:5} {r['k_split']:2} {r['stages']:2} {r['trigger']:5} {r.get('trigger_ahead', 0):3} "
                   f"{r.get('warp_split', 'rows'):5} "
                   f"{r['M']:3} "
                   f"{r['blocks_per_sm']:6} "

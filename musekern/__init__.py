@@ -16,7 +16,7 @@ _LAZY = {
     "get_kernel": ("musekern.runtime", "get_kernel"),
     "load_config": ("musekern.config", "load_config"),
     "get_target": ("musekern.targets", "get_target"),
-    "plan_model": ("musekern.variants", "plan_model"),
+    "plan_model": ("musekern.plan", "plan_model"),
 }
 
 __all__ = ["__version__", *_LAZY]
@@ -34,10 +34,14 @@ def __getattr__(name):
 
 
 def _declared_abi(kernel: str, params: dict):
-    """What a variant's kernel declares about its launch (musekern/declared.py), for the store's checks."""
-    from .declared import declared_abi
+    """What a variant's kernel declares about its launch (kernels.declared_abi: each kernel's cutlass-free ABI record),
+    for the store's variant-vs-ABI check; imported on the first check, so `import musekern` stays cheap."""
+    from .kernels import declared_abi
 
-    return declared_abi(kernel, params)
+    try:
+        return declared_abi(kernel, params)
+    except ValueError:  # a kernel or variant this musekern does not know: it never loads it, nothing to compare
+        return None
 
 
 def _register_declared_abi() -> None:

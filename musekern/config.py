@@ -25,11 +25,12 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
+from .model import FRONT_MAX_TOKENS
+from .model import HEAD_DIM as QKV_FRONT_HEAD_DIM
+from .model import HIDDEN as QKV_FRONT_HIDDEN
 from .targets import OTHER_DEVICES, TARGETS, supported_targets, unsupported_reason
 
 DEFAULT_CONFIG_NAME = "muse_spark.json"
-QKV_FRONT_HEAD_DIM = 64  # the qkv_front kernel owns one 64-column head per cluster
-QKV_FRONT_HIDDEN = 8192  # the K the qkv_front kernel is built for (Muse Spark's hidden size)
 
 
 class ConfigError(ValueError):
@@ -100,10 +101,8 @@ class ModelConfig:
 _FLOAT_KEYS = ("rms_norm_eps", "rope_theta")
 _DEFAULTS = {"attn_output_gate": False, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
              "max_position_embeddings": 4096}
-# The largest M a fused-front build serves (variants.FRONT_MAX_TOKENS; a test keeps them equal): the plan builds the
-# front for M <= max_decode_tokens where the planner's rule picks it; every other M takes cuBLAS + the fused epilogue,
-# whose builds serve every M, so a larger value changes nothing but is accepted.
-FRONT_MAX_TOKENS = 64
+# max_decode_tokens defaults to model.FRONT_MAX_TOKENS; a larger value changes nothing (cuBLAS + the fused epilogue
+# serve every M) but is accepted.
 _MUSEKERN_DEFAULTS = {"max_decode_tokens": FRONT_MAX_TOKENS, "targets": []}
 DEFAULT_TP_SIZES = (1,)
 SERVING_DTYPE = "bfloat16"  # the dtype every planned kernel is built for

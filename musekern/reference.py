@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from .model import HEAD_DIM
+
 
 def qk_norm_reference(x: torch.Tensor, head_dim: int, eps: float = 1e-5, scale: float = 1.0) -> torch.Tensor:
     """Unweighted RMS norm over each head_dim group, times `scale`; fp32 math, one rounding at the end."""
@@ -13,13 +15,12 @@ def qk_norm_reference(x: torch.Tensor, head_dim: int, eps: float = 1e-5, scale: 
 
 
 # ---------------------------------------------------------------- qkv_front (seed 000)
-QKV_HEAD_DIM = 64  # qkv_front's head size: 64 columns of y per head, 32 RoPE pairs
 
 
 def rope_cos_sin_table(max_pos: int, theta: float, device=None) -> torch.Tensor:
     """The cos_sin_cache qkv_front reads: float32 [max_pos, 64], row p = cos(p f_0..f_31) | sin(p f_0..f_31),
     f_i = theta^(-2i/64) (computed in float64, rounded once)."""
-    inv = 1.0 / (theta ** (torch.arange(0, QKV_HEAD_DIM, 2, dtype=torch.float64) / QKV_HEAD_DIM))
+    inv = 1.0 / (theta ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM))
     ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
     return torch.cat([ang.cos(), ang.sin()], dim=1).float().to(device)
 
@@ -45,7 +46,7 @@ def fused_qknorm_rope_kv_insert(y_gemm_bf16: torch.Tensor, positions: torch.Tens
     Vectorized (no Python loop over tokens) and free of host syncs on GPU tensors (CUDA-graph capturable).
     """
     m, n = y_gemm_bf16.shape
-    d = QKV_HEAD_DIM
+    d = HEAD_DIM
     heads = n // d
     nkv = num_kv_heads
     nq = (heads - 2 * nkv) // 2

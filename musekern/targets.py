@@ -3,9 +3,8 @@
 `get_target(name)` for a named target; `local_target()` reads the local device through
 the CUDA driver (cuda.bindings) when there is one and returns None otherwise.
 
-`TARGETS` are the GPUs musekern builds for: every one has an arch in `SUPPORTED_ARCHES`, the arches
-every kernel of the plan compiles for (kernels/qkv_front.py's SUPPORTED_ARCHES says the same; a test
-checks they agree, so the planner never imports a kernel to know). `OTHER_DEVICES` are GPUs we can
+`TARGETS` are the GPUs musekern builds for: every one has an arch in `SUPPORTED_ARCHES`, the one list of
+the arches every kernel of the plan compiles for (the builder refuses any other). `OTHER_DEVICES` are GPUs we can
 name but not build for: asking for one (or running on one) is an error that lists the supported targets.
 """
 from __future__ import annotations
@@ -51,8 +50,8 @@ TARGETS: dict[str, Target] = {
     )
 }
 ARCHES = tuple(sorted({t.arch for t in TARGETS.values()}))
-# The arches every kernel of the plan builds for: qkv_front needs sm_90-class TMA, clusters and st.async
-# (qk_norm would build for more). kernels/qkv_front.py::SUPPORTED_ARCHES must agree (tests/test_targets.py).
+# The arches every kernel of the plan builds for (the only list): qkv_front needs sm_90-class TMA, clusters and
+# st.async, qkv_epilogue griddepcontrol (qk_norm would build for more). sm_100a compiles and is checked on CPU only.
 SUPPORTED_ARCHES = ("sm_90a", "sm_100a")
 # GPUs with a name but no kernel build: named so that `--target a100` or a local A100 gets a clear refusal.
 OTHER_DEVICES: dict[str, Target] = {

@@ -141,14 +141,3 @@ class _Recorder:
 @pytest.fixture
 def recorder():
     return _Recorder()
-
-
-@pytest.fixture(autouse=True)
-def _fakes_declare_no_abi():
-    """The store tests' fake variants (an `i` param no real variant has, tests/store_fakes.py) declare no ABI: the
-    provider `import musekern` registers (musekern/declared.py) checks every real variant, fakes are skipped."""
-    from musekern.store import variant_abi
-
-    real = variant_abi.get_provider()
-    with variant_abi.provider(lambda kernel, params: None if "i" in params or real is None else real(kernel, params)):
-        yield

@@ -22,7 +22,7 @@ TIMED_MS = (16, 17, 24, 25, 32, 33, 40, 41, 48, 49, 56, 57, 64)
 def same_bits_alternatives(v) -> dict:
     """Per lever, a build of `v` with that lever moved (trigger_ahead only where the trigger is "late"). A "k"
     build with 4 tiles sums its partials in the W ring (3 stages at least): its alternative ring is deeper."""
-    from musekern.variants.qkv_front import W_STAGE_BYTES, red_bytes
+    from musekern.kernels.qkv_front.variant import W_STAGE_BYTES, red_bytes
 
     stages = ALT_STAGES if v.stages != ALT_STAGES else ALT_STAGES + 1
     if v.warp_split == "k" and red_bytes(v.tiles) > stages * W_STAGE_BYTES:
@@ -71,8 +71,8 @@ def shards():
 def front_builds(target) -> list:
     """The builds the rules give M = 17..FRONT_MAX_TOKENS on every shard, served or not (front_serves: the GPU
     tests keep the unserved ones correct too), in a stable order."""
-    from musekern.variants import variant
-    from musekern.variants.qkv_front import FRONT_MAX_TOKENS, MAX_TOKENS
+    from musekern.kernels.qkv_front.rules import variant
+    from musekern.kernels.qkv_front.variant import FRONT_MAX_TOKENS, MAX_TOKENS
 
     out = []
     for _, n, nkv in shards():
@@ -89,8 +89,7 @@ def front_candidates(target) -> list:
     CTAs per SM); at TP8 the wgmma builds with S = 4 (136 CTAs: every SM streams, not 68); each wgmma build with the
     other x multicast choice (`x_mcast`); each odd tile count's build beside the even one above it, and the odd builds
     the plan does not take."""
-    from musekern.variants import variant
-    from musekern.variants.qkv_front_rules import ring_stages
+    from musekern.kernels.qkv_front.rules import ring_stages, variant
 
     out = []
     for tp, n, nkv in shards():
@@ -100,7 +99,7 @@ def front_candidates(target) -> list:
         out.append((f"tp{tp}-m16-wg", replace(v16, warp_split="wg"), 16))
         for m in (32, 48, 64) if tp > 1 else ():  # (TP1's deep ring does not size by it)
             v = variant(n, m, nkv, target)
-            st = ring_stages(v.splits, target, v.tiles, n, recv_in_ring=True)
+            st = ring_stages(v.k_split, target, v.tiles, n, recv_in_ring=True)
             out.append((f"tp{tp}-m{m}-rir", replace(v, recv_in_ring=True, stages=st,
                                                     trigger_ahead=st if v.trigger_ahead else 0), m))
         if tp == 8:
@@ -109,7 +108,7 @@ def front_candidates(target) -> list:
                 for rir in (False, True):
                     st = ring_stages(4, target, v.tiles, n, recv_in_ring=rir)
                     out.append((f"tp8-m{m}-s4{'-rir' if rir else ''}",
-                                replace(v, splits=4, stages=st, trigger="exit", trigger_ahead=0, warp_split="wg",
+                                replace(v, k_split=4, stages=st, trigger="exit", trigger_ahead=0, warp_split="wg",
                                         recv_in_ring=rir), m))
         # x multicast between the heads of a pair (half the x bytes read from the L2, the same CTAs streaming W):
         # each wgmma build with the other choice

@@ -35,10 +35,19 @@ def fake_cubin(parts: KeyParts) -> bytes:
 FAKE_ABI = KernelAbi((pointer("x"), pointer("out"), scalar("m", "i32")), LaunchSpec((256, 1, 1)))
 
 
+def abi_json(kernel: str, params: dict) -> dict:
+    """The ABI a fake entry records: what a real variant declares (the store refuses any other under its key: the
+    provider `import musekern` registers), FAKE_ABI for the fakes' own variants (an `i` param: nothing declared)."""
+    from musekern.store import variant_abi
+
+    declared = variant_abi.get_provider()(kernel, params)
+    return (declared or FAKE_ABI).to_json()
+
+
 def fake_manifest(parts: KeyParts) -> dict:
-    """What the builder hands to Cache.put (build/compile.py: label, variant, symbol, arch, ABI, built_with)."""
+    """What the builder hands to Cache.put (builder/compile.py: label, variant, symbol, arch, ABI, built_with)."""
     return {"kernel": parts.kernel, "label": parts.label, "variant": parts.variant_params,
-            "symbol": f"kernel_{parts.kernel}", "arch": parts.arch, "abi": FAKE_ABI.to_json(),
+            "symbol": f"kernel_{parts.kernel}", "arch": parts.arch, "abi": abi_json(parts.kernel, parts.variant_params),
             "built_with": {"nvidia-cutlass-dsl": parts.dsl_version}}
 
 
@@ -96,9 +105,9 @@ def real_builds() -> tuple:
 
     if importlib.util.find_spec("cutlass") is None:
         pytest.skip("needs the build extra (nvidia-cutlass-dsl) to compile a real cubin")
-    from musekern.build.compile import build_variant
+    from musekern.builder.compile import build_variant
+    from musekern.kernels.qk_norm.variant import QkNormVariant
     from musekern.store.keys import dsl_version, key_parts
-    from musekern.variants import QkNormVariant
 
     out = []
     for v in (QkNormVariant("bfloat16", 64, False), QkNormVariant("float16", 128, True)):
@@ -206,13 +215,14 @@ def plant_outside(cache: Cache, rel: str, outside: Path, keys) -> Path:
 
 def fake_builds(monkeypatch):
     """prepare() without the compiler: each variant 'compiles' to a fake cubin with a real-shaped manifest."""
-    from musekern.build import prepare as prepare_mod
-    from musekern.build.compile import Built
+    from musekern.builder import prepare as prepare_mod
+    from musekern.builder.compile import Built
 
     def build_variant(variant, arch):
         cubin = b"\x7fELF" + hashlib.sha256(f"{variant.label}{arch}".encode()).digest() * 64
         return Built(cubin, {"kernel": variant.kernel, "label": variant.label, "variant": variant.params(),
-                             "symbol": "kernel_fake", "arch": arch, "abi": FAKE_ABI.to_json(), "built_with": {}})
+                             "symbol": "kernel_fake", "arch": arch, "abi": abi_json(variant.kernel, variant.params()),
+                             "built_with": {}})
 
     monkeypatch.setattr(prepare_mod, "build_variant", build_variant)
     return prepare_mod

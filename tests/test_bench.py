@@ -319,8 +319,9 @@ def test_sanitizer_launches_every_planned_front_build():
     """bench/sanitize_qkv_front.py's M values reach every planned qkv_front build of every shard, each at the smallest
     and the largest M it serves (a fixed M list once missed the builds a rule change added)."""
     from musekern.config import load_config
+    from musekern.kernels.qkv_front.rules import front_serves, qkv_front_variants, variant
+    from musekern.kernels.qkv_front.variant import FRONT_MAX_TOKENS
     from musekern.targets import get_target
-    from musekern.variants import FRONT_MAX_TOKENS, front_serves, qkv_front_variants, variant
 
     san, t = _sweep_module("sanitize_qkv_front"), get_target("h200")
     for s in load_config().shards():
@@ -344,15 +345,16 @@ def test_sweep_merges_repeats_into_medians_and_keeps_every_sample():
 
 def test_sweep_grid_is_buildable_variants():
     """Every default-grid job is a valid variant whose label parses back (gpu_cache.sh builds them by label)."""
+    from musekern.kernels.qkv_front.rules import fixed_rows, token_tiles
+    from musekern.plan import variant_from_label
     from musekern.targets import get_target
-    from musekern.variants import fixed_rows, token_tiles, variant_from_label
 
     sv = _sweep_module()
     jobs = sv.grid_jobs()
     assert jobs
     for v, m in jobs:
         assert variant_from_label(v.label) == v
-        assert (v.tiles, v.fixed_m) == (token_tiles(m, v.n, get_target("h200")), fixed_rows(m))
+        assert (v.tiles, v.fixed_rows) == (token_tiles(m, v.n, get_target("h200")), fixed_rows(m))
 
 
 def test_sweep_occupancy_asks_the_driver_with_the_kernels_launch_config(monkeypatch):

@@ -85,8 +85,8 @@ def test_table_has_a_line_per_row_and_per_step():
 def test_the_grid_covers_the_rules_edges():
     """Every M where a timed shard's build or path changes (H200) is a CLIFF_PAIRS step of the grid."""
     from musekern.config import FRONT_MAX_TOKENS, load_config
+    from musekern.kernels.qkv_front.rules import front_serves, variant
     from musekern.targets import get_target
-    from musekern.variants import front_serves, variant
 
     assert {16, 17, FRONT_MAX_TOKENS, FRONT_MAX_TOKENS + 1, 64, 65, 16384} <= set(all_m.ALL_M)
     assert all((a in all_m.ALL_M and b in all_m.ALL_M) for a, b in all_m.CLIFF_PAIRS)
@@ -96,7 +96,7 @@ def test_the_grid_covers_the_rules_edges():
         if not front_serves(s.n, m, t):
             return "gemm"
         v = variant(s.n, m, s.num_kv_heads, t)
-        return v.tiles, v.splits
+        return v.tiles, v.k_split
 
     for tp in all_m.ALL_M_TPS:
         s = model.shard(tp)

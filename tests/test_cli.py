@@ -78,8 +78,8 @@ def test_no_target_without_gpu_or_config(run, tmp_path):
 
 
 def test_prepare_without_build_extra_names_it(run, monkeypatch):
-    monkeypatch.setattr("musekern.build.compile.dsl_version", lambda: None)
-    monkeypatch.setattr("musekern.build.prepare.dsl_version", lambda: None)
+    monkeypatch.setattr("musekern.builder.compile.dsl_version", lambda: None)
+    monkeypatch.setattr("musekern.builder.prepare.dsl_version", lambda: None)
     r = run("prepare", "--target", "h200", *QK, code=1)
     assert "musekern[build]" in r.output
 
@@ -136,8 +136,8 @@ def test_bad_remote_url_is_a_usage_error(run):
 
 
 @pytest.mark.parametrize("label,msg", [
-    ("qkv_front[fixed_m=0,n=100,num_kv_heads=1,splits=2,stages=4,tiles=1]", "not a q|k|v|gate layout"),
-    ("qkv_front[fixed_m=5,n=2176,num_kv_heads=1,splits=16,stages=99,tiles=9]", "tiles must be one of"),
+    ("qkv_front[fixed_rows=0,k_split=2,n=100,num_kv_heads=1,stages=4,tiles=1]", "not a q|k|v|gate layout"),
+    ("qkv_front[fixed_rows=5,k_split=16,n=2176,num_kv_heads=1,stages=99,tiles=9]", "tiles must be one of"),
 ])
 def test_impossible_variant_labels_are_usage_errors(run, label, msg):
     r = run("prepare", "--target", "h200", "--variant", label, code=2)
@@ -173,7 +173,7 @@ def _planned_count(run, args):
 
 # --tp 8 plans TP 8's 7 variants (4 qk_norm + 3 qkv_front) where the bundled config plans 16; explain asks for
 # one label (a TP 8 qkv_front one) and finds it planned once, or not at all under --tp 1.
-TP8_LABEL = ("qkv_front[fixed_m=8,n=2176,num_kv_heads=1,splits=2,stages=6,tiles=1,trigger=late,"
+TP8_LABEL = ("qkv_front[fixed_rows=8,k_split=2,n=2176,num_kv_heads=1,stages=6,tiles=1,trigger=late,"
              "trigger_ahead=6]")
 
 
@@ -191,8 +191,8 @@ def test_tp_overrides_the_config_on_every_planning_command(run, args, full, tp8)
 
 
 def test_prepare_takes_tp(run, monkeypatch):
-    monkeypatch.setattr("musekern.build.prepare.dsl_version", lambda: None)  # stop before compiling anything
-    monkeypatch.setattr("musekern.build.compile.dsl_version", lambda: None)
+    monkeypatch.setattr("musekern.builder.prepare.dsl_version", lambda: None)  # stop before compiling anything
+    monkeypatch.setattr("musekern.builder.compile.dsl_version", lambda: None)
     r = run("prepare", "--target", "h200", "--tp", "8", code=1)
     assert "musekern prepare: 14 variant(s) for h200" in r.stderr
 
@@ -419,7 +419,7 @@ def test_export_shard_is_what_prepare_shard_built(run, tmp_path):
 def test_shards_split_the_builds_not_just_the_entries(tp, builds_total, n):
     """h100 and h200 share every sm_90a build: sharding the README's two-target plan must split the compiles."""
     from musekern.config import load_config, with_tensor_parallel
-    from musekern.variants import plan_model, shard_plan
+    from musekern.plan import plan_model, shard_plan
 
     plan = plan_model(with_tensor_parallel(load_config(), tp), [get_target("h200"), get_target("h100")])
     shards = [shard_plan(plan, k, n) for k in range(1, n + 1)]

@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from store_fakes import (
     FAKE_ABI,
     OWN_DIRS,
+    abi_json,
     as_other_user,
     fail_writes_under,
     lived_in,
@@ -55,7 +56,7 @@ def fake_parts(i: int, kernel="qk_norm", arch="sm_90a", dsl="4.8.1") -> KeyParts
 def put(cache: Cache, p: KeyParts):
     cubin = b"\x7fELF" + hashlib.sha256(p.key().encode()).digest() * 4
     return cache.put(p, cubin, {"kernel": p.kernel, "label": p.label, "variant": p.variant_params, "symbol": "k",
-                                "arch": p.arch, "abi": FAKE_ABI.to_json(), "built_with": {}})
+                                "arch": p.arch, "abi": abi_json(p.kernel, p.variant_params), "built_with": {}})
 
 
 @pytest.fixture
@@ -192,9 +193,9 @@ def test_explain_key_and_label(cli, filled):
 
 def _plan_parts(target="h200", dsl=None):
     from musekern.config import load_config
+    from musekern.plan import plan_model
     from musekern.store.keys import dsl_version, key_parts
     from musekern.targets import get_target
-    from musekern.variants import plan_model
 
     plan = plan_model(load_config(None), [get_target(target)])
     return [(pe, key_parts(pe, pe.arch, dsl or dsl_version())) for pe in plan]

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from musekern.config import MAX_CONFIG_BYTES, ConfigError, load_config, parse_config, with_tensor_parallel
+from musekern.plan import plan_model
 from musekern.targets import get_target
-from musekern.variants import plan_model
 
 DATA = Path(__file__).parent / "data"
 
@@ -162,15 +162,6 @@ def test_missing_file(tmp_path):
 def test_top_level_not_object(tmp_path):
     with pytest.raises(ConfigError, match="JSON object"):
         load_config(write(tmp_path, "[1, 2]"))
-
-
-def test_the_configs_front_limit_is_the_planners():
-    """config.py cannot import the planner (the planner imports the config): the two constants are kept equal here."""
-    from musekern.config import FRONT_MAX_TOKENS
-    from musekern.variants import FRONT_MAX_TOKENS as planner
-
-    assert FRONT_MAX_TOKENS == planner
-
 
 
 # ---------------------------------------------------------------- issue 28 finding 5: hostile --model files

@@ -13,15 +13,15 @@ import torch
 from kv_layouts import paged_caches
 
 from musekern.config import load_config
-from musekern.ops import qkv_epilogue as op
-from musekern.reference import fused_qknorm_rope_kv_insert, rope_cos_sin_table
-from musekern.variants.qkv_epilogue import (
+from musekern.kernels.qkv_epilogue.variant import (
     EPI_ROUNDS_VECTORS,
     EPI_SMALL_VECTORS,
     all_builds,
     epilogue_variant,
     epilogue_vectors,
 )
+from musekern.ops import qkv_epilogue as op
+from musekern.reference import fused_qknorm_rope_kv_insert, rope_cos_sin_table
 
 pytestmark = pytest.mark.gpu
 

@@ -217,8 +217,8 @@ def test_bitwise_deterministic_20_launches(weights, tp, m):
 # bitwise, and at a second ring depth bit for bit (gpu_cache.sh builds both).
 @pytest.mark.parametrize("tp,m", [(8, 1), (8, 8), (8, 16), (4, 5), (4, 16), (2, 9), (1, 3), (1, 16)])
 def test_other_warp_split_is_correct_deterministic_and_ring_independent(weights, tp, m):
+    from musekern.kernels.qkv_front.rules import variant
     from musekern.targets import local_target
-    from musekern.variants import variant
 
     nkv = SHARDS[tp].num_kv_heads
     v = other_warp_split(variant(SHARDS[tp].n, m, nkv, local_target()))
@@ -241,10 +241,10 @@ def test_other_warp_split_is_correct_deterministic_and_ring_independent(weights,
 # (the wgmma builds with 16 owned tokens or more: TP8 4 and 8 tiles, TP4 5 and 6 tiles).
 @pytest.mark.parametrize("tp,m", [(8, 5), (1, 16), (8, 20), (8, 30), (8, 64), (4, 40), (4, 44)])
 def test_huge_cache_slot_path_matches(weights, tp, m):
+    from musekern.kernels.qkv_front.rules import variant
+    from musekern.kernels.qkv_front.variant import launch_grid
     from musekern.runtime import get_kernel
     from musekern.targets import local_target
-    from musekern.variants import variant
-    from musekern.variants.qkv_front import launch_grid
 
     nkv = SHARDS[tp].num_kv_heads
     v = variant(SHARDS[tp].n, m, nkv, local_target())
@@ -264,8 +264,8 @@ def test_huge_cache_slot_path_matches(weights, tp, m):
 
 
 def _launch_variant(v, p, weight, out):
+    from musekern.kernels.qkv_front.variant import launch_grid
     from musekern.runtime import get_kernel
-    from musekern.variants.qkv_front import launch_grid
 
     get_kernel(v).launch(launch_grid(v), ops.launch_args(p["x"], weight, p["positions"], p["cos_sin_cache"],
                                                           p["slot_mapping"], p["key_cache"], p["value_cache"], EPS,
@@ -284,8 +284,8 @@ BIT_LEVERS = [(tp, m, what) for tp, m in ((8, 3), (8, 8), (8, 12), (4, 16)) for 
 def test_ring_stages_and_trigger_do_not_change_a_bit(weights, tp, m, what):
     """Builds that differ only in ring depth, PDL trigger or trigger_ahead give identical bits
     (tests/qkv_front_builds.py::same_bits_alternatives; gpu_cache.sh builds them)."""
+    from musekern.kernels.qkv_front.rules import variant
     from musekern.targets import local_target
-    from musekern.variants import variant
 
     nkv = SHARDS[tp].num_kv_heads
     v = variant(SHARDS[tp].n, m, nkv, local_target())
@@ -310,8 +310,8 @@ ABOVE_16 = ([(tp, m) for tp in (8, 4) for m in range(17, 65)]
 
 
 def _front(tp, m):
+    from musekern.kernels.qkv_front.rules import variant
     from musekern.targets import local_target
-    from musekern.variants import variant
 
     return variant(SHARDS[tp].n, m, SHARDS[tp].num_kv_heads, local_target())
 
@@ -363,8 +363,8 @@ def test_above_16_bitwise_deterministic(weights, tp, m):
 
 def _levers(cases):
     """(tp, m, lever) for every lever that applies to the build of (tp, m) (tests/qkv_front_builds.py)."""
+    from musekern.kernels.qkv_front.rules import variant
     from musekern.targets import get_target
-    from musekern.variants import variant
 
     return [(tp, m, what) for tp, m in cases for what in same_bits_alternatives(
         variant(SHARDS[tp].n, m, SHARDS[tp].num_kv_heads, get_target("h200")))]

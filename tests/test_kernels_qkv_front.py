@@ -21,8 +21,8 @@ import time
 import pytest
 from qkv_front_builds import front_builds, front_candidates, gpu_test_builds
 
-from musekern.targets import SM90_REGS_PER_SM, TARGETS, get_target
-from musekern.variants.qkv_front import (
+from musekern.kernels.qkv_front.rules import CTAS_PER_SM, qkv_front_variants
+from musekern.kernels.qkv_front.variant import (
     FRONT_MAX_TOKENS,
     HEAD_COLS,
     K_TILE,
@@ -34,12 +34,12 @@ from musekern.variants.qkv_front import (
     padded_tokens,
     smem_bytes,
 )
-from musekern.variants.qkv_front_rules import CTAS_PER_SM, qkv_front_variants
+from musekern.targets import SM90_REGS_PER_SM, TARGETS, get_target
 
 
 def planned_variants():
     from musekern.config import load_config
-    from musekern.variants import plan_model
+    from musekern.plan import plan_model
 
     return [e.variant for e in plan_model(load_config(), [get_target("h200")]) if e.kernel == "qkv_front"]
 
@@ -49,7 +49,7 @@ PLANNED = planned_variants()
 # other warp split at the S = 1 and S = 2 shapes (both tile counts).
 EXTRA = [QkvFrontVariant(4352, 2, 1, 4, 2, 0, "exit")] \
     + [dataclasses.replace(v, warp_split="k" if v.warp_split == "rows" else "rows")
-       for v in PLANNED if v.n in (2176, 8704) and not v.fixed_m and v.warp_split != "wg"]
+       for v in PLANNED if v.n in (2176, 8704) and not v.fixed_rows and v.warp_split != "wg"]
 # above M = 16: the wgmma builds the rules give M = 17..64 at every shard, and the other code paths the bench times
 # beside them (mma.sync "k" at 4 tiles; wgmma at 2 tiles; S = 4 without the receive buffer in the ring)
 NEW = front_builds(get_target("h200"))
@@ -63,7 +63,8 @@ ARGS_FIELDS = {"weight", "x", "weight_ptr", "M", "y", "positions", "cos_sin_cach
 def test_plan_has_every_shape():
     ns = sorted({v.n for v in PLANNED})
     assert ns == [2176, 4352, 8704, 17408]
-    assert {(v.tiles, v.fixed_m) for v in PLANNED} == {(1, 0), (1, 8), (2, 0), (3, 0), (4, 0), (5, 0), (6, 0), (8, 0)}
+    assert {(v.tiles, v.fixed_rows) for v in PLANNED} == {(1, 0), (1, 8), (2, 0), (3, 0), (4, 0), (5, 0), (6, 0),
+                                                         (8, 0)}
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
@@ -72,8 +73,8 @@ def test_smem_fits_every_target(target):
     for n, nkv in ((2176, 1), (4352, 2), (8704, 4), (17408, 8)):
         for v in qkv_front_variants(n, nkv, t, FRONT_MAX_TOKENS):
             assert smem_bytes(v) <= t.max_smem_optin, v
-            assert K_TILES % v.splits == 0 and v.stages <= K_TILES // v.splits
-            assert padded_tokens(v) % v.splits == 0  # every owner gets TT/S tokens (static expect_tx)
+            assert K_TILES % v.k_split == 0 and v.stages <= K_TILES // v.k_split
+            assert padded_tokens(v) % v.k_split == 0  # every owner gets TT/S tokens (static expect_tx)
 
 
 def test_launch_grid():
@@ -103,10 +104,15 @@ def test_ops_import_does_not_import_cutlass():
 # ---------------------------------------------------------------- needs the DSL
 @pytest.fixture(scope="module")
 def kmod():
+    """The kernel class, its ABI record and the builder's compile, under one name."""
     pytest.importorskip("cutlass")
-    from musekern.kernels import qkv_front
+    from types import SimpleNamespace
 
-    return qkv_front
+    from musekern.builder.compile import compile_variant
+    from musekern.kernels.qkv_front.abi import abi_for
+    from musekern.kernels.qkv_front.kernel import QkvFrontKernel
+
+    return SimpleNamespace(QkvFrontKernel=QkvFrontKernel, abi_for=abi_for, compile_variant=compile_variant)
 
 
 # every build the GPU tests and the bench launch above M = 16: the CuTe struct the kernel allocates is the size
@@ -124,9 +130,9 @@ def test_abi_declaration(kmod, v):
     tm = {s.param: s for s in abi.tensormaps}
     # every field the op passes is declared (minus the tensor-map params, filled by the loader)
     assert names - set(tm) <= ARGS_FIELDS
-    assert ("M" in names) == (v.fixed_m == 0)
+    assert ("M" in names) == (v.fixed_rows == 0)
     pair = 2 if v.x_mcast else 1  # x_mcast: a cluster of both heads' CTAs, each loading half of the x rows
-    assert abi.launch.block == (THREADS, 1, 1) and abi.launch.cluster == (v.splits * pair, 1, 1) and abi.launch.pdl
+    assert abi.launch.block == (THREADS, 1, 1) and abi.launch.cluster == (v.k_split * pair, 1, 1) and abi.launch.pdl
     assert abi.launch.dynamic_smem_bytes == smem_bytes(v)
     assert tm["tma_w"].tensor == "weight" and tm["tma_w"].box == (64, HEAD_COLS) and tm["tma_w"].swizzle == "128B"
     assert tm["tma_x"].tensor == "x" and tm["tma_x"].box == (64, padded_tokens(v) // pair)
@@ -177,7 +183,7 @@ def test_compile_ptx(kmod, v):
     pre = v.stages
     per_box = 1 if v.x_mcast else 2
     assert _count(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\.mbarrier::complete_tx", ptx) == \
-        per_box * (2 * pre + (2 if pre < K_TILES // v.splits else 0))
+        per_box * (2 * pre + (2 if pre < K_TILES // v.k_split else 0))
     # before the producer's griddepcontrol.wait (the first in the text): the W boxes of the prefill only
     assert _count(r"cp\.async\.bulk\.tensor", ptx.split("griddepcontrol.wait")[0]) == 2 * pre
     stage_tx = W_STAGE_BYTES + tt * K_TILE * 2
@@ -196,14 +202,14 @@ def test_compile_ptx(kmod, v):
         # the owner epilogue (qkv_front_epi.py) with 16 owned tokens or more: per group of four tokens a warp, 16-byte
         # loads of the S partials (two a token) and of cos | sin, three shuffle rounds, 16-byte stores of y, k and v;
         # else a lane per RoPE pair: five shuffle rounds a token, no 16-byte access
-        owned = tt // v.splits
+        owned = tt // v.k_split
         rounds = -(-owned // 16)
         octets = owned >= 16
-        assert _count(r"ld\.shared\.v4\.b32", ptx) == (rounds * (2 * v.splits + 2) if octets else 0)
+        assert _count(r"ld\.shared\.v4\.b32", ptx) == (rounds * (2 * v.k_split + 2) if octets else 0)
         assert _count(r"st\.global\.v4\.b32", ptx) == (3 * rounds if octets else 0)
         assert _count(r"shfl\.sync\.bfly\.b32", ptx) == (3 * rounds if octets else 5 * (owned // 4))
         # the ring is idle before the partials land in it: a cluster barrier, or (S == 1) the consumer warps' one
-        assert _count(r"bar\.sync\s+3, 128", ptx) == (1 if v.recv_in_ring and v.splits == 1 else 0)
+        assert _count(r"bar\.sync\s+3, 128", ptx) == (1 if v.recv_in_ring and v.k_split == 1 else 0)
         # with S > 1 a CTA's own tokens' partials are plain stores, ordered by the consumer warps' barrier 1: one 4-byte
         # shared store per accumulator element (the other ranks' go by st.async: checked below), beside the aux warp's
         # two per owned token (its cos | sin columns)
@@ -229,10 +235,10 @@ def test_compile_ptx(kmod, v):
         assert _count(r"bar\.sync\s+3, 128", ptx) == 2  # ring idle / partials written
     # cluster exchange: complete_tx on the owner's barrier
     n_st = _count(r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.b32", ptx)
-    if v.splits > 1:
+    if v.k_split > 1:
         assert n_st == per_thread_sends
         # what st.async brings an owner: the S partials of its TT / S tokens, less its own (plain stores) in "wg"
-        recv_tx = (v.splits - (v.warp_split == "wg")) * (tt // v.splits) * HEAD_COLS * 4
+        recv_tx = (v.k_split - (v.warp_split == "wg")) * (tt // v.k_split) * HEAD_COLS * 4
         assert re.search(rf"mov\.b32\s+%r\d+, {recv_tx};\s*\n\s*mbarrier\.arrive\.expect_tx", ptx)
         # after init, before exit, and (recv_in_ring) once per role (producer, aux, consumers) before the sends
         assert _count(r"barrier\.cluster\.wait", ptx) == 2 + 3 * v.recv_in_ring
@@ -248,9 +254,10 @@ def test_compile_ptx(kmod, v):
 
 # x multicast between the heads of a pair: the S = 4 8-tile TP8 build (a cluster of 8) and the S = 1 4-tile TP2 one
 # (a cluster of 2, partials in the CTA)
-XMC = [QkvFrontVariant(n=2176, num_kv_heads=1, tiles=8, stages=3, splits=4, fixed_m=0, trigger="exit", warp_split="wg",
-                       recv_in_ring=True, x_mcast=True),
-       QkvFrontVariant(n=8704, num_kv_heads=4, tiles=4, stages=4, splits=1, fixed_m=0, trigger="exit", warp_split="wg",
+XMC = [QkvFrontVariant(n=2176, num_kv_heads=1, tiles=8, stages=3, k_split=4, fixed_rows=0, trigger="exit",
+                       warp_split="wg", recv_in_ring=True, x_mcast=True),
+       QkvFrontVariant(n=8704, num_kv_heads=4, tiles=4, stages=4, k_split=1, fixed_rows=0, trigger="exit",
+                       warp_split="wg",
                        x_mcast=True)]
 
 
@@ -261,13 +268,13 @@ def test_x_mcast_ptx_and_abi(kmod, v):
     ptx = ck.ptx
     tt = padded_tokens(v)
     # the launch: a cluster of both heads' S CTAs, x boxes of half the rows (each CTA of a pair loads one half)
-    assert ck.abi.launch.cluster == (2 * v.splits, 1, 1)
+    assert ck.abi.launch.cluster == (2 * v.k_split, 1, 1)
     assert [t.box for t in ck.abi.tensormaps] == [(64, HEAD_COLS), (64, tt // 2)]
     # W per CTA as before; x multicast to both heads of the pair, mask = bits rank and rank + S
-    boxes = 2 * v.stages + (2 if v.stages < K_TILES // v.splits else 0)
+    boxes = 2 * v.stages + (2 if v.stages < K_TILES // v.k_split else 0)
     assert _count(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global", ptx) == boxes
     assert _count(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global.*multicast::cluster", ptx) == boxes
-    assert re.search(rf"mov\.b16\s+%rs\d+, {1 | 1 << v.splits};", ptx)
+    assert re.search(rf"mov\.b16\s+%rs\d+, {1 | 1 << v.k_split};", ptx)
     # a stage's empty barrier counts both heads' consumer warps; each warp arrives locally and on the peer's
     eight = re.search(r"mov\.b32\s+(%r\d+), 8;\s*\n\s*mbarrier\.init", ptx)[1]
     assert _count(rf"mbarrier\.init\.shared(::cta)?\.b64\s+\[[^]]+\], {eight};", ptx) == v.stages
@@ -321,7 +328,7 @@ def test_sass(kmod, v, tmp_path):
     assert "UTMALDG" in s
     assert not re.search(r"\b(STL|LDL)\b", s), "local-memory spill in SASS"
     assert not re.search(r"\b(ATOMG|REDG|RED\.E)\b", s), "global atomic in SASS"
-    if v.splits > 1:
+    if v.k_split > 1:
         assert "STAS" in s  # st.async
 
 

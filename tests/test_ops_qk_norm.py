@@ -173,8 +173,8 @@ def test_qk_norm_deterministic_and_graph_replay(gpu_cache_dir):
 @pytest.mark.parametrize("m,hd", [(16, 64), (333, 128), (5, 256)])
 def test_vecs_per_thread_does_not_change_a_bit(gpu_cache_dir, m, hd):
     """The one- and four-vector builds walk the same vectors with the same math: identical outputs."""
+    from musekern.kernels.qk_norm.variant import QkNormVariant, launch_grid
     from musekern.runtime import get_kernel
-    from musekern.variants.qk_norm import QkNormVariant, launch_grid
 
     heads = 2048 // hd
     x = (torch.randn(m, heads * hd + 64, device="cuda") * 3).to(torch.bfloat16)[:, :heads * hd]

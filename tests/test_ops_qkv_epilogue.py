@@ -6,9 +6,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from musekern.kernels.qkv_epilogue.variant import EPI_HUGE, QkvEpilogueVariant, max_rows  # noqa: E402
 from musekern.ops import qkv_epilogue as op  # noqa: E402
 from musekern.reference import rope_cos_sin_table  # noqa: E402
-from musekern.variants.qkv_epilogue import EPI_HUGE, QkvEpilogueVariant, max_rows  # noqa: E402
 
 D = 64
 
@@ -132,7 +132,7 @@ def test_launch_args_bind_every_abi_name(layout):
                     "eps": 1e-5}
     assert kc.stride(0) == (2 if layout == "flashinfer" else 1) * 4 * 2 * D
     pytest.importorskip("cutlass")
-    from musekern.kernels.qkv_epilogue import abi_for
+    from musekern.kernels.qkv_epilogue.abi import abi_for
 
     assert set(args) == {f.name for p in abi_for(QkvEpilogueVariant(1)).params for f in p.fields}
 

@@ -11,9 +11,9 @@ torch = pytest.importorskip("torch")
 
 from musekern.config import load_config  # noqa: E402
 from musekern.ops import qkv_front as op  # noqa: E402
+from musekern.plan import plan_model  # noqa: E402
 from musekern.reference import fused_qknorm_rope_kv_insert, qkv_front_reference, rope_cos_sin_table  # noqa: E402
 from musekern.targets import get_target  # noqa: E402
-from musekern.variants import plan_model  # noqa: E402
 
 K = 8192
 D = 64
@@ -323,10 +323,10 @@ def test_launch_args_cover_the_abi():
     assert args["k_block_stride"] == c["key_cache"].stride(0) == 2 * 6 * 0 + 4 * 64  # vLLM split: blocks contiguous
     assert args["M"] == 5 and args["max_pos"] == 64 and args["block_size"] == 4 and args["num_blocks"] == 6
     try:
-        from musekern.kernels.qkv_front import abi_for
+        from musekern.kernels.qkv_front.abi import abi_for
     except ImportError:
         pytest.skip("cutlass not installed")
-    from musekern.variants.qkv_front import QkvFrontVariant
+    from musekern.kernels.qkv_front.variant import QkvFrontVariant
 
     for fixed in (0, 8):
         abi = abi_for(QkvFrontVariant(2176, 1, 1, 8, 2, fixed))
@@ -336,9 +336,9 @@ def test_launch_args_cover_the_abi():
         assert {s.tensor for s in abi.tensormaps} <= set(args)
 
 
-def test_lazy_kernel_class():
-    pytest.importorskip("cutlass")
-    assert op.QkvFrontKernel.__name__ == "QkvFrontKernel"
+def test_the_op_hands_out_no_compiler():
+    """The op module is the serving leg: the compiler is the builder's (musekern.builder.compile.compile_variant)."""
+    assert not hasattr(op, "compile_qkv_front") and not hasattr(op, "QkvFrontKernel")
 
 
 # The kernel on the GPU (every M and N, caches, determinism, ring depth, graphs, PDL) is tested in
@@ -350,8 +350,7 @@ def test_lazy_kernel_class():
 @pytest.mark.parametrize("v", [e.variant for e in plan_model(load_config(), [get_target("h200")])
                                if e.kernel == "qkv_front"], ids=lambda v: v.label)
 def test_op_binds_every_planned_abi_by_name(v):
-    pytest.importorskip("cutlass")  # abi_for is pure, but lives in the kernel module
-    from musekern.kernels.qkv_front import abi_for
+    from musekern.kernels.qkv_front.abi import abi_for
     from musekern.ops._bind import take
     from musekern.runtime.loader import _ParamBlock
 

@@ -28,8 +28,8 @@ BINDINGS_RANGE = ">=12.8,<14"
 
 def _planned() -> int:
     from musekern.config import load_config
+    from musekern.plan import plan_model
     from musekern.targets import get_target
-    from musekern.variants import plan_model
 
     return len(plan_model(load_config(), [get_target("h200")]))
 
@@ -153,8 +153,8 @@ def test_the_wheel_of_a_fresh_clone_installs_and_runs(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
                         str(site), str(whl)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    code = ("import musekern, musekern.build, musekern.store.cache, musekern.runtime, musekern.variants\n"
-            "from musekern.build import BuildExtraMissing\n"
+    code = ("import musekern, musekern.builder, musekern.store.cache, musekern.runtime, musekern.plan\n"
+            "from musekern.builder import BuildExtraMissing\n"
             f"assert musekern.__file__.startswith({str(site)!r}), musekern.__file__\n"
             "from musekern.cli import main; main()")
     r = _run(code, "plan", "--target", "h200", "--json", env={"PYTHONPATH": str(site)}, cwd=tmp_path)

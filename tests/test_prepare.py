@@ -109,7 +109,7 @@ def test_dead_remote_degrades_to_local_build(tmp_path, no_proxy):
 
 def test_two_cold_prepares_give_identical_cubins(tmp_path):
     """Compiles are reproducible: same keys, same cubin hashes, from two empty caches (also qkv_front)."""
-    labels = [*LABELS, "--variant", "qkv_front[fixed_m=0,n=2176,num_kv_heads=1,splits=2,stages=8,tiles=2]"]
+    labels = [*LABELS, "--variant", "qkv_front[fixed_rows=0,k_split=2,n=2176,num_kv_heads=1,stages=8,tiles=2]"]
     a, b = prepare(tmp_path / "a", *labels), prepare(tmp_path / "b", *labels)
     assert [r["key"] for r in a["results"]] == [r["key"] for r in b["results"]]
     sha = lambda d: {e.key: e.manifest["cubin_sha256"] for e in Cache(d).entries()}  # noqa: E731
@@ -119,7 +119,7 @@ def test_two_cold_prepares_give_identical_cubins(tmp_path):
 def test_without_the_dsl_a_corrupt_entry_is_missing_not_a_hit(tmp_path, monkeypatch):
     """No build extra: entries of any DSL version serve, but only if they verify."""
     prepare(tmp_path / "c", *LABELS)
-    monkeypatch.setattr("musekern.build.prepare.dsl_version", lambda: None)
+    monkeypatch.setattr("musekern.builder.prepare.dsl_version", lambda: None)
     assert prepare(tmp_path / "c", *LABELS)["counts"]["hit"] == 2
     e = Cache(tmp_path / "c").entries()[0]
     os.chmod(e.cubin_path, stat.S_IRUSR | stat.S_IWUSR)
@@ -133,8 +133,8 @@ def test_without_the_dsl_a_corrupt_entry_is_missing_not_a_hit(tmp_path, monkeypa
 
 def _plan():
     from musekern.config import load_config
+    from musekern.plan import plan_model
     from musekern.targets import get_target
-    from musekern.variants import plan_model
 
     return plan_model(load_config(None), [get_target("h200")])
 

@@ -34,7 +34,7 @@ def test_skeleton_probe_config_sets_are_valid_and_named_uniquely():
 
 
 def test_tail_trace_cases_are_planned_variants_with_room_for_the_stamps():
-    from musekern.variants.qkv_front import padded_tokens
+    from musekern.kernels.qkv_front.variant import padded_tokens
 
     tt = _probe("tail_trace")
     for name, shape, overrides in tt.CASES:
@@ -42,7 +42,7 @@ def test_tail_trace_cases_are_planned_variants_with_room_for_the_stamps():
         row = tt.trace_row(v)
         assert row == shape["m"]  # the probe runs with M = the first unwritten row
         # rows M..TT-1 of y hold every CTA's stamps
-        assert (padded_tokens(v) - row) * v.n * 2 >= v.heads * v.splits * tt.SLOTS * 8, name
+        assert (padded_tokens(v) - row) * v.n * 2 >= v.heads * v.k_split * tt.SLOTS * 8, name
 
 
 @pytest.mark.slow

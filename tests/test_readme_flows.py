@@ -42,8 +42,8 @@ SHOWN_ROWS = 3  # the transcript shows the plan's first rows; `musekern plan` li
 
 def _planned() -> int:
     from musekern.config import load_config, with_tensor_parallel
+    from musekern.plan import plan_model
     from musekern.targets import get_target
-    from musekern.variants import plan_model
 
     return len(plan_model(with_tensor_parallel(load_config(CONFIG), (1, 2, 4, 8)), [get_target("h200")]))
 
@@ -149,9 +149,9 @@ def test_readme_shows_no_machines_paths_and_no_test_counts():
 
 def test_transcript_is_the_bundled_plan_on_a_neutral_path(tmp_path):
     from musekern.config import load_config
+    from musekern.plan import plan_model
     from musekern.store.keys import dsl_version, key_parts
     from musekern.targets import get_target
-    from musekern.variants import plan_model
 
     _, header, table, elided, summary = split_transcript(prepare_transcript())
     plan = plan_model(load_config(), [get_target("h200")])
@@ -186,8 +186,9 @@ def test_python_example_uses_a_planned_variant():
     import ast
 
     from musekern.config import load_config
+    from musekern.kernels.qk_norm.variant import qk_norm_variant
+    from musekern.plan import plan_model
     from musekern.targets import get_target
-    from musekern.variants import plan_model, qk_norm_variant
 
     code = "\n".join(b for lang, b in fenced_blocks(section("Using it")) if lang == "python")
     calls = [n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") ==
@@ -366,9 +367,11 @@ def regenerate() -> None:
         real = f"{home}/.cache/musekern"
         header = r.stderr.splitlines()[0].replace(real, f"{NEUTRAL_HOME}/.cache/musekern")
         out = r.stdout.replace(real, f"{NEUTRAL_HOME}/.cache/musekern").rstrip("\n").splitlines()
-    rows, summary = out[2:-1], out[-1]  # out: table header, rule, one row a build, summary
-    more = f"... {len(rows) - SHOWN_ROWS} more rows (`musekern plan` lists every variant)"
-    block = "\n".join([*make_lines, header, *out[:2 + SHOWN_ROWS], more, summary])
+    summary = out[-1]  # out: table header, rule, one row a build (a long label wrapped onto more lines), summary
+    starts = [i for i, ln in enumerate(out[:-1]) if i >= 2 and ln[:1].strip()]  # the lines that begin a row
+    shown = out[:starts[SHOWN_ROWS]] if len(starts) > SHOWN_ROWS else out[:-1]
+    more = f"... {len(starts) - SHOWN_ROWS} more rows (`musekern plan` lists every variant)"
+    block = "\n".join([*make_lines, header, *shown, more, summary])
     text = README.read_text()
     old = "\n".join(prepare_transcript()) if "musekern prepare: " in text else "README-PREPARE-BLOCK"
     README.write_text(text.replace(old, block, 1))

@@ -13,18 +13,19 @@ from pathlib import Path
 import pytest
 from cubin_headers import elf_header
 
+from musekern.kernels import declared_abi
+from musekern.kernels.qk_norm.variant import QkNormVariant
 from musekern.runtime import ArchMismatchError, MissingKernelError, load_artifact
 from musekern.runtime.loader import _ParamBlock, prepare_command
 from musekern.store.abi import KernelAbi, LaunchSpec, TensorMapSpec, pointer, scalar, tensor, tensormap
 from musekern.store.cache import Cache, CorruptEntryError
 from musekern.store.keys import key_parts
-from musekern.variants import QkNormVariant
 
 V = QkNormVariant("bfloat16", 64, True)
 
 
 def fake_entry(cache, variant=V, arch="sm_90a", cubin=None):
-    abi = KernelAbi((pointer("x"), scalar("m", "i32")), LaunchSpec((256, 1, 1)))
+    abi = declared_abi(variant.kernel, variant.params())  # the store refuses any other ABI under the key
     man = {"kernel": variant.kernel, "label": variant.label, "variant": variant.params(), "symbol": "kern_0",
            "arch": arch, "abi": abi.to_json(), "built_with": {}}
     return cache.put(key_parts(variant, arch, "4.8.1"), elf_header(arch) if cubin is None else cubin, man)
@@ -121,9 +122,10 @@ def test_runtime_matches_any_dsl_version_without_cutlass(tmp_path, monkeypatch):
     assert load_artifact(V, "sm_90a", cache)[0].key == e.key
 
 
-def test_launch_path_never_imports_the_builder_the_kernels_or_cutlass(tmp_path):
-    """Ops, loader and lookup in a fresh process: neither musekern.build nor musekern.kernels nor cutlass may be
-    in sys.modules afterwards (runtime and ops stand on musekern.store; only autobuild imports the builder)."""
+def test_launch_path_never_imports_the_builder_the_planner_or_cutlass(tmp_path):
+    """Ops, loader and lookup in a fresh process: neither musekern.builder nor musekern.plan nor cutlass may be in
+    sys.modules afterwards (so no kernel.py either: each imports cutlass; the ops take the pure variant modules; only
+    the autobuild hook imports the builder)."""
     cache = Cache(tmp_path / "c")
     fake_entry(cache)
     code = textwrap.dedent(f"""
@@ -131,7 +133,7 @@ def test_launch_path_never_imports_the_builder_the_kernels_or_cutlass(tmp_path):
         import musekern, musekern.runtime, musekern.ops, musekern.ops.qk_norm, musekern.ops.qkv_front
         from musekern.runtime import load_artifact
         from musekern.store.cache import Cache
-        from musekern.variants import QkNormVariant
+        from musekern.kernels.qk_norm.variant import QkNormVariant
         import torch
         entry, cubin = load_artifact(QkNormVariant("bfloat16", 64, True), "sm_90a", Cache({str(cache.root)!r}))
         try:
@@ -142,7 +144,7 @@ def test_launch_path_never_imports_the_builder_the_kernels_or_cutlass(tmp_path):
             import musekern.ops.qkv_front
         except ImportError:
             pass
-        bad = ("cutlass", "musekern.build", "musekern.kernels")
+        bad = ("cutlass", "musekern.builder", "musekern.plan")
         print(json.dumps(sorted(m for m in sys.modules if m == bad[0] or m.startswith(bad))))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -156,7 +158,9 @@ def test_autobuild_builds_a_missing_variant_on_the_spot(tmp_path, monkeypatch):
     with pytest.raises(MissingKernelError):
         load_artifact(V, "sm_90a", cache)
     monkeypatch.setenv("MUSEKERN_AUTOBUILD", "1")
-    entry, cubin = load_artifact(V, "sm_90a", cache)
+    from musekern.ops.checks import on_miss
+
+    entry, cubin = load_artifact(V, "sm_90a", cache, on_miss())
     assert entry.manifest["label"] == V.label and cubin[:4] == b"\x7fELF"
     assert [e.key for e in cache.entries()] == [entry.key]
 

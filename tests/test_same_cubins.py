@@ -8,7 +8,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 same_cubins = pytest.importorskip("same_cubins")
 
-from musekern.variants import QkvEpilogueVariant  # noqa: E402
+from musekern.kernels.qkv_epilogue.variant import QkvEpilogueVariant  # noqa: E402
 
 # one small build in a real cache (prepare), then that entry's manifest lying about its bytes, then a build the cache
 # lacks: the three verdicts the script gives

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from store_fakes import FAKE_ABI, fail_writes_under
+from store_fakes import abi_json, fail_writes_under
 
 from musekern.store import hygiene
 from musekern.store.bundle import INDEX_NAME, BundleError, export_bundle, import_bundle
@@ -29,7 +29,7 @@ def fake_parts(i: int, arch: str = "sm_90a") -> KeyParts:
 def fake_entry(parts: KeyParts) -> tuple[bytes, dict]:
     cubin = b"\x7fELF" + hashlib.sha256(parts.key().encode()).digest() * 4
     return cubin, {"kernel": parts.kernel, "label": parts.label, "variant": parts.variant_params, "symbol": "k",
-                   "arch": parts.arch, "abi": FAKE_ABI.to_json(),
+                   "arch": parts.arch, "abi": abi_json(parts.kernel, parts.variant_params),
                    "built_with": {"nvidia-cutlass-dsl": parts.dsl_version}}
 
 
@@ -267,8 +267,8 @@ def test_import_into_read_only_cache_fails_clearly(tmp_path):
 # ---------------------------------------------------------------- sharded CI warming (issue 4.7)
 def _plan():
     from musekern.config import load_config
+    from musekern.plan import plan_model
     from musekern.targets import get_target
-    from musekern.variants import plan_model
 
     return plan_model(load_config(None), [get_target("h200"), get_target("b200")])
 
@@ -281,7 +281,7 @@ def _parts(pe) -> KeyParts:
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
 def test_shards_are_disjoint_and_cover_the_plan(n):
-    from musekern.variants import PlanEntry, shard_plan
+    from musekern.plan import PlanEntry, shard_plan
 
     plan = _plan()
     shards = [shard_plan(plan, k, n) for k in range(1, n + 1)]
@@ -297,7 +297,7 @@ def test_shards_are_disjoint_and_cover_the_plan(n):
 
 def test_shards_merge_by_import(tmp_path):
     """Two CI jobs each warm one shard and export it; importing both into a third cache gives the union."""
-    from musekern.variants import shard_plan
+    from musekern.plan import shard_plan
 
     plan = _plan()
     bundles = []

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from store_fakes import SRC, fake_parts
 
-from musekern.store.keys import COMMON_SOURCES, KERNEL_SOURCES, PART_NAMES, KeyParts
+from musekern.plan import REGISTRY
+from musekern.store.keys import PART_NAMES, KeyParts
 
 PKG = Path(__file__).resolve().parent.parent / "musekern"
 
@@ -63,22 +64,31 @@ def _package_imports(rel: str) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("kernel", sorted(KERNEL_SOURCES))
-def test_every_kernel_file_a_kernel_imports_is_in_its_key(kernel):
-    """A kernel's cubin is made by its module and every kernels/ module it imports (transitively), with the constants
-    of the variant modules they import: each must be hashed into the key, or an edit to it would be served from a
-    stale cache entry. (kernels/__init__.py holds the CompiledKernel record only.)"""
-    sources = set(KERNEL_SOURCES[kernel]) | set(COMMON_SOURCES)
-    seen, todo = set(), [KERNEL_SOURCES[kernel][0]]
+@pytest.mark.parametrize("kernel", sorted(REGISTRY))  # every registered kernel
+def test_every_file_a_kernel_compiles_from_is_in_its_key(kernel):
+    """A kernel's cubin and manifest are made by its kernel.py and abi.py and every package module they import
+    (transitively): each must be hashed into the key (the variant's `source_files()`), or an edit to it would be
+    served from a stale cache entry. The store's own modules other than abi.py only carry the record, and the
+    kernels' shared base (VariantMixin) and package __init__ files define nothing the compile reads."""
+    spec = REGISTRY[kernel]
+    folder = Path(spec.kernel_module.replace(".", "/")).parent.relative_to("musekern").as_posix()
+    sources = {f.relative_to(PKG).as_posix() for f in spec.variant.source_files()}
+    seen, todo = set(), [f"{folder}/kernel.py", f"{folder}/abi.py"]
     while todo:
         rel = todo.pop()
         if rel in seen:
             continue
         seen.add(rel)
-        for dep in _package_imports(rel):
-            if dep.startswith("kernels/") and dep != "kernels/__init__.py":
-                todo.append(dep)
-            elif dep.startswith("variants/"):
-                seen.add(dep)
-    missing = sorted(f for f in seen - sources if f != "kernels/__init__.py")
-    assert not missing, f"{kernel}: add {missing} to musekern/store/keys.py::KERNEL_SOURCES"
+        todo += [d for d in _package_imports(rel) if not d.endswith("__init__.py") and d != "kernels/base.py"
+                 and (not d.startswith("store/") or d == "store/abi.py")]
+    missing = sorted(seen - sources)
+    assert not missing, f"{kernel}: add {missing} to {spec.variant.__name__}.sources (or COMMON_SOURCES)"
+    assert all(f.exists() for f in spec.variant.source_files())
+
+
+def test_the_store_names_no_kernel():
+    """The store is every kernel's: no module of it names a registered kernel (keys get the files from the variant)."""
+    for f in sorted((PKG / "store").glob("*.py")):
+        text = f.read_text()
+        for kernel in REGISTRY:
+            assert f'"{kernel}"' not in text and f"kernels.{kernel}" not in text, f"{f.name} names {kernel}"

@@ -2,7 +2,7 @@
 
 A forger with write access to a remote or a bundle re-seals a manifest (recomputes its digest). What refuses it:
 - without trusted keys: the integrity checks, the declared-ABI check (store/variant_abi.py: a toy provider here,
-  the real one is musekern/declared.py) and the cubin's ELF (arch);
+  the real one is kernels.declared_abi) and the cubin's ELF (arch);
 - with trusted keys: a signature by one of them that verifies (unsigned, untrusted signer, or a trusted
   signature over other content: all refused, one line each).
 """

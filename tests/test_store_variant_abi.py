@@ -1,5 +1,5 @@
 """The variant-vs-ABI check (store/variant_abi.py): strict on everything a launch reads, silent on the human text,
-and a hook the store itself never fills (musekern/declared.py does, through `import musekern`)."""
+and a hook the store itself never fills (`import musekern` registers kernels.declared_abi)."""
 from __future__ import annotations
 
 import copy
@@ -83,8 +83,8 @@ def test_the_real_kernels_declarations_pass_their_own_json_and_tell_siblings_apa
     import json
 
     from musekern.config import load_config
+    from musekern.plan import plan_model
     from musekern.targets import get_target
-    from musekern.variants import plan_model
 
     groups: dict = {}
     for pe in plan_model(load_config(), [get_target("h200"), get_target("b200")]):

@@ -1,11 +1,10 @@
-import ast
 from pathlib import Path
 
 import pytest
 
 from musekern import targets
 from musekern.config import load_config
-from musekern.store.keys import KERNEL_SOURCES
+from musekern.plan import plan_model
 from musekern.targets import (
     SUPPORTED_ARCHES,
     TARGETS,
@@ -15,7 +14,6 @@ from musekern.targets import (
     get_target,
     target_from_device,
 )
-from musekern.variants import plan_model
 
 PKG = Path(targets.__file__).parent
 H200_DEV = ("NVIDIA H200", (9, 0), 132, 232448, 60 << 20)
@@ -40,23 +38,6 @@ def test_every_named_target_is_supported():
     assert {t.arch for t in TARGETS.values()} <= set(SUPPORTED_ARCHES)
 
 
-def _literal(path: Path, name: str):
-    """A module-level constant read from the source (the kernels import cutlass; the planner never does)."""
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
-            return ast.literal_eval(node.value)
-    return None
-
-
-def test_kernels_supported_arches_agree_with_the_planner():
-    """targets.SUPPORTED_ARCHES is what every kernel of the plan builds for: the intersection of the kernels'
-    own SUPPORTED_ARCHES (a kernel without one, qk_norm, builds for any arch the DSL knows)."""
-    declared = [set(a) for kernel, files in KERNEL_SOURCES.items()
-                if (a := _literal(PKG / files[0], "SUPPORTED_ARCHES")) is not None]
-    assert declared, "no kernel declares SUPPORTED_ARCHES"
-    assert set.intersection(*declared) == set(SUPPORTED_ARCHES)
-
-
 def test_a_gpu_we_cannot_build_for_is_named_and_refused():
     with pytest.raises(UnsupportedTargetError, match=r"a100 \(sm_80, 108 SMs\) is not supported.*"
                                                      r"supported targets: b200, h100, h100-pcie, h20, h200"):
@@ -73,9 +54,9 @@ def test_a_gpu_we_cannot_build_for_is_named_and_refused():
                                                ([], "sm_90a", "h100"), ([H200_DEV], "sm_100a", "b200"),
                                                ([], "sm_80", None)])
 def test_missing_kernel_hint_names_the_users_target(monkeypatch, tmp_path, devices, arch, name):
+    from musekern.kernels.qk_norm.variant import QkNormVariant
     from musekern.runtime.loader import prepare_command
     from musekern.store.cache import Cache
-    from musekern.variants import QkNormVariant
 
     monkeypatch.setattr(targets, "_driver_devices", lambda: devices)
     assert targets.target_name_for_arch(arch) == name

@@ -6,26 +6,29 @@ import sys
 import pytest
 
 from musekern.config import load_config
-from musekern.targets import SMEM_RESERVED_PER_CTA, get_target
-from musekern.variants import (
-    QkNormVariant,
-    QkvFrontVariant,
+from musekern.kernels.qk_norm.variant import QkNormVariant, qk_norm_variant, supports_qk_norm
+from musekern.kernels.qkv_front.rules import (
+    MAX_RING_STAGES,
+    SMEM_RESERVE_BYTES,
     fixed_rows,
     front_serves,
     k_split,
-    plan_model,
-    qk_norm_variant,
     qkv_front_variants,
     ring_stages,
-    shard_plan,
-    supports_qk_norm,
-    supports_shape,
     token_tiles,
     variant,
-    variant_from_label,
 )
-from musekern.variants.qkv_front import FRONT_MAX_TOKENS, K_TILES, SPLIT_CHOICES, smem_bytes, stage_bytes
-from musekern.variants.qkv_front_rules import MAX_RING_STAGES, SMEM_RESERVE_BYTES
+from musekern.kernels.qkv_front.variant import (
+    FRONT_MAX_TOKENS,
+    K_TILES,
+    SPLIT_CHOICES,
+    QkvFrontVariant,
+    smem_bytes,
+    stage_bytes,
+    supports_shape,
+)
+from musekern.plan import plan_model, shard_plan, variant_from_label
+from musekern.targets import SMEM_RESERVED_PER_CTA, get_target
 
 H200 = get_target("h200")
 
@@ -73,11 +76,11 @@ def test_odd_tiles_need_wgmma_and_whole_shares():
     """The variant itself refuses what `has_tiles_build` skips: an odd tile count under mma.sync, or an owner share
     the four consumer warps cannot split (S = 4 with odd tiles)."""
     base = variant(4352, 24, 2, H200)
-    assert (base.tiles, base.warp_split, base.splits, base.x_mcast) == (3, "wg", 2, False)
+    assert (base.tiles, base.warp_split, base.k_split, base.x_mcast) == (3, "wg", 2, False)
     with pytest.raises(ValueError, match="need warp_split 'wg'"):
         QkvFrontVariant(**{**base.__dict__, "warp_split": "k"})
     with pytest.raises(ValueError, match="14 tokens"):
-        QkvFrontVariant(**{**base.__dict__, "tiles": 7, "splits": 4})
+        QkvFrontVariant(**{**base.__dict__, "tiles": 7, "k_split": 4})
     with pytest.raises(ValueError, match="even number of tiles"):
         QkvFrontVariant(**{**base.__dict__, "x_mcast": True})
 
@@ -133,7 +136,7 @@ def test_supports_shape(n, nkv, ok):
 
 def test_variant_one_build_per_tile_count():
     vs = qkv_front_variants(2176, 1, H200)
-    assert [(v.tiles, v.fixed_m) for v in vs] == [(1, 0), (1, 8), (2, 0)]
+    assert [(v.tiles, v.fixed_rows) for v in vs] == [(1, 0), (1, 8), (2, 0)]
     assert variant(2176, 3, 1, H200) == variant(2176, 7, 1, H200) == vs[0]
     assert variant(2176, 16, 1, H200) == vs[2]
     with pytest.raises(ValueError, match="does not support"):
@@ -157,7 +160,7 @@ def test_qk_norm_variants():
 @pytest.mark.parametrize("hd,m,heads,vpt", [(64, 16, 64, 1), (128, 16, 32, 1), (64, 64, 64, 1), (64, 65, 64, 4),
                                            (64, 4096, 128, 4), (256, 1, 1, 1)])
 def test_qk_norm_variant_by_input_size(hd, m, heads, vpt):
-    from musekern.variants.qk_norm import qk_norm_vectors
+    from musekern.kernels.qk_norm.variant import qk_norm_vectors
 
     assert qk_norm_variant("bfloat16", hd, 1.0, qk_norm_vectors(hd, m, heads)).vecs_per_thread == vpt
     assert qk_norm_variant("bfloat16", hd, 1.0).vecs_per_thread == 4
@@ -239,12 +242,12 @@ def test_k_split_wide(n, target, tiles, s):
                                          (4352, 2, 40, False), (4352, 2, 48, False), (4352, 2, 56, True),
                                          (4352, 2, 64, True)])
 def test_recv_in_ring_rule(n, nkv, m, rir):
-    from musekern.variants.qkv_front_rules import ring_stages
+    from musekern.kernels.qkv_front.rules import ring_stages
 
     v = variant(n, m, nkv, H200)
     assert v.recv_in_ring == rir
-    assert v.stages == ring_stages(v.splits, H200, v.tiles, n, recv_in_ring=rir)
-    plain, in_ring = ring_stages(v.splits, H200, v.tiles, n), ring_stages(v.splits, H200, v.tiles, n, True)
+    assert v.stages == ring_stages(v.k_split, H200, v.tiles, n, recv_in_ring=rir)
+    plain, in_ring = ring_stages(v.k_split, H200, v.tiles, n), ring_stages(v.k_split, H200, v.tiles, n, True)
     assert rir == (plain == 2 and in_ring > plain)  # (TP4 5 tiles: in_ring 4 > plain 3, not taken)
 
 
@@ -262,17 +265,17 @@ def test_recv_in_ring_rule(n, nkv, m, rir):
 def test_x_mcast_rule(n, nkv, m, target, xmc):
     v = variant(n, m, nkv, get_target(target))
     assert v.x_mcast == xmc
-    assert not xmc or (v.warp_split == "wg" and v.splits >= 2 and v.tiles >= 6)
+    assert not xmc or (v.warp_split == "wg" and v.k_split >= 2 and v.tiles >= 6)
 
 
 # each field of QkvFrontVariant that __post_init__ guards, with a value outside its domain (the trigger "wait" was a
 # lever once: measured slower, removed); 3 and 6 tiles need wgmma, the M = 1 build is mma.sync's "rows"
 @pytest.mark.parametrize("field,value,msg", [("warp_split", "cols", "warp_split"), ("trigger", "wait", "trigger"),
                                              ("stages", 33, "stages"), ("stages", 1, "stages"),
-                                             ("splits", 3, "splits"), ("tiles", 3, "need warp_split 'wg'"),
+                                             ("k_split", 3, "k_split"), ("tiles", 3, "need warp_split 'wg'"),
                                              ("tiles", 6, "need warp_split 'wg'"), ("tiles", 9, "tiles must be one of"),
                                              ("tiles", 0, "tiles must be one of"),
-                                             ("fixed_m", 16, "fixed_m"), ("n", 2175, "q|k|v|gate"),
+                                             ("fixed_rows", 16, "fixed_rows"), ("n", 2175, "q|k|v|gate"),
                                              ("trigger_ahead", 26, "trigger_ahead"),
                                              ("trigger_ahead", -1, "trigger_ahead"),
                                              ("recv_in_ring", True, "recv_in_ring"), ("x_mcast", True, "x_mcast")])
@@ -310,7 +313,7 @@ def test_gpu_test_builds_move_one_lever():
         for lever, alt in alts.items():
             moved = {f.name for f in dataclasses.fields(v) if getattr(alt, f.name) != getattr(v, f.name)}
             assert lever in moved and moved <= {lever, "trigger_ahead"}, (lever, v.label)
-            assert (alt.n, alt.tiles, alt.splits, alt.warp_split) == (v.n, v.tiles, v.splits, v.warp_split)
+            assert (alt.n, alt.tiles, alt.k_split, alt.warp_split) == (v.n, v.tiles, v.k_split, v.warp_split)
         other = other_warp_split(v)
         assert other is None or other.warp_split != v.warp_split
         assert other is not None or v.warp_split == "wg"  # 3, 5, 6 tiles: wgmma only; 8: "k" needs a deeper ring
@@ -358,7 +361,7 @@ def test_front_variants_above_16(n, nkv, served, tiles):
 # `prepare --variant` sorts any set of labels: variants whose params leave out different defaults (an int in one
 # where the other has a str) still order
 def test_plan_entries_of_mixed_fields_sort():
-    from musekern.variants import PlanEntry
+    from musekern.plan import PlanEntry
 
     a = QkvFrontVariant(2176, 1, 4, 4, 2, 0, "late", warp_split="k", trigger_ahead=4)
     b = QkvFrontVariant(2176, 1, 4, 4, 2, 0, "late", trigger_ahead=4)

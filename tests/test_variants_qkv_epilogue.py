@@ -4,9 +4,7 @@ from __future__ import annotations
 import pytest
 
 from musekern.config import load_config
-from musekern.targets import get_target
-from musekern.variants import plan_model, variant_from_label
-from musekern.variants.qkv_epilogue import (
+from musekern.kernels.qkv_epilogue.variant import (
     EPI_BLOCK,
     EPI_CTAS_PER_SM,
     EPI_HUGE,
@@ -30,6 +28,8 @@ from musekern.variants.qkv_epilogue import (
     row_units,
     rows_served,
 )
+from musekern.plan import plan_model, variant_from_label
+from musekern.targets import get_target
 
 # the bundled model's shards (TP 8, 4, 2, 1): (N, nkv) -> nq
 SHARDS = {(2176, 1): 16, (4352, 2): 32, (8704, 4): 64, (17408, 8): 128}

@@ -26,8 +26,8 @@ from gemm_dispatch import kernel_names  # noqa: E402
 
 from musekern.bench.report import commit_info  # noqa: E402
 from musekern.bench.timing import Graph, time_graphs  # noqa: E402
+from musekern.kernels.qkv_front.variant import HIDDEN  # noqa: E402
 from musekern.runtime import cublaslt  # noqa: E402
-from musekern.variants.qkv_front import HIDDEN  # noqa: E402
 
 LAYERS, LOOPS = 8, 6
 MS = (1, 16, 17, 24, 32, 33, 48, 49, 56, 57, 64, 65, 72, 80, 88, 96, 112, 128, 192, 256)

@@ -26,11 +26,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from issue13_table import _inputs, write_results  # noqa: E402
 
 import musekern  # noqa: E402
+from musekern.kernels.qkv_front.variant import HIDDEN  # noqa: E402
 from musekern.ops import checks as CH  # noqa: E402
 from musekern.ops import gemm as G  # noqa: E402
 from musekern.ops import qkv_epilogue as E  # noqa: E402
 from musekern.runtime import cublaslt  # noqa: E402
-from musekern.variants.qkv_front import HIDDEN  # noqa: E402
 
 KV = {2176: 1, 4352: 2, 17408: 8}
 # the GEMM path's decode Ms where unsplit (TP4) and split-K (TP8) picks win, TP1 above its front

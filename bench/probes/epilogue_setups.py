@@ -24,9 +24,9 @@ import torch
 from musekern.bench.report import commit_info
 from musekern.bench.timing import Graph, copy_bandwidth, copy_closures, loops_for, time_graphs
 from musekern.config import load_config
+from musekern.kernels.qkv_epilogue.variant import epilogue_bytes
 from musekern.ops import qkv_epilogue as op
 from musekern.reference import rope_cos_sin_table
-from musekern.variants.qkv_epilogue import epilogue_bytes
 
 BLOCK_SIZE = 16
 CELLS = ((2176, 1, 16384), (4352, 2, 16384), (17408, 8, 4096), (17408, 8, 16384))

@@ -35,7 +35,7 @@ LAYERS = 8
 class ProbeConfig:
     name: str
     heads: int
-    splits: int
+    k_split: int
     stages: int
     mode: str  # "after" | "before"
     trigger: str  # "early" | "late" | "exit"
@@ -50,7 +50,7 @@ class ProbeConfig:
     ahead: int = 0
 
     def __post_init__(self):
-        ntiles = K_TILES // self.splits
+        ntiles = K_TILES // self.k_split
         if self.stash and self.mode != "before":
             raise ValueError(f"{self.name}: stash needs mode 'before'")
         if self.ahead and not (self.trigger == "late" and self.stages + self.stash <= ntiles - 1 - self.ahead):
@@ -100,12 +100,12 @@ def _kernel_class():
     from cutlass.cute.nvgpu import cpasync
     from cutlass.memory import SmemAllocator
 
-    from musekern.kernels.qkv_front import ring_tma
+    from musekern.kernels.qkv_front.kernel import ring_tma
 
     class SkeletonProbe:
         def __init__(self, c: ProbeConfig):
             self.c = c
-            self.ntiles = K_TILES // c.splits
+            self.ntiles = K_TILES // c.k_split
 
             @cute.struct
             class Smem:
@@ -122,11 +122,11 @@ def _kernel_class():
             c = self.c
             mW = cute.make_tensor(w_ptr, cute.make_layout((c.heads * HEAD_COLS, HIDDEN), stride=(HIDDEN, 1)))
             mX = cute.make_tensor(x_ptr, cute.make_layout((c.tt, HIDDEN), stride=(HIDDEN, 1)))
-            mO = cute.make_tensor(o_ptr, cute.make_layout(c.heads * c.splits))
+            mO = cute.make_tensor(o_ptr, cute.make_layout(c.heads * c.k_split))
             sW_l, sX_l, tma_w, mW_t, tma_x, mX_t = ring_tma(mW, mX, c.stages, c.tt)  # the front's own ring
             sXs_l = ring_tma(mW, mX, max(c.stash, 1), c.tt)[1]  # the stashed tiles' x, same boxes
             self.kernel(tma_w, mW_t, tma_x, mX_t, mO, sW_l, sX_l, sXs_l).launch(
-                grid=[c.heads * c.splits, 1, 1], block=[THREADS, 1, 1], cluster=[c.splits, 1, 1],
+                grid=[c.heads * c.k_split, 1, 1], block=[THREADS, 1, 1], cluster=[c.k_split, 1, 1],
                 smem=self.Smem.size_in_bytes(), stream=stream, use_pdl=True)
 
         @cute.kernel
@@ -137,8 +137,8 @@ def _kernel_class():
             tidx = cute.arch.thread_idx()[0]
             bidx = cute.arch.block_idx()[0]
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            head = bidx // c.splits
-            rank = bidx % c.splits
+            head = bidx // c.k_split
+            rank = bidx % c.k_split
             st = SmemAllocator().allocate(self.Smem)
             sW = st.sW.get_tensor(sW_l.outer, swizzle=sW_l.inner)
             sX = st.sX.get_tensor(sX_l.outer, swizzle=sX_l.inner)
@@ -175,7 +175,7 @@ def _kernel_class():
                         cute.arch.mbarrier_wait(empty + sp, ((i // c.stages) - 1) % 2)
                     with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive_and_expect_tx(full + sp, W_STAGE if i < c.stash else tx)
-                    cute.copy(tma_w, tWg[None, rank + ((i + rot) % self.ntiles) * c.splits], tWs[None, sp],
+                    cute.copy(tma_w, tWg[None, rank + ((i + rot) % self.ntiles) * c.k_split], tWs[None, sp],
                               tma_bar_ptr=full + sp)
                 if cutlass.const_expr(c.mode == "before"):
                     cute.arch.griddepcontrol_wait()
@@ -183,17 +183,17 @@ def _kernel_class():
                         with cute.arch.elect_one():
                             cute.arch.mbarrier_arrive_and_expect_tx(xs_full, c.stash * c.tt * K_TILE * 2)
                         for i in cutlass.range_constexpr(c.stash):
-                            cute.copy(tma_x, tXg[None, rank + ((i + rot) % self.ntiles) * c.splits],
+                            cute.copy(tma_x, tXg[None, rank + ((i + rot) % self.ntiles) * c.k_split],
                                       tXss[None, i], tma_bar_ptr=xs_full)
                     for i in cutlass.range_constexpr(c.stash, pre):
-                        cute.copy(tma_x, tXg[None, rank + ((i + rot) % self.ntiles) * c.splits],
+                        cute.copy(tma_x, tXg[None, rank + ((i + rot) % self.ntiles) * c.k_split],
                                   tXs[None, i % c.stages], tma_bar_ptr=full + i % c.stages)
                 for i in cutlass.range(pre, self.ntiles, unroll=1):
                     s = i % c.stages
                     cute.arch.mbarrier_wait(empty + s, ((i // c.stages) - 1) % 2)
                     with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive_and_expect_tx(full + s, tx)
-                    k = rank + ((i + rot) % self.ntiles) * c.splits
+                    k = rank + ((i + rot) % self.ntiles) * c.k_split
                     cute.copy(tma_w, tWg[None, k], tWs[None, s], tma_bar_ptr=full + s)
                     if cutlass.const_expr(c.mode == "before"):
                         cute.copy(tma_x, tXg[None, k], tXs[None, s], tma_bar_ptr=full + s)
@@ -238,7 +238,7 @@ def build(outdir: str, config_set: str = "planned") -> None:
     from cutlass import BFloat16, Float32
     from cutlass.cute.runtime import make_ptr
 
-    from musekern.kernels._dsl import compile_to_cubin
+    from musekern.builder.dsl import compile_to_cubin
     from musekern.store.abi import KernelAbi, LaunchSpec, TensorMapSpec, check_abi_against_ptx, pointer, tensormap
 
     os.makedirs(outdir, exist_ok=True)
@@ -246,17 +246,17 @@ def build(outdir: str, config_set: str = "planned") -> None:
     bf = make_ptr(BFloat16, 1 << 20, cute.AddressSpace.gmem, assumed_align=16)
     f32 = make_ptr(Float32, 1 << 20, cute.AddressSpace.gmem, assumed_align=16)
     manifest = []
-    from musekern.variants.qkv_front import ring_smem_bytes
+    from musekern.kernels.qkv_front.variant import ring_smem_bytes
 
     for c in CONFIG_SETS[config_set]:
         k = cls(c)
         # launched with the planned front's dynamic shared memory, so CTAs share SMs exactly as the front's do
-        smem = max(k.Smem.size_in_bytes(), ring_smem_bytes(c.stages, c.tt // 8, c.splits))
+        smem = max(k.Smem.size_in_bytes(), ring_smem_bytes(c.stages, c.tt // 8, c.k_split))
         cubin, ptx, symbol = compile_to_cubin(k, bf, bf, f32, cuda.CUstream(0), arch="sm_90a")
         abi = KernelAbi(params=(tensormap("tma_w"), tensormap("tma_x"), pointer("out")),
-                        launch=LaunchSpec(block=(THREADS, 1, 1), cluster=(c.splits, 1, 1),
+                        launch=LaunchSpec(block=(THREADS, 1, 1), cluster=(c.k_split, 1, 1),
                                           dynamic_smem_bytes=smem, pdl=True,
-                                          grid=f"({c.heads * c.splits}, 1, 1)"),
+                                          grid=f"({c.heads * c.k_split}, 1, 1)"),
                         tensormaps=(TensorMapSpec("tma_w", "weight", "bf16", (64, HEAD_COLS)),
                                     TensorMapSpec("tma_x", "x", "bf16", (64, c.tt))))
         check_abi_against_ptx(abi, ptx, symbol)
@@ -296,8 +296,8 @@ def run(outdir: str, out_json: str, only: str = "") -> int:
                                 for _ in range(LAYERS)]
         k = LoadedKernel(_Entry(m), open(os.path.join(outdir, f"{c.name}.cubin"), "rb").read(),
                          torch.cuda.current_device())
-        out = torch.empty(c.heads * c.splits, device="cuda")
-        grid = (c.heads * c.splits, 1, 1)
+        out = torch.empty(c.heads * c.k_split, device="cuda")
+        grid = (c.heads * c.k_split, 1, 1)
         args = [{"weight": w, "x": xs[c.tt], "out": out.data_ptr()} for w in weights[c.heads]]
         graphs = [Graph(mode, [lambda a=a, p=pdl, k=k, g=grid: k.launch(g, a, pdl=p) for a in args],
                         loops_for(LAYERS * 15e-6), LAYERS) for mode, pdl in (("chain", True), ("isolated", False))]

@@ -65,8 +65,8 @@ def trace_row(v) -> int:
 def _variant(n, m, overrides):
     import dataclasses
 
+    from musekern.kernels.qkv_front.rules import variant
     from musekern.targets import get_target
-    from musekern.variants import variant
 
     return dataclasses.replace(variant(n, m, KV[n], get_target("h200")), **overrides)
 
@@ -95,7 +95,7 @@ def _traced_class():
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import dsl_user_op
 
-    from musekern.kernels.qkv_front import QkvFrontKernel
+    from musekern.kernels.qkv_front.kernel import QkvFrontKernel
 
     @dsl_user_op
     def _read(reg, *, loc=None, ip=None):
@@ -139,7 +139,7 @@ def _traced_class():
                    sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout):
             # the stamps go to rows of y the launch leaves unwritten
             self._tr = cute.make_tensor(cute.recast_ptr(y_ptr + trace_row(self.v) * self.n, dtype=Int64),
-                                        cute.make_layout(self.heads * self.S * SLOTS))
+                                        cute.make_layout(self.heads * self.k_split * SLOTS))
             self._stamp_slots(16, 17, cute.arch.thread_idx()[0] == 0)  # before the barriers' init, the cluster sync
             self._stamp_sm(cute.arch.thread_idx()[0] == 0)
             body(self, tma_w, mW_tma, tma_x, mX_tma, w_ptr, y_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr,
@@ -199,7 +199,7 @@ def _traced_class():
         @cute.jit
         def finish(self, st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
                    v_block_stride, eps, place, warp_idx, tidx):
-            if cutlass.const_expr(self.S > 1):
+            if cutlass.const_expr(self.k_split > 1):
                 cute.arch.mbarrier_wait(recv_bar, 0)  # what finish waits for first (a second wait returns at once)
             self._stamp(5, tidx == 0)
             base.finish(self, st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
@@ -211,9 +211,10 @@ def _traced_class():
 
 def compile_traced(v):
     """cubin, PTX, symbol and ABI of the traced build of v (its PTX `.entry` checked against the front's ABI)."""
-    from musekern.kernels import CompiledKernel
-    from musekern.kernels._dsl import compile_to_cubin
-    from musekern.kernels.qkv_front import abi_for, compile_args
+    from musekern.builder.compile import CompiledKernel
+    from musekern.builder.dsl import compile_to_cubin
+    from musekern.kernels.qkv_front.abi import abi_for
+    from musekern.kernels.qkv_front.kernel import compile_args
     from musekern.store.abi import check_abi_against_ptx
 
     cubin, ptx, symbol = compile_to_cubin(_traced_class()(v), *compile_args(v), arch="sm_90a")
@@ -348,10 +349,10 @@ def run(outdir: str, out_json: str) -> int:
     import torch
 
     from musekern.bench.timing import Graph, time_graphs
+    from musekern.kernels.qkv_front.variant import HIDDEN, launch_grid, padded_tokens
     from musekern.ops.qkv_front import launch_args
+    from musekern.plan import variant_from_label
     from musekern.runtime.loader import LoadedKernel
-    from musekern.variants import variant_from_label
-    from musekern.variants.qkv_front import HIDDEN, launch_grid, padded_tokens
 
     man = json.load(open(os.path.join(outdir, "manifest.json")))
     torch.zeros(1, device="cuda")  # the primary context, current: the predecessor loads its module into it
@@ -388,7 +389,7 @@ def run(outdir: str, out_json: str) -> int:
             us = time_graphs([g], 5)[mode]["us"]
             g.replay()  # the stamps of this replay are read below
             torch.cuda.synchronize()
-            ctas = v.heads * v.splits
+            ctas = v.heads * v.k_split
             layers, raw = [], None
             for j, y in enumerate(ys):
                 st = y[M:].contiguous().view(torch.int64).flatten()[: ctas * SLOTS].view(ctas, SLOTS).cpu()

@@ -53,7 +53,7 @@ def row(tp: int, n: int, nkv: int, m: int, us: dict, path: str, copy_tbps: float
         copy_tbps_here: float | None = None) -> dict:
     """Derived figures and the targets that apply to one (N, M) from its medians (us per layer); `copy_tbps_here`:
     the 2 GiB copy measured right before this row (M >= 1024)."""
-    from ..variants.qkv_epilogue import epilogue_bytes
+    from ..kernels.qkv_epilogue.variant import epilogue_bytes
 
     mus, cub = us.get("musekern"), us.get("cublas")
     epi_bytes = epilogue_bytes(m, n, nkv)
@@ -181,10 +181,10 @@ def measure_all_m(shard, m: int, copy_tbps: float, samples: int, compiled) -> di
     """Graphs of every applicable GRAPHS entry for one (N, M), an output check, the medians."""
     import torch
 
+    from ..kernels.qkv_epilogue.variant import epilogue_bytes
     from ..ops import gemm
     from ..ops import qkv_epilogue as epi
     from ..ops import qkv_front as ops
-    from ..variants.qkv_epilogue import epilogue_bytes
     from .timing import Graph, copy_closures, loops_for, time_graphs
     from .unfused import unfused_epilogue
 

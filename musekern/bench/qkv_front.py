@@ -81,9 +81,9 @@ def make_problem(shard: Shard, m: int, modes, seed: int = 1) -> Problem:
 # ---------------------------------------------------------------- launch closures
 def front_closure(shard: Shard, p: Problem, j: int, x: torch.Tensor, out: torch.Tensor, pdl: bool):
     """One layer's front through the product path (variant, cached kernel, launch_args, launch)."""
+    from ..kernels.qkv_front.variant import launch_grid
     from ..ops import qkv_front as ops
     from ..runtime import get_kernel
-    from ..variants.qkv_front import launch_grid
 
     dev = torch.cuda.current_device()
     v = ops._variant(shard.n, p.m, shard.num_kv_heads, dev)

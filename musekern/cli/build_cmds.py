@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import click
 
-from ..variants import FRONT_MAX_TOKENS, PlanEntry, plan_model, served_tokens, shard_plan, variant_from_label
-from ..variants.qkv_epilogue import rows_served
+from ..plan import REGISTRY, PlanEntry, plan_model, shard_plan, variant_from_label
 from .common import (
     Failure,
     Progress,
@@ -28,37 +27,17 @@ from .common import (
 
 
 def _plan_rows(entries: list[PlanEntry], model) -> list[dict]:
-    """One row per (target, TP rank, variant): what `plan` prints."""
+    """One row per (target, TP rank, variant): what `plan` prints (each kernel adds its own columns)."""
     rows = []
     for e in entries:
         v = e.variant
         for tp in e.tps:
             shard = model.shard(tp) if model else None
             row = {"target": e.target.name, "arch": e.arch, "tp": tp, "kernel": e.kernel, "label": v.label}
-            if e.kernel == "qkv_front":
-                row.update(N=v.n, heads=v.heads, q_heads=v.num_q_heads, kv_heads=v.num_kv_heads, k_split=v.splits,
-                           stages=v.stages, tiles=v.tiles, fixed_rows=v.fixed_m,
-                           tokens=_tokens_served(v, e.target,
-                                                 model.max_decode_tokens if model else FRONT_MAX_TOKENS))
-            elif e.kernel == "qkv_epilogue":  # one build for every N: the M the rule sends to it
-                served = rows_served(v, shard.n, shard.num_kv_heads) if shard else None
-                row.update(N=shard.n if shard else None, heads=None,
-                           tokens=f"{served[0]}-{served[1]}" if served else "")
-            else:
-                row.update(N=shard.n if shard else None, heads=None, head_dim=v.head_dim, dtype=v.dtype,
-                           has_scale=v.has_scale)
+            row.update(REGISTRY[e.kernel].plan_row(v, model, shard, e.target))
             rows.append(row)
     rows.sort(key=lambda r: (r["target"], r["tp"], r["kernel"], r["label"]))
     return rows
-
-
-def _tokens_served(v, target, max_tokens: int) -> str:
-    """The M values the rules send to this qkv_front variant on `target`, e.g. '1-7', '8', '9-16' ('' for a build
-    the plan does not take, e.g. one given by --variant)."""
-    ms = served_tokens(v.n, v.num_kv_heads, target, max_tokens).get(v, [])
-    if not ms:
-        return ""
-    return str(ms[0]) if len(ms) == 1 else f"{ms[0]}-{ms[-1]}"
 
 
 def _entries_for(model, targets, variant_labels) -> list[PlanEntry]:
@@ -131,8 +110,8 @@ def plan_cmd(model_path, target_names, tp, as_json):
 def prepare_cmd(model_path, target_names, tp, variant_labels, cache_dir, jobs, shard, remote, upload, sign_key,
                 trusted_keys, as_json):
     """Compile every kernel variant the model needs into the cache (no GPU needed)."""
-    from ..build import BuildExtraMissing
-    from ..build.prepare import BUILT, FAILED, HIT, PULLED, prepare
+    from ..builder import BuildExtraMissing
+    from ..builder.prepare import BUILT, FAILED, HIT, PULLED, prepare
     from ..store.cache import Cache, ReadOnlyCacheError, default_cache_dir
     from ..store.signing import SecretKey, TrustedKeys
 

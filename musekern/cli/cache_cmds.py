@@ -328,8 +328,8 @@ def gc_cmd(max_size, older_than, set_max, dry_run, cache_dir, as_json):
 def _planned_parts(model_path, target_names, tp=None, shard=None):
     """(model, targets, [(PlanEntry, KeyParts)]) of the model's plan, or of its shard (K, N): the variants
     `prepare --shard K/N` of the same plan builds (variants.shard_plan), keyed as prepare keys them."""
-    from ..build.prepare import plan_keys
-    from ..variants import plan_model, shard_plan
+    from ..builder.prepare import plan_keys
+    from ..plan import plan_model, shard_plan
     from .common import load_model, resolve_targets
 
     model = load_model(model_path, tp)

@@ -7,8 +7,8 @@ import platform
 import click
 
 from .. import __version__
+from ..plan import plan_model
 from ..store.keys import dist_version
-from ..variants import plan_model
 from .common import (
     cache_dir_option,
     emit_json,

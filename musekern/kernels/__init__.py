@@ -1,41 +1,51 @@
-"""CuTe DSL kernel sources. Importing this package does NOT import cutlass: each kernel
-module is imported lazily by `compile_variant`, only on machines that build kernels
-(only `musekern.build` imports this package).
+"""The kernels, one folder each (musekern/kernels/base.py says what a folder holds), and their registry. Importing this
+package, a kernel's package, its variant.py or its abi.py never imports cutlass; only a kernel.py does.
 
-Contract for a kernel module `musekern/kernels/<name>.py`:
-  abi_for(variant) -> KernelAbi
-      the kernel's one launch ABI (musekern/store/abi.py), pure: the build checks it against the
-      PTX `.entry` and writes it into the manifest; the runtime binds launch values by its names.
-  compile_variant(variant, arch: str) -> CompiledKernel
-      compile with `cute.compile(..., options="--gpu-arch <arch> ...")` (no GPU needed) and
-      return the cubin, the PTX, the entry symbol and the declared launch ABI.
-Its files are listed in musekern/store/keys.py::KERNEL_SOURCES (they make the key's source hash).
+The registry is what the store's variant-vs-ABI check (`import musekern` registers `declared_abi`) and the planner
+(musekern/plan.py) stand on: a new kernel is a new folder plus one line in REGISTRY.
 """
 from __future__ import annotations
 
-import importlib
-import os
-from dataclasses import dataclass
+import dataclasses
 
 from ..store.abi import KernelAbi
-from ..store.keys import check_kernel
+from . import qk_norm, qkv_epilogue, qkv_front
+from .base import KernelSpec
 
-# The DSL's own file cache (/tmp/cute_dsl_python_cache_*) would be a second, unkeyed cache under
-# ours: every compile that prepare asks for must really compile (reproducibility is tested that way).
-# Set before any kernel module imports cutlass, which reads its environment once.
-os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
-
-
-@dataclass(frozen=True)
-class CompiledKernel:
-    symbol: str
-    cubin: bytes
-    ptx: str
-    abi: KernelAbi
+REGISTRY: dict[str, KernelSpec] = {k.name: k for k in (
+    qk_norm.KERNEL,
+    qkv_front.KERNEL,
+    qkv_epilogue.KERNEL,
+)}
 
 
-def compile_variant(variant, arch: str) -> CompiledKernel:
-    """Compile `variant` for `arch` (imports cutlass: needs the `build` extra)."""
-    check_kernel(variant.kernel)
-    mod = importlib.import_module(f"{__name__}.{variant.kernel}")
-    return mod.compile_variant(variant, arch)
+def kernel_spec(kernel: str) -> KernelSpec:
+    """The registry's entry of `kernel`; ValueError naming the known ones."""
+    try:
+        return REGISTRY[kernel]
+    except KeyError:
+        raise ValueError(f"unknown kernel {kernel!r}; known: {', '.join(REGISTRY)}") from None
+
+
+def variant_of(kernel: str, params: dict):
+    """The variant a manifest or key names: `kernel` with its `params()` (fields at their default may be left out).
+    ValueError where the kernel is unknown or the params do not make a valid variant of it."""
+    cls = kernel_spec(kernel).variant
+    if not isinstance(params, dict):
+        raise ValueError(f"{kernel}: variant params must be an object, got {type(params).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(params) - names)
+    if unknown:
+        raise ValueError(f"{kernel} has no parameter(s) {', '.join(map(str, unknown))}; parameters: "
+                         f"{', '.join(sorted(names))}")
+    try:
+        return cls(**params)
+    except TypeError as e:  # a required field missing
+        raise ValueError(f"{kernel}{params}: {e}") from None
+
+
+def declared_abi(kernel: str, params: dict) -> KernelAbi:
+    """What the kernel's own ABI record (kernels/<name>/abi.py) declares for the launch of this variant: parameter
+    layout, block, cluster, dynamic shared memory, PDL and tensor maps. Cutlass-free and GPU-free: a store-side check
+    compares a manifest's `abi` with it (given the manifest's `kernel` and `variant`). ValueError as `variant_of`."""
+    return kernel_spec(kernel).abi(variant_of(kernel, params))

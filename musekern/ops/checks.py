@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-HEAD_COLS = 64  # columns per head: the caches' last dim, the cos|sin row width
+from ..model import HEAD_DIM as HEAD_COLS
+
 ALIGN = 16  # TMA bases and 16-byte vector loads / stores
 VEC = 8  # bf16 elements per 16 bytes: the caches' block strides are multiples of it
 INT32_MAX = 2**31 - 1
@@ -204,3 +205,48 @@ def raise_for(op: str, reason: str):
     if "dtype" in reason or "must be a torch.Tensor" in reason or "must be an int" in reason:
         raise TypeError(f"{op}: {reason}")
     raise ValueError(f"{op}: {reason}")
+
+
+# ---------------------------------------------------------------- prepare
+def _default_kv_heads(n: int) -> int:
+    from ..config import load_config
+
+    for shard in load_config().shards():
+        if shard.n == n:
+            return shard.num_kv_heads
+    raise ValueError(f"N={n} is not a shard of the default model; pass num_kv_heads")
+
+
+def on_miss():
+    """The loader's on_miss hook: the builder's autobuild where MUSEKERN_AUTOBUILD is on (it compiles a variant missing
+    from the cache, with the build extra installed), else None. The only place the serving leg reaches the builder."""
+    from .. import env
+
+    if not env.flag(env.AUTOBUILD):
+        return None
+    from ..builder.autobuild import on_miss as build_on_miss
+
+    return build_on_miss
+
+
+def device_index(device=None) -> int:
+    """The CUDA device index `device` names (None: torch's current device); a one-line error without CUDA."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device is visible to torch (torch.cuda.is_available() is False): load and "
+                           "launch kernels on the GPU machine, after `musekern prepare` built the cache")
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    idx = torch.device(device).index
+    return idx if idx is not None else torch.cuda.current_device()
+
+
+def prepare_args(N: int, rows, num_kv_heads: int | None, device) -> tuple[int, int, list[int]]:
+    """(device index, num_kv_heads, the sorted M values >= 1) of a prepare call: `rows` is an int (every M in
+    1..rows) or M values; num_kv_heads defaults to the bundled model's shard of this N."""
+    dev = device_index(device)
+    if num_kv_heads is None:
+        num_kv_heads = _default_kv_heads(N)
+    ms = sorted({int(m) for m in (range(1, rows + 1) if isinstance(rows, int) else rows)} - {0})
+    return dev, num_kv_heads, ms

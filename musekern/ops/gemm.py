@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model import HIDDEN
 from ..runtime.cublaslt import ALIGNMENT
 from ..runtime.loader import current_stream_getter, open_cache
 from ..store import tuning
-from ..variants.qkv_front import HIDDEN
 
 log = logging.getLogger("musekern.gemm")
 log.addHandler(logging.NullHandler())

@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from ..variants.qk_norm import (
+from ..kernels.qk_norm.variant import (
     QK_NORM_MAX_VECTORS,
     QK_NORM_VEC_ELEMS,
     SUPPORTED_HEAD_DIMS,
@@ -13,6 +13,7 @@ from ..variants.qk_norm import (
     qk_norm_variant,
     qk_norm_vectors,
 )
+from . import checks
 from ._bind import Plans, binder, take
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -111,7 +112,7 @@ def qk_norm(x: torch.Tensor, head_dim: int, eps: float = 1e-5, scale: float = 1.
     return out
 
 
-# How each value of the kernel's launch ABI (kernels/qk_norm.py::abi_for) is computed from a call (ops/_bind.py);
+# How each value of the kernel's launch ABI (kernels/qk_norm/abi.py) is computed from a call (ops/_bind.py);
 # `_fast` reads the same values, in this order, while it checks them (tests/test_ops_qk_norm.py compares).
 _ARGS = "x, out, m, heads, eps, scale"
 _VALUES = {"x": "x.data_ptr()", "out": "out.data_ptr()", "m": "m", "heads": "heads", "ld_x": "x.stride(0)",
@@ -126,7 +127,7 @@ def _loaded(variant, device_index: int):
     """(loaded kernel, the index of each of its parameters among `_VALUES`), once per variant and device."""
     from ..runtime import get_kernel
 
-    kernel = get_kernel(variant, device=device_index)
+    kernel = get_kernel(variant, device=device_index, on_miss=checks.on_miss())
     return kernel, take(variant.label, kernel.param_names, _NAMES)
 
 
@@ -148,8 +149,7 @@ _PLANS = Plans(_resolve)  # (dtype, head_dim, scale, M, heads, device) -> the la
 def prepare(head_dim: int, dtype=torch.bfloat16, device=None) -> list:
     """Load every qk_norm build of this head size and dtype (with and without a scale, for small and large inputs)
     before a CUDA graph is captured; returns them (MissingKernelError names the `musekern prepare` command)."""
-    from ..variants.qk_norm import qk_norm_variants
-    from .qkv_front import device_index
+    from ..kernels.qk_norm.variant import qk_norm_variants
 
-    dev = device_index(device)
+    dev = checks.device_index(device)
     return [_loaded(v, dev)[0] for v in qk_norm_variants(_DTYPES[dtype], head_dim)]

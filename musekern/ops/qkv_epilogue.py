@@ -12,14 +12,14 @@ import functools
 
 import torch
 
-from ..variants.qkv_epilogue import (
+from ..kernels.qkv_epilogue.variant import (
     EPI_HEAD_DIM,
     QkvEpilogueVariant,
     epilogue_variant,
     launch_grid,
     max_rows,
 )
-from ..variants.qkv_front import supports_shape
+from ..model import supports_shape
 from . import checks
 from ._bind import Plans, binder, take
 from .checks import ALIGN, BF16, F32, I64, INF, INT32_MAX, VEC, is_tensor, overlaps
@@ -124,7 +124,7 @@ def _reason(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, n
 
 
 # ---------------------------------------------------------------- launch
-# How each value of the kernel's launch ABI (kernels/qkv_epilogue.py::abi_for) is computed from a call; the loaded
+# How each value of the kernel's launch ABI (kernels/qkv_epilogue/abi.py) is computed from a call; the loaded
 # kernel's param_names give the order (ops/_bind.py).
 _ARGS = "y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps"
 _VALUES = {
@@ -141,7 +141,7 @@ _all_values = binder("qkv_epilogue", _NAMES, _VALUES, _ARGS)
 
 
 def launch_args(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps) -> dict:
-    """The values of every ABI field by name (kernels/qkv_epilogue.py::abi_for); LoadedKernel.launch packs them."""
+    """The values of every ABI field by name (kernels/qkv_epilogue/abi.py); LoadedKernel.launch packs them."""
     return dict(zip(_NAMES, _all_values(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
                                         num_kv_heads, eps), strict=True))
 
@@ -152,7 +152,7 @@ def _loaded(v: QkvEpilogueVariant, device_index: int):
     process)."""
     from ..runtime import get_kernel
 
-    kernel = get_kernel(v, device=device_index)
+    kernel = get_kernel(v, device=device_index, on_miss=checks.on_miss())
     return kernel, take(v.label, kernel.param_names, _NAMES)
 
 
@@ -202,9 +202,8 @@ def prepare(N: int, rows, num_kv_heads: int | None = None, device=None) -> list:
     model's shard of this N. Returns the loaded kernels (raises MissingKernelError, naming the `musekern
     prepare` command, if one is not in the cache).
     """
-    from .qkv_front import prepare_args
 
-    dev, num_kv_heads, ms = prepare_args(N, rows, num_kv_heads, device)
+    dev, num_kv_heads, ms = checks.prepare_args(N, rows, num_kv_heads, device)
     builds = dict.fromkeys(epilogue_variant(N, m, num_kv_heads) for m in ms)
     return [_loaded(v, dev)[0] for v in builds]
 

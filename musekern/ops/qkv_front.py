@@ -4,14 +4,13 @@ qkv_front(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_ca
           out=None) -> y
 computes y = bf16(x @ weight^T), RMS-norms + RoPEs the q and k heads, and writes k and v into the paged caches
 (musekern.reference.qkv_front_reference, which it equals up to the GEMM's summation order). On the GPU each call
-takes one of two paths, by the planner's measured rule for (N, M, this GPU) (`musekern.variants.front_serves`):
+takes one of two paths, by the planner's measured rule for (N, M, this GPU) (`kernels.qkv_front.rules.front_serves`):
 - the fused front: one CuTe DSL launch (split-K GEMM, norm, RoPE, y store, K/V insert);
 - cuBLAS's GEMM into y (`ops.gemm.mm`: the algorithm `prepare` measured fastest for the shape, else `torch.mm`) +
   the fused epilogue (musekern.ops.qkv_epilogue), for every other M.
 Either way: no host sync, nothing allocated but y (none with `out=`), capturable in a CUDA graph once `prepare`
 has loaded the builds the M values need. `qkv_front_auto` is the same on CUDA tensors and the plain-torch
-reference on CPU tensors. Importing this module never imports cutlass; `compile_qkv_front` and
-`QkvFrontKernel` import the DSL lazily.
+reference on CPU tensors. Importing this module never imports cutlass.
 """
 from __future__ import annotations
 
@@ -19,8 +18,9 @@ import functools
 
 import torch
 
-from ..variants.qkv_front import HIDDEN, QkvFrontVariant, launch_grid, supports_shape
-from ..variants.qkv_front_rules import front_serves, variant
+from ..kernels.qkv_front.rules import front_serves, variant
+from ..kernels.qkv_front.variant import QkvFrontVariant, launch_grid
+from ..model import HIDDEN, supports_shape
 from . import checks, gemm, qkv_epilogue
 from ._bind import Plans, binder, take
 from .checks import ALIGN, BF16, F32, I64, INF, is_tensor, overlaps
@@ -174,7 +174,7 @@ def _fused(n: int, m: int, device_index: int) -> bool:
     return front_serves(n, m, _target(device_index))
 
 
-# How each value the front's launch ABI (kernels/qkv_front.py::abi_for) names is computed from a call; the loaded
+# How each value the front's launch ABI (kernels/qkv_front/abi.py) names is computed from a call; the loaded
 # kernel's param_names pick theirs by name (ops/_bind.py). Tensor-map parameters take the tensor itself. The checked
 # call's `_fast` reads the same values, in this order, while it checks them (tests/test_ops_qkv_front.py compares).
 _ARGS = "x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out"
@@ -202,7 +202,7 @@ def _front_plan(n: int, m: int, num_kv_heads: int, device_index: int):
     from ..runtime import get_kernel
 
     v = _variant(n, m, num_kv_heads, device_index)
-    kernel = get_kernel(v, device=device_index)
+    kernel = get_kernel(v, device=device_index, on_miss=checks.on_miss())
     grid = launch_grid(v)
     return kernel, grid, kernel.launcher(grid, take=take(v.label, kernel.param_names, _NAMES))
 
@@ -275,38 +275,6 @@ def qkv_front_auto(x, weight, positions, cos_sin_cache, slot_mapping, key_cache,
                                num_kv_heads, eps, out)
 
 
-def _default_kv_heads(n: int) -> int:
-    from ..config import load_config
-
-    for shard in load_config().shards():
-        if shard.n == n:
-            return shard.num_kv_heads
-    raise ValueError(f"N={n} is not a shard of the default model; pass num_kv_heads")
-
-
-def device_index(device=None) -> int:
-    """The CUDA device index `device` names (None: torch's current device); a one-line error without CUDA."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("no CUDA device is visible to torch (torch.cuda.is_available() is False): load and "
-                           "launch kernels on the GPU machine, after `musekern prepare` built the cache")
-    if device is None:
-        return torch.cuda.current_device()
-    if isinstance(device, int):
-        return device
-    idx = torch.device(device).index
-    return idx if idx is not None else torch.cuda.current_device()
-
-
-def prepare_args(N: int, rows, num_kv_heads: int | None, device) -> tuple[int, int, list[int]]:
-    """(device index, num_kv_heads, the sorted M values >= 1) of a prepare call: `rows` is an int (every M in
-    1..rows) or M values; num_kv_heads defaults to the bundled model's shard of this N."""
-    dev = device_index(device)
-    if num_kv_heads is None:
-        num_kv_heads = _default_kv_heads(N)
-    ms = sorted({int(m) for m in (range(1, rows + 1) if isinstance(rows, int) else rows)} - {0})
-    return dev, num_kv_heads, ms
-
-
 def prepare(N: int, rows=16, num_kv_heads: int | None = None, device=None) -> list:
     """Load every build the calls with weight rows N and M in `rows` take, fused front or GEMM + epilogue, and
     measure cuBLAS's algorithms for the GEMM path's M values up to `gemm.TUNE_MAX_ROWS` (`ops.gemm.tune`:
@@ -318,7 +286,7 @@ def prepare(N: int, rows=16, num_kv_heads: int | None = None, device=None) -> li
     model's shard of this N. Returns the loaded kernels (raises MissingKernelError, naming the `musekern
     prepare` command, if one is not in the cache).
     """
-    dev, num_kv_heads, ms = prepare_args(N, rows, num_kv_heads, device)
+    dev, num_kv_heads, ms = checks.prepare_args(N, rows, num_kv_heads, device)
     fused = [m for m in ms if _fused(N, m, dev)]
     # the front's launch plans (kernel, grid, binder) resolved here, so nothing but the launch is left for capture
     kernels = list(dict.fromkeys(_front_plan(N, m, num_kv_heads, dev)[0] for m in fused))
@@ -329,20 +297,5 @@ def prepare(N: int, rows=16, num_kv_heads: int | None = None, device=None) -> li
     return kernels
 
 
-def compile_qkv_front(v: QkvFrontVariant, arch: str):
-    """Compile one variant (imports cutlass: needs the `build` extra). = kernels.qkv_front.compile_variant."""
-    from ..kernels.qkv_front import compile_variant
-
-    return compile_variant(v, arch)
-
-
-def __getattr__(name):
-    if name == "QkvFrontKernel":  # the CuTe DSL class, imported lazily (cutlass is a build-only dependency)
-        from ..kernels.qkv_front import QkvFrontKernel
-
-        return QkvFrontKernel
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = ["unsupported", "hidden_rows_ok", "kv_cache_layout_ok", "launch", "launch_front", "launch_gemm_epilogue",
-           "launch_args", "qkv_front", "qkv_front_auto", "prepare", "compile_qkv_front"]
+           "launch_args", "qkv_front", "qkv_front_auto", "prepare"]

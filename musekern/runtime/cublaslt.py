@@ -19,7 +19,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from ..variants.qkv_front import HIDDEN  # K: the model's hidden size
+from ..model import HIDDEN  # K: the model's hidden size
 
 # cublasLt.h, cublas_api.h, library_types.h
 COMPUTE_32F, R_32F, R_16BF, OP_N, OP_T = 68, 0, 14, 0, 1

@@ -1,7 +1,7 @@
 """The runtime loader: cached cubin -> CUfunction -> cuLaunchKernelEx. No cutlass, no compiler.
 
 Everything it needs comes from the entry's manifest.json: the entry symbol, the ordered
-parameter ABI (kernels/abi.py), the launch configuration (block, cluster, dynamic smem,
+parameter ABI (store/abi.py), the launch configuration (block, cluster, dynamic smem,
 PDL) and the tensor-map encode parameters. Kernels are loaded once per process and device.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import threading
 
 from cuda.bindings import driver as drv
 
-from .. import env, targets
+from .. import targets
 from ..store import hygiene, lookup
 from ..store.abi import KernelAbi, cubin_arch
 from ..store.cache import Cache, CacheError, MissingEntryError, default_cache_dir
@@ -266,29 +266,23 @@ def _missing(variant, arch: str, cache: Cache, parts, policy: Policy) -> Missing
         f"Build it with: {prepare_command(variant, arch, cache)}")
 
 
-def find_entry(variant, arch: str, cache: Cache):
+def find_entry(variant, arch: str, cache: Cache, on_miss=None):
     """The cache entry for `variant` on `arch`, by the runtime policy (store/lookup.py): any DSL version's
-    build serves, unless MUSEKERN_AUTOBUILD is on and the DSL is installed: then an exact miss is compiled
-    on the spot (the only place the runtime imports the builder)."""
+    build serves, unless an `on_miss` hook is given (MUSEKERN_AUTOBUILD: the ops pass the builder's) and the DSL is
+    installed: then only this DSL version's build serves and an exact miss is `on_miss(variant, arch, cache, parts)`
+    (an entry, or None). The runtime never imports the builder itself."""
     ver = dsl_version()
-    autobuild = env.flag(env.AUTOBUILD)
-    policy = Policy.runtime(autobuild=autobuild, dsl=ver)
+    policy = Policy.runtime(autobuild=on_miss is not None, dsl=ver)
     parts = key_parts(variant, arch, ver)
     entry = lookup.find(cache, parts, policy)
-    if entry is None and autobuild and ver is not None:
-        from ..build import build_variant
-
-        def build():
-            b = build_variant(variant, arch)
-            return b.cubin, b.manifest
-
-        entry, _ = cache.obtain(parts, build)
+    if entry is None and on_miss is not None and ver is not None:
+        entry = on_miss(variant, arch, cache, parts)
     if entry is None:
         raise _missing(variant, arch, cache, parts, policy)
     return entry
 
 
-def load_artifact(variant, arch: str, cache: Cache):
+def load_artifact(variant, arch: str, cache: Cache, on_miss=None):
     """(entry, verified cubin bytes) of `variant` for `arch`: refuses another arch and corrupt bytes.
 
     Every manifest field the launch uses is checked with the cubin's bytes by `Cache.load` (store/manifest.py);
@@ -296,7 +290,7 @@ def load_artifact(variant, arch: str, cache: Cache):
     No GPU involved: the part of loading that tests can run anywhere.
     """
     try:
-        got = _load_artifact(variant, arch, cache)
+        got = _load_artifact(variant, arch, cache, on_miss)
     except (MissingKernelError, CacheError, ArchMismatchError):
         hygiene.count(cache, "miss")
         raise
@@ -304,8 +298,8 @@ def load_artifact(variant, arch: str, cache: Cache):
     return got
 
 
-def _load_artifact(variant, arch: str, cache: Cache):
-    entry = find_entry(variant, arch, cache)
+def _load_artifact(variant, arch: str, cache: Cache, on_miss=None):
+    entry = find_entry(variant, arch, cache, on_miss)
     try:
         entry, cubin = cache.load(entry.key)
     except MissingEntryError:  # removed (gc, clean) between the lookup and the load
@@ -325,8 +319,9 @@ def _load_artifact(variant, arch: str, cache: Cache):
     return entry, cubin
 
 
-def get_kernel(variant, device: int | None = None, cache_dir=None) -> LoadedKernel:
-    """Load (once per process and device) the cached cubin of `variant` for the device's arch."""
+def get_kernel(variant, device: int | None = None, cache_dir=None, on_miss=None) -> LoadedKernel:
+    """Load (once per process and device) the cached cubin of `variant` for the device's arch (`on_miss`: see
+    `find_entry`)."""
     if device is None:
         import torch
 
@@ -339,7 +334,7 @@ def get_kernel(variant, device: int | None = None, cache_dir=None) -> LoadedKern
         k = _LOADED.get(key)
         if k is None:
             cache = open_cache(cache_dir)
-            entry, cubin = load_artifact(variant, device_arch(device), cache)
+            entry, cubin = load_artifact(variant, device_arch(device), cache, on_miss)
             cache.touch(entry.key)
             k = _LOADED[key] = LoadedKernel(entry, cubin, device)
     return k

@@ -53,7 +53,7 @@ What stands in for recomputing it:
 1. The key determines the ABI. The key's source hash covers the kernel's source, its variant module and
    store/abi.py (where the ABI record is defined), and the key also holds the variant's params, the arch, the
    DSL version and ABI_VERSION; compiles are deterministic. So for one key there is exactly one ABI, the one
-   the build checked against the PTX `.entry` before the entry could be committed (build/compile.py).
+   the build checked against the PTX `.entry` before the entry could be committed (builder/compile.py).
 2. The digest binds the recorded ABI to that key and to the cubin's sha256: it cannot change without the
    manifest failing its check.
 3. A pulled or imported entry must be the variant that was asked for: its key parts re-derive the key, and
@@ -62,9 +62,9 @@ What stands in for recomputing it:
    checks (that cubin's ELF has another symbol and parameter list).
 4. The cubin vouches for what it records: the entry symbol, each parameter's size, the required block size,
    its arch.
-5. Where the package layer declares it (store/variant_abi.py, a hook: musekern/declared.py), the ABI must be
-   exactly what the key's variant declares; and with trusted keys, an entry from a remote or a bundle must
-   carry a signature by one of them (store/signing.py).
+5. Where the package layer declares it (store/variant_abi.py, a hook `import musekern` fills with
+   kernels.declared_abi), the ABI must be exactly what the key's variant declares; and with trusted keys, an entry
+   from a remote or a bundle must carry a signature by one of them (store/signing.py).
 An entry failing any of these is rejected with a warning (pull, import) or is corrupt (load, verify).
 """
 from __future__ import annotations

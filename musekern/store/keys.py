@@ -23,18 +23,7 @@ from .abi import ABI_VERSION
 PART_NAMES = ("kernel", "variant", "arch", "source_sha256", "dsl_version", "abi_version")
 DSL_DISTRIBUTION = "nvidia-cutlass-dsl"
 
-_PKG = Path(__file__).resolve().parent.parent  # the musekern package directory
-# Per kernel, the package files whose bytes define what it compiles to and what its manifest says: the
-# CuTe DSL source, the variant module whose constants the kernel imports (not the planning rules), and
-# the files every kernel shares. Read as bytes: hashing imports nothing.
-KERNEL_SOURCES = {
-    "qk_norm": ("kernels/qk_norm.py", "variants/qk_norm.py"),
-    "qkv_front": ("kernels/qkv_front.py", "kernels/qkv_front_mma.py", "kernels/qkv_front_epi.py",
-                  "variants/qkv_front.py"),
-    "qkv_epilogue": ("kernels/qkv_epilogue.py", "variants/qkv_epilogue.py"),
-}
-COMMON_SOURCES = ("kernels/_dsl.py", "store/abi.py")
-KERNELS = tuple(KERNEL_SOURCES)
+_PKG = Path(__file__).resolve().parent.parent  # the musekern package directory: source files are named relative to it
 
 _KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -70,23 +59,14 @@ def dsl_version() -> str | None:
     return dist_version(DSL_DISTRIBUTION)
 
 
-def check_kernel(kernel: str) -> None:
-    if kernel not in KERNEL_SOURCES:
-        raise ValueError(f"unknown kernel {kernel!r}; known: {', '.join(KERNELS)}")
-
-
-def source_files(kernel: str) -> list[Path]:
-    check_kernel(kernel)
-    return [_PKG / f for f in KERNEL_SOURCES[kernel] + COMMON_SOURCES]
-
-
 @functools.lru_cache(maxsize=None)
-def source_hash(kernel: str) -> str:
-    """sha256 over the kernel's source files (read once per process: the installed sources do not change
-    under a running process, and every key of every variant of a kernel needs it)."""
+def source_hash(files: tuple[Path, ...]) -> str:
+    """sha256 over the bytes of a kernel's source files, each named by its path in the package (read once per process:
+    the installed sources do not change under a running process, and every key of every variant of a kernel needs
+    it). The files are the variant's to name (`source_files()`); the store names no kernel."""
     h = hashlib.sha256()
-    for f in source_files(kernel):
-        h.update(f.relative_to(_PKG).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    for f in files:
+        h.update(Path(f).resolve().relative_to(_PKG).as_posix().encode() + b"\0" + Path(f).read_bytes() + b"\0")
     return h.hexdigest()
 
 
@@ -167,9 +147,10 @@ class KeyParts:
 
 
 def key_parts(variant, arch: str, dsl: str | None = None) -> KeyParts:
-    """The named parts of the cache key of `variant` built for `arch` (a PlanEntry is accepted too).
+    """The named parts of the cache key of `variant` built for `arch` (a PlanEntry is accepted too). The variant
+    names the source files its key hashes (`source_files()`).
     `dsl`: the DSL version the build is (or was) made with; "" where it is unknown (no DSL installed)."""
     variant = getattr(variant, "variant", variant)
     return KeyParts.make(kernel=variant.kernel, variant_params=variant.params(), arch=arch,
-                         source_sha256=source_hash(variant.kernel), dsl_version=dsl or "",
+                         source_sha256=source_hash(tuple(variant.source_files())), dsl_version=dsl or "",
                          abi_version=ABI_VERSION)

@@ -37,7 +37,7 @@ from .abi import ABI_VERSION, FIELD_TYPES, KernelAbi, cubin_arch
 from .keys import KeyParts, canonical_json, is_key, sha256_hex
 from .signing import SIGNATURES, signature_problems
 
-CACHE_FORMAT = 2  # 2: keys leave variant fields at their default out, source hash covers variants/<kernel>.py,
+CACHE_FORMAT = 2  # 2: keys leave variant fields at their default out, source hash over the variant's files,
 #                      manifests carry `digest` (changed before v2 was released: a v2 entry without it is corrupt)
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_CUBIN_BYTES = 64 << 20  # real cubins are 10-500 KB; a bigger declared size is not a kernel of ours

@@ -2,10 +2,11 @@
 names no kernel.
 
 The package layer registers one provider, `declared_abi(kernel, variant_params) -> KernelAbi`: the ABI the
-variant's kernel declares, computed without cutlass (musekern/declared.py connects it). `manifest.check` then
-asks `problems(...)` for every manifest it checks (Cache.load and verify, bundle import, remote pull, Cache.put),
-so a forger who re-seals a manifest (recomputing its digest) around a sibling variant's ABI, swapped parameter
-names, or another cluster, dynamic shared memory or PDL setting is refused on every machine, signed or not.
+variant's kernel declares, computed without cutlass (`import musekern` registers kernels.declared_abi).
+`manifest.check` then asks `problems(...)` for every manifest it checks (Cache.load and verify, bundle import,
+remote pull, Cache.put), so a forger who re-seals a manifest (recomputing its digest) around a sibling
+variant's ABI, swapped parameter names, or another cluster, dynamic shared memory or PDL setting is refused on
+every machine, signed or not.
 
 Strict: the block, the cluster, the dynamic shared memory, PDL, every parameter's name, kind, size, alignment
 and fields (name, type, offset, size), and every tensor map (parameter, tensor, dtype, box, swizzle, L2

@@ -1,10 +1,15 @@
-"""Shared CuTe DSL build helpers (imports cutlass: only for kernel modules and build.py)."""
+"""The CuTe DSL compile step of the builder (imports cutlass: only musekern.builder.compile imports it)."""
 from __future__ import annotations
 
 import os
 import tempfile
 
-import cutlass.cute as cute
+# The DSL's own file cache (/tmp/cute_dsl_python_cache_*) would be a second, unkeyed cache under ours: every compile
+# that prepare asks for must really compile (reproducibility is tested that way). Set before cutlass is imported
+# (it reads its environment once); the builder imports this module before any kernel module.
+os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
+
+import cutlass.cute as cute  # noqa: E402
 
 from ..store.abi import ptx_entry_names
 

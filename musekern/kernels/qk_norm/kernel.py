@@ -5,7 +5,7 @@
 x is [m, heads*hd] with row stride ld_x (elements, last dim contiguous), out is [m, heads*hd] with
 row stride ld_out. fp32 math, one rounding at the store.
 
-Work split (constants from musekern/variants/qk_norm.py, the single source of truth):
+Work split (constants from variant.py, the single source of truth):
 - the input is walked as V = m*heads*hd/8 16-byte vectors in flattened row-major order; vector v is
   row v // (heads*L), column vector v % (heads*L), with L = hd/8 lanes per (row, head) group;
 - CTA b, thread t owns vectors b*TILE + u*BLOCK + t, u < VECS_PER_THREAD: all its loads are issued
@@ -34,15 +34,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float16, Float32, Int32, Int64, Uint32
 from cutlass.cute.runtime import make_ptr
 
-from ..store.abi import KernelAbi, LaunchSpec, pointer, scalar
-from ..variants.qk_norm import (
-    QK_NORM_BLOCK,
-    QK_NORM_GRID_RULE,
-    QK_NORM_VEC_ELEMS,
-    QkNormVariant,
-)
-from . import CompiledKernel
-from ._dsl import compile_to_cubin
+from .variant import QK_NORM_BLOCK, QK_NORM_VEC_ELEMS, QkNormVariant
 
 _DTYPES = {"bfloat16": BFloat16, "float16": Float16}
 _VEC = QK_NORM_VEC_ELEMS
@@ -115,33 +107,12 @@ def qk_norm_host(x: cute.Pointer, out: cute.Pointer, m: Int32, heads: Int32, ld_
         grid=[grid_x, 1, 1], block=[_BLOCK, 1, 1], smem=0, stream=stream)
 
 
-def abi_for(variant: QkNormVariant) -> KernelAbi:
-    """The launch ABI of `variant` (pure: no compile)."""
-    dt = variant.dtype
-    return KernelAbi(
-        params=(
-            pointer("x", f"device address of x: {dt} [m, heads*{variant.head_dim}], row stride ld_x, 16-byte aligned"),
-            pointer("out", f"device address of out: {dt} [m, heads*{variant.head_dim}], row stride ld_out, "
-                           "16-byte aligned"),
-            scalar("m", "i32", "rows (tokens)"),
-            scalar("heads", "i32", "head_dim groups per row"),
-            scalar("ld_x", "i32", "row stride of x in elements, a multiple of 8"),
-            scalar("ld_out", "i32", "row stride of out in elements, a multiple of 8"),
-            scalar("eps", "f32", "added to the mean of squares"),
-            scalar("scale", "f32", "output scale" + ("" if variant.has_scale else " (ignored: has_scale=False)")),
-        ),
-        launch=LaunchSpec(block=(_BLOCK, 1, 1), cluster=(1, 1, 1), dynamic_smem_bytes=0, pdl=False,
-                          grid=QK_NORM_GRID_RULE),
-    )
-
-
-def compile_variant(variant: QkNormVariant, arch: str) -> CompiledKernel:
-    """Compile `variant` for `arch` ("sm_90a", "sm_100a", ...) on any machine (no GPU needed)."""
+def compile_call(variant: QkNormVariant, arch: str):
+    """(the @cute.jit function, its compile arguments in `abi.abi_for`'s order, then the stream and constexprs) of
+    `variant`; the builder compiles it for `arch` ("sm_90a", "sm_100a", ...) on any machine (no GPU needed)."""
     dtype = _DTYPES[variant.dtype]
     x = make_ptr(dtype, _FAKE_ADDR, cute.AddressSpace.gmem, assumed_align=16)
     o = make_ptr(dtype, _FAKE_ADDR, cute.AddressSpace.gmem, assumed_align=16)
     row = variant.head_dim * 8
-    cubin, ptx, symbol = compile_to_cubin(
-        qk_norm_host, x, o, Int32(16), Int32(8), Int32(row), Int32(row), Float32(1e-5), Float32(1.0),
-        cuda.CUstream(0), variant.head_dim, bool(variant.has_scale), variant.vecs_per_thread, arch=arch)
-    return CompiledKernel(symbol=symbol, cubin=cubin, ptx=ptx, abi=abi_for(variant))
+    return qk_norm_host, (x, o, Int32(16), Int32(8), Int32(row), Int32(row), Float32(1e-5), Float32(1.0),
+                          cuda.CUstream(0), variant.head_dim, bool(variant.has_scale), variant.vecs_per_thread)

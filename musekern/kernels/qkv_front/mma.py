@@ -1,8 +1,7 @@
 """qkv_front's consumer roles: the MMA over the ring and the delivery of each CTA's partials to their owners.
 
-A mixin of `QkvFrontKernel` (musekern/kernels/qkv_front.py, whose docstring has the whole kernel): the methods read
-the kernel's static fields (`v`, `tt`, `stages`, `ntiles`, `S`, `owned`). Per `warp_split` (musekern/variants/
-qkv_front.py): "rows" and "k" issue mma.sync m16n8k16 from ldmatrix fragments ("k" sums its four warps' partials in
+A mixin of `QkvFrontKernel` (kernel.py, whose docstring has the whole kernel): the methods read
+the kernel's static fields (`v`, `tt`, `stages`, `ntiles`, `S`, `owned`). Per `warp_split` (variant.py):
 the idle W ring), "wg" issues wgmma m64nTTk16 straight from the swizzled ring as one warpgroup.
 """
 # (no `from __future__ import annotations`: @cute.jit reads real annotation objects)
@@ -16,7 +15,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
-from ..variants.qkv_front import CONSUMER_WARPS, HEAD_COLS, RED_STRIDE, WARP_K
+from .variant import CONSUMER_WARPS, HEAD_COLS, RED_STRIDE, WARP_K
 
 CONSUMER_THREADS = 32 * CONSUMER_WARPS
 # named barriers (0 is __syncthreads)
@@ -213,13 +212,13 @@ class FrontConsumers:
         """This CTA's partial of (column m, token n) to the owner, rank n % S of this head (cluster rank
         n % S + S member), at recv[rank][n // S][m]: st.async into the owner's shared memory (completes on its
         receive barrier), or a plain store with S == 1 and, in the "wg" builds, for this CTA's own tokens."""
-        if cutlass.const_expr(self.S == 1):
+        if cutlass.const_expr(self.k_split == 1):
             recv[n * HEAD_COLS + m] = value
         else:
-            off = (place.rank * self.owned + n // self.S) * HEAD_COLS + m
-            owner = n % self.S + self.S * place.member  # (member 0 without x_mcast)
+            off = (place.rank * self.owned + n // self.k_split) * HEAD_COLS + m
+            owner = n % self.k_split + self.k_split * place.member  # (member 0 without x_mcast)
             if cutlass.const_expr(self.local_partials):
-                if n % self.S == place.rank:
+                if n % self.k_split == place.rank:
                     recv[off] = value  # my own token: a plain store (finish's BAR_PARTIALS orders it)
                 else:
                     cute.arch.store_async_dsmem(recv.iterator + off, f32_bits(value), recv_bar, owner)

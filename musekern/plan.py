@@ -1,21 +1,25 @@
-"""The plan: every kernel variant a model needs, per target and TP rank (pure, deterministic)."""
+"""The planner: every kernel variant a model needs, per target and TP rank, over the kernel registry
+(musekern/kernels/__init__.py: REGISTRY, kernel_spec, variant_of, declared_abi).
+
+Pure and deterministic: no cutlass, no GPU, no torch. A new kernel is a new folder under musekern/kernels/ (see
+kernels/base.py) plus one line in `kernels.REGISTRY`.
+"""
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 
-from ..config import ModelConfig
-from ..targets import Target, check_supported
-from .qk_norm import qk_norm_variants
-from .qkv_epilogue import qkv_epilogue_variants
-from .qkv_front import supports_shape
-from .qkv_front_rules import qkv_front_variants
+from .config import ModelConfig
+from .kernels import REGISTRY, declared_abi, kernel_spec, variant_of  # noqa: F401  (the registry, re-exported)
+from .targets import Target, check_supported
 
 
 @dataclass(frozen=True)
 class PlanEntry:
     """One compiled artifact: a variant of a kernel for a target, and which TP ranks use it."""
     target: Target
-    variant: object  # a frozen *Variant dataclass (QkNormVariant, QkvFrontVariant, QkvEpilogueVariant)
+    variant: object  # a frozen variant dataclass of a registered kernel
     tps: tuple[int, ...]
 
     @property
@@ -46,11 +50,7 @@ def plan_model(model: ModelConfig, targets: list[Target]) -> list[PlanEntry]:
     by_key: dict = {}
     for target in targets:
         for shard in model.shards():
-            variants = list(qk_norm_variants(model.dtype, model.head_dim))
-            if supports_shape(shard.n, shard.num_kv_heads):
-                variants += qkv_front_variants(shard.n, shard.num_kv_heads, target, model.max_decode_tokens)
-                variants += qkv_epilogue_variants()  # every M the front does not take (one build serves every N)
-            for v in variants:
+            for v in (v for spec in REGISTRY.values() for v in spec.planned(model, shard, target)):
                 key = (target.name, v)
                 tps = by_key.get(key, ())
                 by_key[key] = tuple(sorted(set(tps) | {shard.tp}))
@@ -72,19 +72,12 @@ def shard_plan(entries: list[PlanEntry], index: int, count: int) -> list[PlanEnt
 
 
 def variant_types() -> dict:
-    from .qk_norm import QkNormVariant
-    from .qkv_epilogue import QkvEpilogueVariant
-    from .qkv_front import QkvFrontVariant
-
-    return {QkNormVariant.kernel: QkNormVariant, QkvFrontVariant.kernel: QkvFrontVariant,
-            QkvEpilogueVariant.kernel: QkvEpilogueVariant}
+    """kernel name -> its variant class."""
+    return {name: spec.variant for name, spec in REGISTRY.items()}
 
 
 def variant_from_label(label: str):
     """Parse a variant label such as 'qk_norm[dtype=bfloat16,has_scale=True,head_dim=64]'."""
-    import dataclasses
-    import re
-
     m = re.fullmatch(r"\s*([a-z_]+)\[(.*)\]\s*", label)
     types = variant_types()
     if not m or m.group(1) not in types:

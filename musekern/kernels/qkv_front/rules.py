@@ -7,8 +7,8 @@ rules are not part of any cache key: a rule change picks other builds, it never 
 """
 from __future__ import annotations
 
-from ..targets import SMEM_RESERVED_PER_CTA, Target
-from .qkv_front import (
+from ...targets import SMEM_RESERVED_PER_CTA, Target
+from .variant import (
     CONSUMER_WARPS,
     FRONT_MAX_TOKENS,
     HEAD_COLS,

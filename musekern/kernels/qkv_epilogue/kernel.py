@@ -11,7 +11,7 @@ Given y = bf16(x @ W^T) [M, N] (columns q | k | v | gate, 64 a head: nq, nkv, nk
 That is musekern.reference.fused_qknorm_rope_kv_insert (two tokens with the same valid slot in one call leave
 that slot holding, per 16-byte piece, one of their values: undefined, as in the reference).
 
-Work split (constants and the unit mapping: musekern/variants/qkv_epilogue.py): unit = (row r, lane j, head
+Work split (constants and the unit mapping: musekern/kernels/qkv_epilogue/variant.py): unit = (row r, lane j, head
 group g), units flattened row-major with j fastest; a unit is vector j (y columns 8j..8j+7 of a head: RoPE pairs
 4j..4j+3) of the vecs_per_thread heads g*vpt .. g*vpt+vpt-1 (only q, k, v heads; the gate heads are never read).
 A thread works on `rounds` units, the grid's thread count apart; before the first it prefetches the later ones'
@@ -50,17 +50,14 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import make_ptr
 from cutlass.cutlass_dsl import dsl_user_op
 
-from ..store.abi import KernelAbi, LaunchSpec, pointer, scalar
-from ..variants.qkv_epilogue import (
+from .variant import (
     EPI_BLOCK,
-    EPI_GRID_RULE,
     EPI_HEAD_DIM,
     EPI_LANES,
     EPI_VEC_ELEMS,
     QkvEpilogueVariant,
 )
 
-SUPPORTED_ARCHES = ("sm_90a", "sm_100a")  # plain loads/stores, shuffles and griddepcontrol: sm_90 and later
 _VEC = EPI_VEC_ELEMS
 _PAIRS = _VEC // 2  # RoPE pairs per 16-byte vector
 _CS_VEC = 4  # float32 per 16-byte cos|sin load
@@ -100,6 +97,12 @@ class _Unit(NamedTuple):
 
 class QkvEpilogueKernel:
     """One compiled qkv_epilogue. Static: vectors per thread, rounds. Runtime: everything else."""
+
+    def __repr__(self):
+        # CuTe DSL names the compiled kernel after str(self) (the jit's `self` argument, its address dropped): this
+        # is the repr the class had in musekern/kernels/qkv_epilogue.py, so the symbol names, and with them the
+        # cubins, stay those of the builds made before the kernel moved into its folder.
+        return f"<musekern.kernels.qkv_epilogue.QkvEpilogueKernel object at {id(self):#x}>"
 
     def __init__(self, v: QkvEpilogueVariant):
         self.v = v
@@ -255,49 +258,12 @@ class QkvEpilogueKernel:
 
 
 # ---------------------------------------------------------------------- ABI and build
-def abi_for(v: QkvEpilogueVariant) -> KernelAbi:
-    """The launch ABI of `v` (pure: no compile). Order = the kernel's argument order."""
-    return KernelAbi(
-        params=(
-            pointer("y", "bf16 [M, N] GEMM result, q|k|v|gate, row stride ld_y, 16-byte aligned; q, k heads "
-                         "rewritten in place"),
-            pointer("positions", "int64 [M]"),
-            pointer("cos_sin_cache", "float32 [max_pos, 64] contiguous, 16-byte aligned"),
-            pointer("slot_mapping", "int64 [M]; < 0 or >= num_blocks * block_size: nothing written"),
-            pointer("key_cache", "bf16 [num_blocks, block_size, num_kv_heads, 64], inner dims contiguous, "
-                                 "16-byte aligned"),
-            pointer("value_cache", "same layout as key_cache, own block stride"),
-            scalar("M", "i32", "rows of y (tokens)"),
-            scalar("num_q_heads", "i32", "nq: q heads (= gate heads) per row"),
-            scalar("num_kv_heads", "i32", "nkv: k heads (= v heads) per row"),
-            scalar("ld_y", "i32", "row stride of y in elements, a multiple of 8"),
-            scalar("max_pos", "i32", "rows of cos_sin_cache"),
-            scalar("block_size", "i32"),
-            scalar("num_blocks", "i32"),
-            scalar("k_block_stride", "i64", "key_cache.stride(0) in elements, a multiple of 8"),
-            scalar("v_block_stride", "i64", "value_cache.stride(0) in elements, a multiple of 8"),
-            scalar("eps", "f32", "added to the mean of squares"),
-        ),
-        launch=LaunchSpec(block=(EPI_BLOCK, 1, 1), cluster=(1, 1, 1), dynamic_smem_bytes=0, pdl=True,
-                          grid=EPI_GRID_RULE),
-    )
-
-
-def compile_variant(v: QkvEpilogueVariant, arch: str):
-    """cubin, PTX and ABI of variant v for `arch` on any machine (no GPU needed)."""
-    from ..store.abi import check_abi_against_ptx
-    from . import CompiledKernel
-    from ._dsl import compile_to_cubin
-
-    if arch not in SUPPORTED_ARCHES:
-        raise NotImplementedError(f"qkv_epilogue is built for {' / '.join(SUPPORTED_ARCHES)}; {arch} is not "
-                                  "supported")
+def compile_call(v: QkvEpilogueVariant, arch: str):
+    """(the @cute.jit kernel object, its compile arguments in `abi.abi_for`'s order, then the stream) of `v`; the
+    builder compiles it for `arch` on any machine (no GPU needed)."""
     bf = make_ptr(BFloat16, _FAKE_ADDR, cute.AddressSpace.gmem, assumed_align=16)
     f32 = make_ptr(Float32, _FAKE_ADDR, cute.AddressSpace.gmem, assumed_align=16)
     i64 = make_ptr(Int64, _FAKE_ADDR, cute.AddressSpace.gmem, assumed_align=8)
-    cubin, ptx, symbol = compile_to_cubin(
-        QkvEpilogueKernel(v), bf, i64, f32, i64, bf, bf, Int32(16), Int32(16), Int32(1), Int32(2176), Int32(4096),
-        Int32(16), Int32(64), Int64(16 * 64), Int64(16 * 64), Float32(1e-5), cuda.CUstream(0), arch=arch)
-    abi = abi_for(v)
-    check_abi_against_ptx(abi, ptx, symbol)
-    return CompiledKernel(symbol=symbol, cubin=cubin, ptx=ptx, abi=abi)
+    return QkvEpilogueKernel(v), (bf, i64, f32, i64, bf, bf, Int32(16), Int32(16), Int32(1), Int32(2176),
+                                  Int32(4096), Int32(16), Int32(64), Int64(16 * 64), Int64(16 * 64), Float32(1e-5),
+                                  cuda.CUstream(0))

@@ -86,7 +86,7 @@ def _prepare_one(cache_root: str, variant, arch: str, parts: KeyParts, sign=None
 
 def prepare(entries, cache: Cache, jobs: int = 1, remote=None, upload: bool = False, on_done=None,
             plan_name: str | None = None, shard: tuple[int, int] | None = None, sign=None) -> PrepareReport:
-    """Make every PlanEntry in `entries` (or its `shard` (K, N), see variants.shard_plan) present in `cache`;
+    """Make every PlanEntry in `entries` (or its `shard` (K, N), see plan.shard_plan) present in `cache`;
     `on_done(result)` after each one. With `plan_name`, the whole plan's keys are recorded under that name
     (`musekern clean --stale` keeps what some recorded plan needs), also in a shard run. `sign`: the
     store.signing.SecretKey what it builds is signed with (what it uploads: the remote's own `sign_key`).
@@ -95,7 +95,7 @@ def prepare(entries, cache: Cache, jobs: int = 1, remote=None, upload: bool = Fa
     ReadOnlyCacheError (one line) when something is missing and the cache is read-only, and
     BuildExtraMissing when something must be compiled and the DSL is not installed.
     """
-    from ..variants import shard_plan
+    from ..plan import shard_plan
 
     report = PrepareReport()
     version = dsl_version()

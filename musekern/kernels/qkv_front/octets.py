@@ -1,6 +1,6 @@
 """qkv_front's owner epilogue for the wgmma builds with 16 owned tokens or more: eight lanes a token, 16-byte accesses.
 
-A mixin of `QkvFrontKernel` (musekern/kernels/qkv_front.py, whose docstring has the whole kernel): the method reads
+A mixin of `QkvFrontKernel` (kernel.py, whose docstring has the whole kernel): the method reads
 the kernel's static fields (`n`, `tt`, `S`, `owned`, `nkv`). The owner's tokens are taken four at a time by a warp:
 lane l works on token 4 g + l // 8 of group g (warp w takes groups w, w + 4, ...), columns 8 (l % 8) .. + 7 = RoPE pairs
 4 (l % 8) .. + 3. Its partials, cos|sin and stores are 16-byte vectors; the RMS norm's sum is the lane's 8 squares then
@@ -13,7 +13,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from ..variants.qkv_front import CONSUMER_WARPS, HEAD_COLS
+from .variant import CONSUMER_WARPS, HEAD_COLS
 
 OCT = 8  # columns a lane (16 bytes of bf16), lanes a token
 QUAD = 4  # fp32 a 16-byte vector
@@ -35,7 +35,7 @@ class FrontOctetEpilogue:
         q = lane % OCT
         f32x4 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
         bf16x8 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
-        rq = cute.make_tensor(recv.iterator, cute.make_layout((self.S * self.owned * HEAD_COLS // QUAD, QUAD),
+        rq = cute.make_tensor(recv.iterator, cute.make_layout((self.k_split * self.owned * HEAD_COLS // QUAD, QUAD),
                                                               stride=(QUAD, 1)))
         csq = cute.make_tensor(cs.iterator, cute.make_layout((self.owned * HEAD_COLS // QUAD, QUAD), stride=(QUAD, 1)))
         groups = self.owned // TOKENS_A_WARP
@@ -45,7 +45,7 @@ class FrontOctetEpilogue:
             j = (r * CONSUMER_WARPS + warp_idx) * TOKENS_A_WARP + lane // OCT
             jc = cutlass.min(j, self.owned - 1)  # a warp past the last group reads the last token, stores nothing
             x = [Float32(0.0)] * OCT
-            for src in cutlass.range_constexpr(self.S):  # fixed rank order: deterministic
+            for src in cutlass.range_constexpr(self.k_split):  # fixed rank order: deterministic
                 for h in cutlass.range_constexpr(OCT // QUAD):
                     f = cute.make_rmem_tensor(cute.make_layout(QUAD), Float32)
                     cute.copy(f32x4, rq[((src * self.owned + jc) * HEAD_COLS + OCT * q) // QUAD + h, None], f)
@@ -82,7 +82,7 @@ class FrontOctetEpilogue:
                 bn = x[2 * i + 1] * rs
                 o[2 * i] = BFloat16(cutlass.select_(is_qk, an * cq[i] - bn * sq[i], x[2 * i]))
                 o[2 * i + 1] = BFloat16(cutlass.select_(is_qk, an * sq[i] + bn * cq[i], x[2 * i + 1]))
-            t = j * self.S + place.rank
+            t = j * self.k_split + place.rank
             if j < self.owned and t < M:
                 cute.copy(bf16x8, o, mY[t, place.head * (HEAD_COLS // OCT) + q, None])
                 slot = slots[j]

@@ -4,12 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .base import VariantMixin
+from ..base import VariantMixin
 
 SUPPORTED_DTYPES = ("bfloat16", "float16")
-SUPPORTED_HEAD_DIMS = (64, 128, 256)  # one row of 16-byte vectors per warp slice; see kernels/qk_norm.py
+SUPPORTED_HEAD_DIMS = (64, 128, 256)  # one row of 16-byte vectors per warp slice; see kernel.py
 
-# Launch geometry of the qk_norm kernel (kernels/qk_norm.py imports these: single source of truth).
+# Launch geometry of the qk_norm kernel (kernel.py and abi.py import these: single source of truth).
 # The [M, heads*head_dim] input is seen as M*heads*head_dim/VEC_ELEMS 16-byte vectors, flattened
 # row-major; thread t of CTA b handles vectors b*TILE + u*BLOCK + t for u < vecs_per_thread (TILE =
 # BLOCK * vecs_per_thread), and the head_dim/VEC_ELEMS consecutive lanes that share one (row, head)

@@ -2,7 +2,8 @@
 
 y = epilogue(bf16(x @ W^T)); see musekern/reference.py::qkv_front_reference for the exact math.
 
-Launch (musekern/variants/qkv_front.py is the single source of truth for every constant):
+Launch (musekern/kernels/qkv_front/variant.py is the single source of truth for every constant):
+  (S = k_split, the variant's CTAs per head splitting K)
   grid  = heads * S CTAs along x, S consecutive CTAs per head (64 columns of y); cluster = (S, 1, 1), or
   (2 S, 1, 1) with x_mcast (a head pair), block = 192 threads: warps 0-3 consumers (mma.sync or wgmma),
   warp 4 TMA producer, warp 5 aux.
@@ -23,13 +24,13 @@ swizzled ring (variant warp_split "rows"). With warp_split "k" consumer warp w i
 not once per warp; 4 x tiles independent accumulators) and the four warps' partials are summed in
 warp order in the idle W ring after the last k-tile. With warp_split "wg" (3 token tiles and more) the four
 consumer warps are warpgroup 0 and issue wgmma m64nTTk16 with both operands straight from the swizzled ring
-(musekern/kernels/qkv_front_mma.py has the consumer roles). After the last k-tile each consumer thread
+(kernels/qkv_front/mma.py has the consumer roles). After the last k-tile each consumer thread
 sends its FP32 partial of token t to the owner CTA of its head, rank t % S, with st.async (DSMEM,
 completes on the owner's receive mbarrier); the owner sums the S partials in rank order 0..S-1
 (bitwise deterministic: the order depends on neither the ring depth nor timing), rounds to bf16 and
 runs the epilogue for its tokens:
 RMS norm (q, k heads), interleaved RoPE (q, k), y store, K/V cache insert (k, v heads): a lane per RoPE pair, or in the
-wgmma builds with 16 owned tokens or more eight lanes a token with 16-byte accesses (musekern/kernels/qkv_front_epi.py).
+wgmma builds with 16 owned tokens or more eight lanes a token with 16-byte accesses (kernels/qkv_front/octets.py).
 With S == 1 the partials go to the CTA's own shared memory with plain stores; so do, in the wgmma builds with S > 1,
 the partials of the CTA's own tokens (st.async carries the other S - 1 ranks'; bench/NOTES.md "The partials'
 exchange").
@@ -54,8 +55,9 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.memory import SmemAllocator
 from cutlass.utils import hopper_helpers as sm90_utils
 
-from ..store.abi import KernelAbi, LaunchSpec, TensorMapSpec, coord_tensor, pointer, scalar, tensormap
-from ..variants.qkv_front import (
+from .mma import BAR_AUX, BAR_PARTIALS, BAR_RED, CONSUMER_THREADS, CtaPlace, FrontConsumers
+from .octets import OCTET_MIN_OWNED, FrontOctetEpilogue
+from .variant import (
     CONSUMER_WARPS,
     HEAD_COLS,
     HIDDEN,
@@ -66,22 +68,14 @@ from ..variants.qkv_front import (
     TOKEN_TILE,
     W_STAGE_BYTES,
     QkvFrontVariant,
-    cluster_size,
     launch_grid,
     owned_tokens,
     padded_tokens,
     smem_bytes,
-    x_box_rows,
 )
-from .qkv_front_epi import OCTET_MIN_OWNED, FrontOctetEpilogue
-from .qkv_front_mma import BAR_AUX, BAR_PARTIALS, BAR_RED, CONSUMER_THREADS, CtaPlace, FrontConsumers
 
-# sm_90a: the target. sm_100a: compiles (mma.sync, TMA, clusters, st.async and griddepcontrol all exist
-# on Blackwell) but is checked on CPU only, never run.
-SUPPORTED_ARCHES = ("sm_90a", "sm_100a")
 PRODUCER_WARP = CONSUMER_WARPS  # warp 4
 AUX_WARP = CONSUMER_WARPS + 1  # warp 5
-BOX_COLS = 64  # a 128B-swizzle TMA box is 64 bf16 columns wide
 
 
 def ring_tma(mW, mX, stages: int, tt: int, x_mcast: bool = False):
@@ -137,29 +131,36 @@ def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool):
 class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
     """One compiled qkv_front variant. Static: N, KV heads, tiles, ring depth, S, fixed M."""
 
+    def __repr__(self):
+        # CuTe DSL names the compiled kernel after str(self) (the jit's `self` argument, its address dropped): this is
+        # the repr the class had in musekern/kernels/qkv_front.py, so the symbol names, and with them the cubins, stay
+        # those of the builds made before the kernel moved into its folder.
+        return f"<musekern.kernels.qkv_front.QkvFrontKernel object at {id(self):#x}>"
+
     def __init__(self, v: QkvFrontVariant):
-        assert HIDDEN % K_TILE == 0 and K_TILES % v.splits == 0, "S must divide the 64 k-tiles"
-        assert v.fixed_m in (0, TOKEN_TILE) and (v.fixed_m == 0 or v.tiles == 1)
+        assert HIDDEN % K_TILE == 0 and K_TILES % v.k_split == 0, "S must divide the 64 k-tiles"
+        assert v.fixed_rows in (0, TOKEN_TILE) and (v.fixed_rows == 0 or v.tiles == 1)
         self.v = v
         self.n = v.n
         self.heads = v.heads
         self.nkv = v.num_kv_heads
         self.nq = v.num_q_heads
         self.stages = v.stages
-        self.S = v.splits
+        self.k_split = v.k_split
         self.pair = 2 if v.x_mcast else 1  # heads of a cluster: x multicast between the two of a pair
-        self.cluster = self.S * self.pair
+        self.cluster = self.k_split * self.pair
         self.tt = padded_tokens(v)  # tokens the MMA computes
-        self.owned = owned_tokens(v.tiles, v.splits)  # tokens per owner CTA (S divides TT)
+        self.owned = owned_tokens(v.tiles, v.k_split)  # tokens per owner CTA (S divides TT)
         # every consumer warp owns the same number of tokens in the epilogue
-        assert self.tt % self.S == 0 and self.owned % CONSUMER_WARPS == 0 and self.owned <= MAX_OWNED_TOKENS
-        self.ntiles = K_TILES // self.S  # k-tiles per CTA
+        assert self.tt % self.k_split == 0 and self.owned % CONSUMER_WARPS == 0 and self.owned <= MAX_OWNED_TOKENS
+        self.ntiles = K_TILES // self.k_split  # k-tiles per CTA
         assert self.stages <= self.ntiles
         self.stage_tx = W_STAGE_BYTES + self.tt * K_TILE * 2  # bytes landing per stage
         # the wgmma builds store their own tokens' partials with plain stores: st.async carries only the other S - 1
         # ranks' (bench/NOTES.md "The partials' exchange")
-        self.local_partials = v.warp_split == "wg" and self.S > 1
-        self.recv_tx = (self.S - self.local_partials) * self.owned * HEAD_COLS * 4  # bytes an owner gets by st.async
+        self.local_partials = v.warp_split == "wg" and self.k_split > 1
+        # bytes an owner gets by st.async
+        self.recv_tx = (self.k_split - self.local_partials) * self.owned * HEAD_COLS * 4
         self.Smem = make_smem_struct(self.stages, self.tt, self.owned, v.recv_in_ring)
         assert not v.recv_in_ring or self.tt * HEAD_COLS * 4 <= self.stages * W_STAGE_BYTES
         self.smem = smem_bytes(v)
@@ -171,8 +172,8 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
                  M: Int32, max_pos: Int32, block_size: Int32, num_blocks: Int32, k_block_stride: Int64,
                  v_block_stride: Int64, eps: Float32, stream: cuda.CUstream):
         mW = cute.make_tensor(w_ptr, cute.make_layout((self.n, HIDDEN), stride=(HIDDEN, 1)))
-        if cutlass.const_expr(self.v.fixed_m):
-            mX = cute.make_tensor(x_ptr, cute.make_layout((self.v.fixed_m, HIDDEN), stride=(HIDDEN, 1)))
+        if cutlass.const_expr(self.v.fixed_rows):
+            mX = cute.make_tensor(x_ptr, cute.make_layout((self.v.fixed_rows, HIDDEN), stride=(HIDDEN, 1)))
         else:
             mX = cute.make_tensor(x_ptr, cute.make_layout((M, HIDDEN), stride=(HIDDEN, 1)))
         sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma = ring_tma(mW, mX, self.stages, self.tt, self.v.x_mcast)
@@ -200,15 +201,15 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
         tidx = cute.arch.thread_idx()[0]
         bidx = cute.arch.block_idx()[0]
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        head = bidx // self.S
+        head = bidx // self.k_split
         # clusters are S * pair consecutive CTAs: k-split rank r of pair member m is cluster rank r + S m
         rank = Int32(0)
         member = Int32(0)
         if cutlass.const_expr(self.cluster > 1):
             crank = cute.arch.block_idx_in_cluster()
-            rank = crank % self.S
-            member = crank // self.S
-        place = CtaPlace(head, rank, member, rank + self.S * (1 - member))
+            rank = crank % self.k_split
+            member = crank // self.k_split
+        place = CtaPlace(head, rank, member, rank + self.k_split * (1 - member))
         M = cute.size(mX_tma, mode=[0])  # runtime M (or the static 8 of the M == 8 build)
 
         st = SmemAllocator().allocate(self.Smem)
@@ -227,7 +228,7 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
                 cute.arch.mbarrier_init(empty + s, CONSUMER_WARPS * self.pair)  # x_mcast: both heads release
             cute.arch.mbarrier_init(recv_bar, 1)
             cute.arch.mbarrier_init_fence()
-            if cutlass.const_expr(self.S > 1):
+            if cutlass.const_expr(self.k_split > 1):
                 # arm the receive barrier before the cluster sync, i.e. before any peer can send
                 cute.arch.mbarrier_arrive_and_expect_tx(recv_bar, self.recv_tx)
         if cutlass.const_expr(self.cluster > 1):
@@ -336,14 +337,14 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
         """One stage's x (x_mcast: this member's half, into both heads' rings; each ring's full barrier counts
         the whole tile)."""
         if cutlass.const_expr(self.v.x_mcast):
-            mask = (1 << rank) | (1 << (rank + self.S))
+            mask = (1 << rank) | (1 << (rank + self.k_split))
             cute.copy(tma_x, src, dst, tma_bar_ptr=bar, mcast_mask=cutlass.Int16(mask))
         else:
             cute.copy(tma_x, src, dst, tma_bar_ptr=bar)
 
     def _k_tile(self, i, rank, rot):
         """The i-th k-tile a CTA of rank `rank` streams (traced inline: plain Python on DSL values)."""
-        return rank + ((i + rot) % self.ntiles) * self.S
+        return rank + ((i + rot) % self.ntiles) * self.k_split
 
     @cute.jit
     def finish(self, st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
@@ -355,9 +356,9 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
         recv = self.recv(st)
         cs = st.cs.get_tensor(cute.make_layout(self.owned * 64))
         slots = st.slots.get_tensor(cute.make_layout(self.owned))
-        if cutlass.const_expr(self.S > 1):
+        if cutlass.const_expr(self.k_split > 1):
             cute.arch.mbarrier_wait(recv_bar, 0)  # all partials sent to my tokens by st.async have landed
-        if cutlass.const_expr(self.S == 1 or self.local_partials):
+        if cutlass.const_expr(self.k_split == 1 or self.local_partials):
             # this CTA's own partials, stored by every consumer warp with plain stores
             cute.arch.barrier(barrier_id=BAR_PARTIALS, number_of_threads=CONSUMER_THREADS)
         cute.arch.barrier(barrier_id=BAR_AUX, number_of_threads=CONSUMER_THREADS + 32)
@@ -370,7 +371,7 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
             kv_head = head - self.nq - self.nkv
         if cutlass.const_expr(self.v.warp_split == "wg" and self.owned >= OCTET_MIN_OWNED):
             # eight lanes a token, 16-byte vectors, where every warp takes a group of four tokens
-            # (musekern/kernels/qkv_front_epi.py)
+            # (kernels/qkv_front/octets.py)
             self.finish_octets(recv, cs, slots, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
                                v_block_stride, eps, place, warp_idx, lane, is_qk, is_k, is_v, kv_head)
         else:
@@ -395,8 +396,8 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
             vals.append(self._token_values(recv, cs, jj * CONSUMER_WARPS + warp_idx, lane, eps, is_qk))
         for jj in cutlass.range_constexpr(rounds):
             j = jj * CONSUMER_WARPS + warp_idx
-            if j * self.S + rank < M:
-                self._token_store(vals[jj][0], vals[jj][1], mY, slots, kc_ptr, vc_ptr, j, j * self.S + rank,
+            if j * self.k_split + rank < M:
+                self._token_store(vals[jj][0], vals[jj][1], mY, slots, kc_ptr, vc_ptr, j, j * self.k_split + rank,
                                   lane, head, kv_head, is_k, is_v, block_size, num_blocks, k_block_stride,
                                   v_block_stride)
 
@@ -407,7 +408,7 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
         c0 = 2 * lane
         a = Float32(0.0)
         b = Float32(0.0)
-        for src in cutlass.range_constexpr(self.S):  # fixed rank order: deterministic
+        for src in cutlass.range_constexpr(self.k_split):  # fixed rank order: deterministic
             a = a + recv[(src * self.owned + j) * HEAD_COLS + c0]
             b = b + recv[(src * self.owned + j) * HEAD_COLS + c0 + 1]
         # the GEMM result is bf16: every later step works on the rounded value
@@ -473,7 +474,7 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
         rows = []
         for r in cutlass.range_constexpr((self.owned + 31) // 32):
             j = r * 32 + lane
-            t = cutlass.min(j * self.S + rank, M - 1)
+            t = cutlass.min(j * self.k_split + rank, M - 1)
             p = mPos[t]
             slot = mSlot[t]
             p = cutlass.max(p, Int64(0))
@@ -489,66 +490,20 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
 
 
 # ---------------------------------------------------------------------- ABI and build
-def abi_for(v: QkvFrontVariant) -> KernelAbi:
-    """The launch ABI (pure: no compile). Order = the kernel's argument order (NOTES.md §3)."""
-    params = [tensormap("tma_w", "CUtensorMap of weight bf16 [N, 8192], box 64x64, 128B swizzle")]
-    # mW_tma: fully static shape (N, 8192) -> no parameter
-    xb = x_box_rows(v)
-    params.append(tensormap("tma_x", f"CUtensorMap of x bf16 [M, 8192], box 64x{xb}, 128B swizzle (rows >= M: 0)"))
-    if not v.fixed_m:
-        params.append(coord_tensor("x_coord", ("M",), "TMA coordinate tensor of x: its dynamic row count M"))
-    params += [
-        pointer("weight_ptr", "the weight's base address (read by no code since the L2 prefetch lever left; kept "
-                              "so the ABI and the cubins stay as they are)"),
-        pointer("y", "bf16 [M, N] output, contiguous"),
-        pointer("positions", "int64 [M]"),
-        pointer("cos_sin_cache", "float32 [max_pos, 64] contiguous"),
-        pointer("slot_mapping", "int64 [M]"),
-        pointer("key_cache", "bf16 [num_blocks, block_size, num_kv_heads, 64], inner dims contiguous"),
-        pointer("value_cache", "same layout as key_cache, own block stride"),
-        scalar("max_pos", "i32", "rows of cos_sin_cache"),
-        scalar("block_size", "i32"),
-        scalar("num_blocks", "i32"),
-        scalar("k_block_stride", "i64", "key_cache.stride(0) in elements"),
-        scalar("v_block_stride", "i64", "value_cache.stride(0) in elements"),
-        scalar("eps", "f32"),
-    ]
-    return KernelAbi(
-        params=tuple(params),
-        launch=LaunchSpec(block=(THREADS, 1, 1), cluster=(cluster_size(v), 1, 1), dynamic_smem_bytes=smem_bytes(v),
-                          pdl=True, grid=f"(heads * S, 1, 1) = ({v.heads} * {v.splits}, 1, 1)"),
-        tensormaps=(TensorMapSpec("tma_w", "weight", "bf16", (BOX_COLS, HEAD_COLS)),
-                    TensorMapSpec("tma_x", "x", "bf16", (BOX_COLS, xb))))
-
-
 def compile_args(v: QkvFrontVariant) -> tuple:
     """The arguments `QkvFrontKernel.__call__` is compiled with (pointers, scalars of the right types and
-    alignment; values do not matter: M is dynamic unless fixed_m), in `abi_for`'s order."""
+    alignment; values do not matter: M is dynamic unless fixed_rows), in `abi_for`'s order."""
     bf = make_ptr(BFloat16, 1 << 20, cute.AddressSpace.gmem, assumed_align=16)
     f32 = make_ptr(Float32, 1 << 20, cute.AddressSpace.gmem, assumed_align=16)
     i64 = make_ptr(Int64, 1 << 20, cute.AddressSpace.gmem, assumed_align=8)
-    return (bf, bf, bf, i64, f32, i64, bf, bf, Int32(max(v.fixed_m, 1)), Int32(1), Int32(16), Int32(1),
+    return (bf, bf, bf, i64, f32, i64, bf, bf, Int32(max(v.fixed_rows, 1)), Int32(1), Int32(16), Int32(1),
             Int64(1 << 20), Int64(1 << 20), Float32(1e-5), cuda.CUstream(0))
 
 
-def check_arch(arch: str, v: QkvFrontVariant | None = None) -> None:
-    if arch not in SUPPORTED_ARCHES:
-        raise NotImplementedError(
-            f"qkv_front uses sm_90-class TMA, thread-block clusters and st.async; it is built for "
-            f"{' / '.join(SUPPORTED_ARCHES)}; {arch} is not supported")
-    if v is not None and v.warp_split == "wg" and arch != "sm_90a":
+def compile_call(v: QkvFrontVariant, arch: str):
+    """(the @cute.jit kernel object, its compile arguments) of `v`; the builder compiles it for `arch` on any machine
+    (no GPU needed)."""
+    if v.warp_split == "wg" and arch != "sm_90a":
         raise NotImplementedError(f"qkv_front warp_split 'wg' issues wgmma, which only sm_90a has; {arch} takes "
                                   f"'rows' or 'k' (up to 4 token tiles)")
-
-
-def compile_variant(v: QkvFrontVariant, arch: str):
-    """cubin, PTX and ABI of variant v for `arch` (the PTX `.entry` checked against `abi_for(v)`)."""
-    from ..store.abi import check_abi_against_ptx
-    from . import CompiledKernel
-    from ._dsl import compile_to_cubin
-
-    check_arch(arch, v)
-    cubin, ptx, symbol = compile_to_cubin(QkvFrontKernel(v), *compile_args(v), arch=arch)
-    abi = abi_for(v)
-    check_abi_against_ptx(abi, ptx, symbol)
-    return CompiledKernel(symbol=symbol, cubin=cubin, ptx=ptx, abi=abi)
+    return QkvFrontKernel(v), compile_args(v)

@@ -2,7 +2,7 @@
 
 y = bf16(x @ W^T) [M, N] (q | k | v | gate, 64 columns a head) is given; the kernel RMS-norms and RoPEs the q
 and k heads in place and writes k and v to the paged caches (musekern.reference.fused_qknorm_rope_kv_insert).
-Pure: no cutlass, no GPU, no torch. The kernel (musekern/kernels/qkv_epilogue.py) imports the constants below.
+Pure: no cutlass, no GPU, no torch. The kernel (kernel.py) imports the constants below.
 
 One build serves every N and head layout (nq, nkv and the row stride are runtime parameters); the variant is
 only how many 16-byte vectors each thread carries.
@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .base import VariantMixin
-from .qkv_front import supports_shape
+from ...model import HEAD_DIM, supports_shape
+from ..base import VariantMixin
 
-# Launch geometry (single source of truth; kernels/qkv_epilogue.py imports it). The kernel touches the q, k and v
+# Launch geometry (single source of truth; kernel.py and abi.py import it). The kernel touches the q, k and v
 # heads of every row (H = nq + 2 nkv heads; the gate heads are neither read nor written), each as EPI_LANES
 # 16-byte vectors. A thread is one unit (row r, lane j, head group g): vector j of heads g * vpt .. g * vpt + vpt - 1
 # of row r (vpt = vecs_per_thread), so its vectors share one position, one slot and one cos|sin piece. A row is
@@ -23,7 +23,7 @@ from .qkv_front import supports_shape
 # group) are 8 consecutive, 8-aligned lanes that reduce each head's sum of squares with butterfly shuffles, and one
 # warp load reads 512 bytes of y: contiguous with vpt = 1, else 4 whole 128-byte heads vpt heads apart. Unit w of
 # the M * row_units is thread w % EPI_BLOCK of CTA (w % G) // EPI_BLOCK in round w // G, G = grid * EPI_BLOCK.
-EPI_HEAD_DIM = 64  # columns per head (Muse Spark); 32 RoPE pairs
+EPI_HEAD_DIM = HEAD_DIM  # columns per head (Muse Spark); 32 RoPE pairs
 EPI_VEC_ELEMS = 8  # bf16 elements per 16-byte vector: 4 RoPE pairs
 EPI_LANES = EPI_HEAD_DIM // EPI_VEC_ELEMS  # lanes (vectors) per head
 EPI_BLOCK = 256  # threads per CTA (compiled with .reqntid)

@@ -1,11 +1,11 @@
 """qkv_front, the fused Muse Spark decode attention front (seed 000): what the kernel compiles from.
 
 Shape constants, the variant (`QkvFrontVariant`, validated) and the launch geometry, pure Python (no
-cutlass, no GPU). The kernel (`musekern/kernels/qkv_front.py`) imports them, so the planner, the op and
+cutlass, no GPU). The kernel (kernel.py) imports them, so the planner, the op and
 the kernel cannot disagree on a tile size or a shared-memory budget; this file's bytes are part of the
-kernel's cache key (`store/keys.py`), the planning rules are not (`qkv_front_rules.py`).
+kernel's cache key (`sources`), the planning rules are not (rules.py).
 
-Structure: S = `splits` CTAs per 64-column head, one cluster (with `x_mcast`, the 2 S CTAs of a head pair);
+Structure: S = `k_split` CTAs per 64-column head, one cluster (with `x_mcast`, the 2 S CTAs of a head pair);
 CTA r of a head streams the k-tiles r, r+S, r+2S, ... (K_TILE columns of K each, head h starting h tiles further
 on, cyclically; both heads of a pair from the pair's first) of its head's 64 weight rows through a ring of
 `stages` shared-memory stages.
@@ -15,16 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .base import VariantMixin
+from ...model import FRONT_MAX_TOKENS, HEAD_DIM, HIDDEN, supports_shape
+from ..base import VariantMixin
 
-HIDDEN = 8192  # K of the projection (Muse Spark hidden size)
-HEAD_COLS = 64  # output columns per head = rows of W per cluster
+HEAD_COLS = HEAD_DIM  # output columns per head = rows of W per cluster
 TOKEN_TILE = 8  # tokens per MMA N-tile (mma.sync m16n8k16 / wgmma m64nNk16: W rows are M, tokens are N)
 MAX_TOKENS = 16  # the decode builds (1-2 tiles, every shard); above it the front serves where the rules say, up to
-# FRONT_MAX_TOKENS (qkv_front_rules.front_serves), else cuBLAS + the fused epilogue
-FRONT_MAX_TOKENS = 64  # the largest M one build serves (8 token tiles)
+# FRONT_MAX_TOKENS (rules.front_serves), else cuBLAS + the fused epilogue
 TILE_CHOICES = tuple(range(1, FRONT_MAX_TOKENS // TOKEN_TILE + 1))  # 8-token tiles a build may have (the rules plan
-# qkv_front_rules.PLANNED_TILES: M is padded up to the next one the shape has a build of)
+# rules.PLANNED_TILES: M is padded up to the next one the shape has a build of)
 SYNC_TILE_CHOICES = (1, 2, 4, 8)  # the tiles an mma.sync build ("rows", "k") takes: its x ldmatrix is x2 or x4
 K_TILE = 128  # K columns per ring stage: two 64-wide 128B-swizzled TMA boxes
 K_TILES = HIDDEN // K_TILE
@@ -48,12 +47,13 @@ WARP_SPLITS = ("rows", "k", "wg")
 class QkvFrontVariant(VariantMixin):
     """One compiled qkv_front: serves every layer whose weight has N rows, every M with `tiles` tiles."""
     kernel: ClassVar[str] = "qkv_front"
+    sources: ClassVar[tuple[str, ...]] = ("variant.py", "abi.py", "kernel.py", "mma.py", "octets.py")
     n: int  # rows of the weight = output columns (q|k|v|gate)
     num_kv_heads: int
     tiles: int  # 8-token tiles (TILE_CHOICES)
     stages: int  # ring depth; never changes the result
-    splits: int  # S, CTAs per cluster splitting K
-    fixed_m: int  # 8 for the M == 8 specialisation, else 0 (M is a runtime parameter)
+    k_split: int  # S, CTAs per cluster splitting K
+    fixed_rows: int  # 8 for the M == 8 specialisation, else 0 (M is a runtime parameter)
     trigger: str = "early"  # PDL_TRIGGERS; never changes a bit
     # WARP_SPLITS: changes the summation order (fixed: still bitwise reproducible, independent of stages and
     # trigger)
@@ -81,22 +81,22 @@ class QkvFrontVariant(VariantMixin):
         elif self.tiles not in SYNC_TILE_CHOICES and self.warp_split != "wg":
             problems.append(f"{self.tiles} tiles need warp_split 'wg' (mma.sync's ldmatrix takes "
                             f"{SYNC_TILE_CHOICES} tiles), got {self.warp_split!r}")
-        elif self.splits in SPLIT_CHOICES and owned_tokens(self.tiles, self.splits) % CONSUMER_WARPS:
-            problems.append(f"{self.tiles} tiles at splits={self.splits} give an owner "
-                            f"{owned_tokens(self.tiles, self.splits)} tokens: the epilogue needs a multiple of "
+        elif self.k_split in SPLIT_CHOICES and owned_tokens(self.tiles, self.k_split) % CONSUMER_WARPS:
+            problems.append(f"{self.tiles} tiles at k_split={self.k_split} give an owner "
+                            f"{owned_tokens(self.tiles, self.k_split)} tokens: the epilogue needs a multiple of "
                             f"{CONSUMER_WARPS} (one share per consumer warp)")
-        if self.fixed_m not in (0, TOKEN_TILE) or (self.fixed_m and self.tiles != 1):
-            problems.append(f"fixed_m must be 0, or {TOKEN_TILE} with tiles=1, got {self.fixed_m}")
-        if self.splits not in SPLIT_CHOICES:
-            problems.append(f"splits must be one of {SPLIT_CHOICES}, got {self.splits}")
-        elif not MIN_RING_STAGES <= self.stages <= K_TILES // self.splits:
-            problems.append(f"stages must be in {MIN_RING_STAGES}..{K_TILES // self.splits} for splits="
-                            f"{self.splits}, got {self.stages}")
+        if self.fixed_rows not in (0, TOKEN_TILE) or (self.fixed_rows and self.tiles != 1):
+            problems.append(f"fixed_rows must be 0, or {TOKEN_TILE} with tiles=1, got {self.fixed_rows}")
+        if self.k_split not in SPLIT_CHOICES:
+            problems.append(f"k_split must be one of {SPLIT_CHOICES}, got {self.k_split}")
+        elif not MIN_RING_STAGES <= self.stages <= K_TILES // self.k_split:
+            problems.append(f"stages must be in {MIN_RING_STAGES}..{K_TILES // self.k_split} for k_split="
+                            f"{self.k_split}, got {self.stages}")
         if self.trigger not in PDL_TRIGGERS:
             problems.append(f"trigger must be one of {PDL_TRIGGERS}, got {self.trigger!r}")
         if self.warp_split not in WARP_SPLITS:
             problems.append(f"warp_split must be one of {WARP_SPLITS}, got {self.warp_split!r}")
-        elif (self.warp_split == "k" and self.splits in SPLIT_CHOICES
+        elif (self.warp_split == "k" and self.k_split in SPLIT_CHOICES
               and red_bytes(self.tiles) > self.stages * W_STAGE_BYTES):
             problems.append(f"warp_split 'k' with {self.tiles} tiles sums its partials in the W ring: needs "
                             f">= {-(-red_bytes(self.tiles) // W_STAGE_BYTES)} stages, got {self.stages}")
@@ -104,11 +104,11 @@ class QkvFrontVariant(VariantMixin):
             problems.append(f"recv_in_ring needs warp_split 'wg', got {self.warp_split!r}")
         # (a q|k|v|gate layout has an even number of heads, and 2 x S <= 8 is a portable cluster)
         if self.x_mcast and self.tiles % 2:
-            problems.append(f"x_mcast splits each x tile's rows between two CTAs in whole 8-row token tiles: "
+            problems.append(f"x_mcast k_split each x tile's rows between two CTAs in whole 8-row token tiles: "
                             f"needs an even number of tiles, got {self.tiles}")
         if problems:
             raise ValueError(f"invalid qkv_front variant: {'; '.join(problems)}")
-        last = K_TILES // self.splits - 1
+        last = K_TILES // self.k_split - 1
         if self.trigger_ahead and not (self.trigger == "late" and 0 < self.trigger_ahead <= last - self.stages):
             raise ValueError(f"qkv_front trigger_ahead needs trigger='late' and 0..{last - self.stages} k-tiles "
                              f"(past the ring prefill), got trigger_ahead={self.trigger_ahead} with "
@@ -121,14 +121,6 @@ class QkvFrontVariant(VariantMixin):
     @property
     def num_q_heads(self) -> int:
         return (self.heads - 2 * self.num_kv_heads) // 2
-
-
-def supports_shape(n: int, num_kv_heads: int) -> bool:
-    """Can qkv_front serve a weight of N rows with these KV heads (q|k|v|gate, 64 columns a head)?"""
-    if n <= 0 or n % HEAD_COLS or num_kv_heads < 1:
-        return False
-    rest = n // HEAD_COLS - 2 * num_kv_heads  # q + gate heads
-    return rest >= 2 and rest % 2 == 0 and (rest // 2) % num_kv_heads == 0
 
 
 # ---------------------------------------------------------------- launch geometry
@@ -156,12 +148,12 @@ assert red_bytes(2) <= MIN_RING_STAGES * W_STAGE_BYTES  # one or two tiles fit a
 
 def launch_grid(v: QkvFrontVariant) -> tuple[int, int, int]:
     """heads * S CTAs along x; consecutive groups of S CTAs form one head, of `cluster_size(v)` one cluster."""
-    return (v.heads * v.splits, 1, 1)
+    return (v.heads * v.k_split, 1, 1)
 
 
 def cluster_size(v: QkvFrontVariant) -> int:
     """CTAs of a cluster: the S of one head, or of a head pair with x_mcast."""
-    return v.splits * (2 if v.x_mcast else 1)
+    return v.k_split * (2 if v.x_mcast else 1)
 
 
 def x_box_rows(v: QkvFrontVariant) -> int:
@@ -174,9 +166,9 @@ def padded_tokens(v: QkvFrontVariant) -> int:
     return v.tiles * TOKEN_TILE
 
 
-def owned_tokens(tiles: int, splits: int) -> int:
+def owned_tokens(tiles: int, k_split: int) -> int:
     """Tokens one owner CTA runs the epilogue for: token t belongs to rank t % S of the TT padded tokens."""
-    return tiles * TOKEN_TILE // splits
+    return tiles * TOKEN_TILE // k_split
 
 
 def stage_bytes(tiles: int) -> int:
@@ -186,10 +178,10 @@ def stage_bytes(tiles: int) -> int:
 
 def smem_bytes(v: QkvFrontVariant) -> int:
     """Dynamic shared memory of one CTA; must equal the kernel's `Smem.size_in_bytes()`."""
-    return ring_smem_bytes(v.stages, v.tiles, v.splits, v.recv_in_ring)
+    return ring_smem_bytes(v.stages, v.tiles, v.k_split, v.recv_in_ring)
 
 
-def ring_smem_bytes(stages: int, tiles: int, splits: int, recv_in_ring: bool = False) -> int:
+def ring_smem_bytes(stages: int, tiles: int, k_split: int, recv_in_ring: bool = False) -> int:
     """`smem_bytes` of a variant with this ring depth, tile count, S and receive-buffer place (nothing else changes
     it).
 
@@ -199,7 +191,7 @@ def ring_smem_bytes(stages: int, tiles: int, splits: int, recv_in_ring: bool = F
     S partials (TT x 64 fp32, S x TT/S tokens; none with `recv_in_ring`); padded to the struct's 1024-byte alignment.
     """
     tt = tiles * TOKEN_TILE
-    owned = owned_tokens(tiles, splits)
+    owned = owned_tokens(tiles, k_split)
     ring = stages * (tt * K_TILE * 2 + W_STAGE_BYTES)
     small = 8 * (2 * stages + 1) + 8 * owned
     small = (small + 15) // 16 * 16 + 4 * owned * 64 + (0 if recv_in_ring else 4 * tt * HEAD_COLS)

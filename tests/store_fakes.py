@@ -16,7 +16,7 @@ import pytest
 
 from musekern.store.abi import KernelAbi, LaunchSpec, pointer, scalar
 from musekern.store.cache import Cache
-from musekern.store.keys import KeyParts
+from musekern.store.keys import KeyParts, variant_tag
 
 SRC = "ab" * 32
 
@@ -44,10 +44,16 @@ def abi_json(kernel: str, params: dict) -> dict:
     return (declared or FAKE_ABI).to_json()
 
 
+def fake_symbol(kernel: str, params: dict, stem: str = "kernel") -> str:
+    """An entry symbol as the kernels compile it: with the variant's tag (store/variant_abi.py asks for it)."""
+    return f"{stem}_{kernel}_{variant_tag(kernel, params)}"
+
+
 def fake_manifest(parts: KeyParts) -> dict:
     """What the builder hands to Cache.put (builder/compile.py: label, variant, symbol, arch, ABI, built_with)."""
     return {"kernel": parts.kernel, "label": parts.label, "variant": parts.variant_params,
-            "symbol": f"kernel_{parts.kernel}", "arch": parts.arch, "abi": abi_json(parts.kernel, parts.variant_params),
+            "symbol": fake_symbol(parts.kernel, parts.variant_params), "arch": parts.arch,
+            "abi": abi_json(parts.kernel, parts.variant_params),
             "built_with": {"nvidia-cutlass-dsl": parts.dsl_version}}
 
 
@@ -221,7 +227,8 @@ def fake_builds(monkeypatch):
     def build_variant(variant, arch):
         cubin = b"\x7fELF" + hashlib.sha256(f"{variant.label}{arch}".encode()).digest() * 64
         return Built(cubin, {"kernel": variant.kernel, "label": variant.label, "variant": variant.params(),
-                             "symbol": "kernel_fake", "arch": arch, "abi": abi_json(variant.kernel, variant.params()),
+                             "symbol": fake_symbol(variant.kernel, variant.params()), "arch": arch,
+                             "abi": abi_json(variant.kernel, variant.params()),
                              "built_with": {}})
 
     monkeypatch.setattr(prepare_mod, "build_variant", build_variant)

@@ -22,6 +22,7 @@ from store_fakes import (
     abi_json,
     as_other_user,
     fail_writes_under,
+    fake_symbol,
     lived_in,
     lock_held_elsewhere,
     plant_outside,
@@ -55,7 +56,8 @@ def fake_parts(i: int, kernel="qk_norm", arch="sm_90a", dsl="4.8.1") -> KeyParts
 
 def put(cache: Cache, p: KeyParts):
     cubin = b"\x7fELF" + hashlib.sha256(p.key().encode()).digest() * 4
-    return cache.put(p, cubin, {"kernel": p.kernel, "label": p.label, "variant": p.variant_params, "symbol": "k",
+    return cache.put(p, cubin, {"kernel": p.kernel, "label": p.label, "variant": p.variant_params,
+                                "symbol": fake_symbol(p.kernel, p.variant_params, "k"),
                                 "arch": p.arch, "abi": abi_json(p.kernel, p.variant_params), "built_with": {}})
 
 

@@ -19,14 +19,15 @@ from musekern.runtime import ArchMismatchError, MissingKernelError, load_artifac
 from musekern.runtime.loader import _ParamBlock, prepare_command
 from musekern.store.abi import KernelAbi, LaunchSpec, TensorMapSpec, pointer, scalar, tensor, tensormap
 from musekern.store.cache import Cache, CorruptEntryError
-from musekern.store.keys import key_parts
+from musekern.store.keys import key_parts, variant_tag
 
 V = QkNormVariant("bfloat16", 64, True)
 
 
 def fake_entry(cache, variant=V, arch="sm_90a", cubin=None):
     abi = declared_abi(variant.kernel, variant.params())  # the store refuses any other ABI under the key
-    man = {"kernel": variant.kernel, "label": variant.label, "variant": variant.params(), "symbol": "kern_0",
+    man = {"kernel": variant.kernel, "label": variant.label, "variant": variant.params(),
+           "symbol": f"kern_{variant_tag(variant.kernel, variant.params())}",
            "arch": arch, "abi": abi.to_json(), "built_with": {}}
     return cache.put(key_parts(variant, arch, "4.8.1"), elf_header(arch) if cubin is None else cubin, man)
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from store_fakes import abi_json, fail_writes_under
+from store_fakes import abi_json, fail_writes_under, fake_symbol
 
 from musekern.store import hygiene
 from musekern.store.bundle import INDEX_NAME, BundleError, export_bundle, import_bundle
@@ -28,7 +28,8 @@ def fake_parts(i: int, arch: str = "sm_90a") -> KeyParts:
 
 def fake_entry(parts: KeyParts) -> tuple[bytes, dict]:
     cubin = b"\x7fELF" + hashlib.sha256(parts.key().encode()).digest() * 4
-    return cubin, {"kernel": parts.kernel, "label": parts.label, "variant": parts.variant_params, "symbol": "k",
+    return cubin, {"kernel": parts.kernel, "label": parts.label, "variant": parts.variant_params,
+                   "symbol": fake_symbol(parts.kernel, parts.variant_params, "k"),
                    "arch": parts.arch, "abi": abi_json(parts.kernel, parts.variant_params),
                    "built_with": {"nvidia-cutlass-dsl": parts.dsl_version}}
 

@@ -99,3 +99,27 @@ def test_the_real_kernels_declarations_pass_their_own_json_and_tell_siblings_apa
     with capsys.disabled():
         print(f"\n{sum(map(len, groups.values()))} planned variants, {len(groups)} distinct ABIs; "
               f"{sum(map(len, shared))} variants share theirs with a sibling")
+
+
+@pytest.mark.slow
+def test_the_issues_sibling_a_one_vector_epilogue_under_the_four_vector_key_is_refused_unsigned(tmp_path):
+    """Issue 28's example: the vecs_per_thread=1 epilogue's cubin (the very same launch ABI as the 4-vector one, so
+    the ABI check alone cannot tell them apart) under the 4-vector key would leave most of y unwritten. Its entry
+    symbol carries its own variant's tag (store.keys.variant_tag), not the key's: refused with no signature asked."""
+    from musekern.builder.compile import build_variant
+    from musekern.kernels import declared_abi
+    from musekern.kernels.qkv_epilogue.variant import QkvEpilogueVariant
+    from musekern.store.cache import Cache
+    from musekern.store.keys import key_parts, variant_tag
+
+    one, four = QkvEpilogueVariant(vecs_per_thread=1), QkvEpilogueVariant(vecs_per_thread=4)
+    built = build_variant(one, "sm_90a")
+    parts = key_parts(four, "sm_90a", "4.8.1")
+    same = [declared_abi(v.kernel, v.params()).to_json() for v in (one, four)]
+    assert same[0] == same[1]  # one launch ABI: only the symbol tells the two builds apart
+    assert variant_tag(one.kernel, one.params()) in built.manifest["symbol"]
+    forged = {**built.manifest, "label": parts.label, "variant": parts.variant_params}
+    with pytest.raises(ValueError, match="is not this variant's"):
+        Cache(tmp_path / "c").put(parts, built.cubin, forged)
+    own = key_parts(one, "sm_90a", "4.8.1")
+    assert Cache(tmp_path / "d").put(own, built.cubin, built.manifest).key == own.key()

@@ -25,7 +25,8 @@ from ..store.keys import variant_label
 PACKAGE = Path(__file__).resolve().parent.parent  # the musekern package directory
 # Files every kernel's build depends on (package-relative): the shape constants, the compile helper and the ABI
 # record's format.
-COMMON_SOURCES = ("model.py", "builder/dsl.py", "store/abi.py")
+# store/keys.py: its variant_tag is compiled into every entry symbol
+COMMON_SOURCES = ("model.py", "builder/dsl.py", "store/abi.py", "store/keys.py")
 
 
 class VariantMixin:

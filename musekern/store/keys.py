@@ -75,6 +75,13 @@ def variant_label(kernel: str, params: dict) -> str:
     return f"{kernel}[{','.join(f'{k}={v}' for k, v in sorted(params.items()))}]"
 
 
+def variant_tag(kernel: str, params: dict) -> str:
+    """A short name of one variant (`v` + 12 hex of its label's sha256) that every kernel compiles into its entry
+    symbol: the store refuses a cubin whose symbol lacks the key's tag, so a sibling variant's build (the same
+    launch ABI, another meaning) is refused under a key even unsigned (store/variant_abi.py)."""
+    return "v" + sha256_hex(variant_label(kernel, params).encode())[:12]
+
+
 @dataclass(frozen=True)
 class KeyParts:
     """The named inputs of a cache key. Changing any of them gives a new key (never a stale hit).

@@ -251,7 +251,7 @@ def check(manifest, key: str, raw: bytes | None = None) -> list[str]:
     if SIGNATURES in m:
         problems += signature_problems(m[SIGNATURES])
     if parts is not None and not problems:  # what the variant implies about its launch (store/variant_abi.py)
-        problems += variant_abi.problems(parts.kernel, parts.variant_params, parts.label, m["abi"])
+        problems += variant_abi.problems(parts.kernel, parts.variant_params, parts.label, m["abi"], m["symbol"])
     if m.get(DIGEST) != digest_of(m):
         problems.append("manifest.json was changed after it was written (digest mismatch)"
                         if isinstance(m.get(DIGEST), str) else "manifest.json has no digest")

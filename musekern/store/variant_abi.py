@@ -89,9 +89,10 @@ def differences(declared: dict, recorded: dict) -> list[str]:
     return out
 
 
-def problems(kernel: str, variant: dict, label: str, recorded: dict) -> list[str]:
+def problems(kernel: str, variant: dict, label: str, recorded: dict, symbol: str | None = None) -> list[str]:
     """[] when no provider is registered, it declares nothing for this kernel, or the recorded ABI is what the
-    variant declares; else one problem naming the first differences."""
+    variant declares and the entry `symbol` (the cubin's, store/elf.py) carries the variant's tag (keys.variant_tag,
+    which every kernel compiles into its symbol); else one problem naming the first differences."""
     if _provider is None:
         return []
     try:
@@ -100,7 +101,12 @@ def problems(kernel: str, variant: dict, label: str, recorded: dict) -> list[str
         return [f"variant {label[:120]} is not one this musekern declares ({str(e)[:120]})"]
     if declared is None:
         return []
+    from .keys import variant_tag  # here: `import musekern` imports this module and must stay cheap
+
     diff = differences(declared.to_json(), recorded)
+    tag = variant_tag(kernel, dict(variant))
+    if symbol is not None and tag not in symbol:
+        diff.insert(0, f"symbol: {symbol[:80]!r} is not this variant's (no {tag})")
     if not diff:
         return []
     more = f"; and {len(diff) - MAX_SHOWN} more" if len(diff) > MAX_SHOWN else ""

@@ -34,6 +34,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float16, Float32, Int32, Int64, Uint32
 from cutlass.cute.runtime import make_ptr
 
+from ...store.keys import variant_tag
 from .variant import QK_NORM_BLOCK, QK_NORM_VEC_ELEMS, QkNormVariant
 
 _DTYPES = {"bfloat16": BFloat16, "float16": Float16}
@@ -45,7 +46,9 @@ _FAKE_ADDR = 0x10000  # compile-time stand-in for the device pointers (16-byte a
 @cute.kernel
 def qk_norm_kernel(x: cute.Pointer, out: cute.Pointer, m: Int32, heads: Int32, ld_x: Int32, ld_out: Int32,
                    eps: Float32, scale: Float32, head_dim: cutlass.Constexpr, has_scale: cutlass.Constexpr,
-                   vpt: cutlass.Constexpr):
+                   vpt: cutlass.Constexpr, tag: cutlass.Constexpr):
+    # `tag` (store.keys.variant_tag) only names the kernel: CuTe DSL appends constexpr arguments to the entry symbol,
+    # so the symbol is this variant's alone (store/variant_abi.py refuses a sibling's build under the key by it)
     lanes = head_dim // _VEC  # lanes per (row, head) group: 8, 16 or 32
     tidx = cute.arch.thread_idx()[0]
     bidx = cute.arch.block_idx()[0]
@@ -98,12 +101,12 @@ def qk_norm_kernel(x: cute.Pointer, out: cute.Pointer, m: Int32, heads: Int32, l
 @cute.jit
 def qk_norm_host(x: cute.Pointer, out: cute.Pointer, m: Int32, heads: Int32, ld_x: Int32, ld_out: Int32,
                  eps: Float32, scale: Float32, stream: cuda.CUstream, head_dim: cutlass.Constexpr,
-                 has_scale: cutlass.Constexpr, vpt: cutlass.Constexpr):
+                 has_scale: cutlass.Constexpr, vpt: cutlass.Constexpr, tag: cutlass.Constexpr):
     """The launch CuTe would do (the runtime loader reproduces it from the manifest + launch_grid)."""
     total = m * heads * (head_dim // _VEC)
     tile = _BLOCK * vpt
     grid_x = (total + (tile - 1)) // tile
-    qk_norm_kernel(x, out, m, heads, ld_x, ld_out, eps, scale, head_dim, has_scale, vpt).launch(
+    qk_norm_kernel(x, out, m, heads, ld_x, ld_out, eps, scale, head_dim, has_scale, vpt, tag).launch(
         grid=[grid_x, 1, 1], block=[_BLOCK, 1, 1], smem=0, stream=stream)
 
 
@@ -115,4 +118,5 @@ def compile_call(variant: QkNormVariant, arch: str):
     o = make_ptr(dtype, _FAKE_ADDR, cute.AddressSpace.gmem, assumed_align=16)
     row = variant.head_dim * 8
     return qk_norm_host, (x, o, Int32(16), Int32(8), Int32(row), Int32(row), Float32(1e-5), Float32(1.0),
-                          cuda.CUstream(0), variant.head_dim, bool(variant.has_scale), variant.vecs_per_thread)
+                          cuda.CUstream(0), variant.head_dim, bool(variant.has_scale), variant.vecs_per_thread,
+                          variant_tag(variant.kernel, variant.params()))

@@ -50,6 +50,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import make_ptr
 from cutlass.cutlass_dsl import dsl_user_op
 
+from ...store.keys import variant_tag
 from .variant import (
     EPI_BLOCK,
     EPI_HEAD_DIM,
@@ -99,10 +100,11 @@ class QkvEpilogueKernel:
     """One compiled qkv_epilogue. Static: vectors per thread, rounds. Runtime: everything else."""
 
     def __repr__(self):
-        # CuTe DSL names the compiled kernel after str(self) (the jit's `self` argument, its address dropped): this
-        # is the repr the class had in musekern/kernels/qkv_epilogue.py, so the symbol names, and with them the
-        # cubins, stay those of the builds made before the kernel moved into its folder.
-        return f"<musekern.kernels.qkv_epilogue.QkvEpilogueKernel object at {id(self):#x}>"
+        # CuTe DSL names the compiled kernel after str(self) (the jit's `self` argument, its address dropped): the
+        # variant's tag in it makes the entry symbol this variant's alone (store/variant_abi.py refuses a sibling's
+        # build, e.g. another vecs_per_thread, under the key by it).
+        return f"<musekern.kernels.qkv_epilogue.QkvEpilogueKernel {variant_tag(self.v.kernel, self.v.params())} " \
+               f"object at {id(self):#x}>"
 
     def __init__(self, v: QkvEpilogueVariant):
         self.v = v

@@ -55,6 +55,7 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.memory import SmemAllocator
 from cutlass.utils import hopper_helpers as sm90_utils
 
+from ...store.keys import variant_tag
 from .mma import BAR_AUX, BAR_PARTIALS, BAR_RED, CONSUMER_THREADS, CtaPlace, FrontConsumers
 from .octets import OCTET_MIN_OWNED, FrontOctetEpilogue
 from .variant import (
@@ -132,10 +133,11 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
     """One compiled qkv_front variant. Static: N, KV heads, tiles, ring depth, S, fixed M."""
 
     def __repr__(self):
-        # CuTe DSL names the compiled kernel after str(self) (the jit's `self` argument, its address dropped): this is
-        # the repr the class had in musekern/kernels/qkv_front.py, so the symbol names, and with them the cubins, stay
-        # those of the builds made before the kernel moved into its folder.
-        return f"<musekern.kernels.qkv_front.QkvFrontKernel object at {id(self):#x}>"
+        # CuTe DSL names the compiled kernel after str(self) (the jit's `self` argument, its address dropped): the
+        # variant's tag in it makes the entry symbol this variant's alone (store/variant_abi.py refuses a sibling's
+        # build under the key by it); the class's old module path keeps the rest of the name as it was.
+        return f"<musekern.kernels.qkv_front.QkvFrontKernel {variant_tag(self.v.kernel, self.v.params())} object at " \
+               f"{id(self):#x}>"
 
     def __init__(self, v: QkvFrontVariant):
         assert HIDDEN % K_TILE == 0 and K_TILES % v.k_split == 0, "S must divide the 64 k-tiles"

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """How long `musekern.prepare_ops` takes an engine's capture sizes, in a fresh process, without and with the cache's
-GEMM tuning record (store/tuning.py): per shard, the records cleared, then one process (`cold`: every GEMM-path M
+GEMM tuning record (gemm/records.py): per shard, the records cleared, then one process (`cold`: every GEMM-path M
 timed and recorded) and a second (`recorded`: each checked, not timed), both from a warm kernel cache and after torch
 and CUDA are up. The capture sizes are vLLM's defaults up to 512 (1, 2, 4, 8 ... 248 every 8, 256 ... 512 every 16).
 
@@ -24,7 +24,7 @@ CHILD = r"""
 import json, sys, time, torch
 torch.zeros(1, device="cuda"); torch.cuda.synchronize()
 import musekern
-from musekern.ops import gemm
+from musekern.gemm import tune as gemm
 n, nkv, sizes = json.loads(sys.argv[1])
 t0 = time.perf_counter()
 musekern.prepare_ops(n, sizes, num_kv_heads=nkv)
@@ -39,12 +39,12 @@ def main(argv) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    from musekern.gemm import records
     from musekern.runtime.loader import open_cache
-    from musekern.store import tuning
 
     rows = []
     for n, nkv in SHARDS:
-        tuning.clear(open_cache())
+        records.clear(open_cache())
         row = {"N": n, "sizes": len(SIZES)}
         for run in ("cold", "recorded"):
             out = subprocess.run([sys.executable, "-c", CHILD, json.dumps([n, nkv, SIZES])], capture_output=True,

@@ -3,8 +3,8 @@
 padding slots (-1), a slot past the end of the cache, positions past the end of the table and negative, at the
 smallest and the largest M each planned front build serves (`planned_ms`: every build per N, its most padded and its
 fullest token tiles) and M = 100 (torch.mm + the fused epilogue everywhere), FlashInfer's strided cache layout; at
-M = 100 also every cuBLASLt algorithm the GEMM path may choose (`ops.gemm`: each candidate launched once through
-runtime/cublaslt.py, so the binding's layouts and workspace are checked). Exit 0 if every launch ran.
+M = 100 also every cuBLASLt algorithm the GEMM path may choose (`gemm.tune`: each candidate launched once through
+gemm/cublaslt.py, so the binding's layouts and workspace are checked). Exit 0 if every launch ran.
 `--fused-only`: only the M the fused front serves (racecheck: on the GEMM path it reports hazards inside cuBLAS's own
 nvjet kernels, which are not musekern's; bench/sanitize_qkv_epilogue.py checks the epilogue).
 
@@ -32,7 +32,7 @@ def planned_ms(n: int, num_kv_heads: int, target) -> list:
 
 def lt_candidates(w, x) -> int:
     """Every algorithm cuBLASLt offers for this (N, M), launched once (the GEMM path's binding under the sanitizer)."""
-    from musekern.runtime import cublaslt
+    from musekern.gemm import cublaslt
     from musekern.runtime.loader import current_stream_getter
 
     dev = torch.cuda.current_device()

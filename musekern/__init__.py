@@ -44,11 +44,20 @@ def _declared_abi(kernel: str, params: dict):
         return None
 
 
-def _register_declared_abi() -> None:
-    from .store import variant_abi  # stdlib only: keeps `import musekern` cheap
+def _gemm_records():
+    """The GEMM tuning records' folder (gemm/records.py), for the store's maintenance (clean, stats); imported on first
+    use, so `import musekern` stays cheap."""
+    from .gemm.records import FOLDER
+
+    return FOLDER
+
+
+def _register_store_hooks() -> None:
+    from .store import record_folders, variant_abi  # stdlib only: keeps `import musekern` cheap
 
     if variant_abi.get_provider() is None:
         variant_abi.set_provider(_declared_abi)
+    record_folders.register(_gemm_records)
 
 
-_register_declared_abi()
+_register_store_hooks()

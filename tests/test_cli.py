@@ -99,7 +99,7 @@ def test_doctor_reports_missing_then_ok(run, tmp_path):
     doc = json.loads(run("doctor", "--target", "h200", "--json", code=1).stdout)
     assert doc["nvidia-cutlass-dsl"] == keys.dsl_version() and len(doc["missing"]) == 32 and not doc["ok"]
     assert doc["cache_dir"] == str(tmp_path / "cache")
-    from musekern.runtime.cublaslt import library_paths  # where the GEMM path's cuBLASLt would load from, or None
+    from musekern.gemm.cublaslt import library_paths  # where the GEMM path's cuBLASLt would load from, or None
 
     assert doc["cublaslt"] == (library_paths()[0] if library_paths() else None)
     assert doc["gemm_tuning"] == {}  # no GPU has tuned into this cache

@@ -612,12 +612,12 @@ def test_clean_all_beside_a_held_tuning_lock_says_so_at_once(cli, filled):
     """Before: 20 s of silence (the tuning lock waited for twice, 10 s each), then the records kept unsaid."""
     import fcntl
 
-    from musekern.store import tuning
+    from musekern.gemm import records
 
-    tuning.tuning_dir(filled).mkdir()
-    record = tuning.tuning_dir(filled) / "gpu.sm90.132sms.cublaslt1.json"
+    records.tuning_dir(filled).mkdir()
+    record = records.tuning_dir(filled) / "gpu.sm90.132sms.cublaslt1.json"
     record.write_text("{}")
-    fd = os.open(tuning.lock_path(filled), os.O_RDWR | os.O_CREAT)  # another open file description: a writer
+    fd = os.open(records.lock_path(filled), os.O_RDWR | os.O_CREAT)  # another open file description: a writer
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         t0 = time.monotonic()
@@ -627,23 +627,23 @@ def test_clean_all_beside_a_held_tuning_lock_says_so_at_once(cli, filled):
         os.close(fd)
     doc = json.loads(r.stdout)
     assert r.exit_code == 0 and took < 3 and len(doc["removed"]) == 4 and record.exists(), took
-    assert len(doc["skipped"]) == 1 and str(tuning.lock_path(filled)) in doc["skipped"][0]
+    assert len(doc["skipped"]) == 1 and str(records.lock_path(filled)) in doc["skipped"][0]
     assert r.stderr.count("\n") == 1 and "GEMM tuning records kept" in r.stderr and "clean --all" in r.stderr
     assert cli("clean", "--all", "--cache-dir", filled.root).exit_code == 0 and not record.exists()
 
 
 def test_clean_all_without_a_locks_dir_removes_the_tuning_records(cli, filled):
     """Before: the tuning lock could not be made without locks/, and the records were kept, silently."""
-    from musekern.store import tuning
+    from musekern.gemm import records
 
-    tuning.tuning_dir(filled).mkdir()
-    (tuning.tuning_dir(filled) / "gpu.sm90.132sms.cublaslt1.json").write_text("{}")
+    records.tuning_dir(filled).mkdir()
+    (records.tuning_dir(filled) / "gpu.sm90.132sms.cublaslt1.json").write_text("{}")
     import shutil
 
     shutil.rmtree(filled.locks_dir)
     r = cli("clean", "--all", "--cache-dir", filled.root, "--json")
     assert r.exit_code == 0 and json.loads(r.stdout)["gemm_tuning_removed"] == ["gpu.sm90.132sms.cublaslt1"]
-    assert os.listdir(tuning.tuning_dir(filled)) == []
+    assert os.listdir(records.tuning_dir(filled)) == []
 
 
 # a lock file that is no file: a directory (the issue's), a link to one, a FIFO; each maintenance command that

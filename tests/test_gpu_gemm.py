@@ -1,13 +1,13 @@
-"""ops/gemm.py on the GPU (marked `gpu`): tuning times torch.mm beside cuBLASLt's candidates and keeps the fastest;
+"""gemm/tune.py on the GPU (marked `gpu`): tuning times torch.mm beside cuBLASLt's candidates and keeps the fastest;
 the kept algorithm's y against an fp64 GEMM (error <= 2x torch.mm's own + a tiny atol; y poisoned first), bit for bit
 the same call to call, capturable in a CUDA graph and free of host syncs; the product's GEMM path after `prepare`; the
 tuning record a later process checks instead of timing (a forged or read-only one costs a re-timing, nothing else)."""
 import pytest
 import torch
 
-from musekern.ops import gemm
+from musekern.gemm import cublaslt
+from musekern.gemm import tune as gemm
 from musekern.ops import qkv_front as front
-from musekern.runtime import cublaslt
 
 pytestmark = pytest.mark.gpu
 
@@ -110,7 +110,7 @@ def test_a_misaligned_view_takes_torch_mm_bit_for_bit():
     assert torch.equal(out, torch.mm(x, w.t()))
 
 
-# ---------------------------------------------------------------- the tuning record (store/tuning.py)
+# ---------------------------------------------------------------- the tuning record (gemm/records.py)
 @pytest.fixture
 def fresh_process(tmp_path, monkeypatch):
     """A cache of our own (MUSEKERN_CACHE_DIR) and this process's tuning forgotten, as in a new process; `timed`
@@ -133,22 +133,22 @@ def fresh_process(tmp_path, monkeypatch):
 
 
 def _scope(dev):
-    from musekern.store import tuning
+    from musekern.gemm import records
 
     p = torch.cuda.get_device_properties(dev)
-    return tuning.scope(p.name, (p.major, p.minor), p.multi_processor_count, cublaslt.library().version)
+    return records.scope(p.name, (p.major, p.minor), p.multi_processor_count, cublaslt.library().version)
 
 
 # shapes whose pick is a cuBLASLt algorithm: unsplit (TP4 M = 65) and split-K with a workspace (TP8 M = 128)
 @pytest.mark.parametrize("n, m", [(4352, 65), (2176, 128)])
 def test_a_second_process_checks_the_recorded_pick_instead_of_timing(fresh_process, n, m):
-    from musekern.store import tuning
+    from musekern.gemm import records
 
     cache, timed, forget = fresh_process
     dev = torch.cuda.current_device()
     first = gemm.tune(n, [m], dev)[0]
     assert not first.recorded and timed and first.chosen != "mm", first
-    rec = tuning.load(cache, _scope(dev))[(n, m)]
+    rec = records.load(cache, _scope(dev))[(n, m)]
     assert rec.chosen == first.chosen and rec.us == first.us
     x, w = _operands(n, m, seed=7)
     y1 = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -162,21 +162,21 @@ def test_a_second_process_checks_the_recorded_pick_instead_of_timing(fresh_proce
 
 
 def test_a_record_cublaslt_no_longer_offers_is_timed_again(fresh_process):
-    from musekern.store import tuning
+    from musekern.gemm import records
 
     cache, timed, forget = fresh_process
     n, m, dev = 4352, 65, torch.cuda.current_device()
     us = {"mm": 30.0, "lt[forged]": 10.0}
-    assert tuning.save(cache, _scope(dev), {(n, m): tuning.Record("lt[forged]", bytes(range(64)), 0, us)}) is None
+    assert records.save(cache, _scope(dev), {(n, m): records.Record("lt[forged]", bytes(range(64)), 0, us)}) is None
     got = gemm.tune(n, [m], dev)[0]
     assert not got.recorded and timed and "lt[forged]" not in got.us
-    assert tuning.load(cache, _scope(dev))[(n, m)].us == got.us  # the record now holds what was measured
+    assert records.load(cache, _scope(dev))[(n, m)].us == got.us  # the record now holds what was measured
 
 
 def test_a_read_only_cache_keeps_no_record_and_still_tunes(fresh_process):
     import os
 
-    from musekern.store import tuning
+    from musekern.gemm import records
 
     cache, timed, forget = fresh_process
     os.chmod(cache.base, 0o555)
@@ -184,4 +184,4 @@ def test_a_read_only_cache_keeps_no_record_and_still_tunes(fresh_process):
         got = gemm.tune(4352, [65], torch.cuda.current_device())[0]
     finally:
         os.chmod(cache.base, 0o755)
-    assert timed and got.chosen == gemm.pick(got.us) and not tuning.tuning_dir(cache).exists()
+    assert timed and got.chosen == gemm.pick(got.us) and not records.tuning_dir(cache).exists()

@@ -1,8 +1,10 @@
 """The package's import drawing, read statically from every module (lazy imports inside functions included).
 
 The rules (issue 27): no import circle between the package's parts; the serving leg (runtime/) stands on the store
-and the driver layer only, never on the builder or the planner; the store names no kernel (tests/test_store_keys.py);
-every kernel is one folder under kernels/ listed in plan.REGISTRY, and only the builder compiles (imports cutlass).
+and the driver layer only, never on the builder, the planner or the GEMM path; the store names no kernel
+(tests/test_store_keys.py) and imports no other part (the GEMM tuning records reach its maintenance through
+store/record_folders.py); the GEMM path is one folder (gemm/) the ops stand on; every kernel is one folder under
+kernels/ listed in plan.REGISTRY, and only the builder compiles (imports cutlass).
 """
 from __future__ import annotations
 
@@ -101,8 +103,13 @@ def test_no_import_circle_inside_ops():
 @pytest.mark.parametrize("part,allowed", [
     # the serving leg: the store and the driver layer (runtime's own modules), and the leaves
     ("runtime", {"store"} | LEAVES),
-    # the artifact contract: itself and the leaves
+    # the artifact contract: itself and the leaves (the GEMM records come in through a registered hook)
     ("store", LEAVES),
+    # the GEMM path: its records on the store, its launch on the loader's stream and cache
+    ("gemm", {"store", "runtime"} | LEAVES),
+    # the torch-facing ops: the GEMM path, the loader, the kernels' pure variant modules, the builder's autobuild hook
+    # (ops/checks.py only: test below), the reference for CPU tensors; never the planner's registry or the CLI
+    ("ops", {"gemm", "runtime", "kernels", "builder", "reference", "config"} | LEAVES),
     # the kernels: their ABI record format and their key's label spelling are the store's
     ("kernels", {"store"} | LEAVES),
     ("plan", {"kernels", "config", "store"} | LEAVES),
@@ -122,6 +129,15 @@ def test_only_the_cli_and_the_autobuild_hook_reach_the_builder():
     users = [f.relative_to(PKG).as_posix() for f in (PKG / "ops").glob("*.py")
              if any(m.startswith("builder") for m in _imports(f))]
     assert users == ["ops/checks.py"]
+
+
+def test_the_gemm_path_is_one_folder():
+    """The cuBLASLt binding, the tuning and its records live in gemm/ and nowhere else; the store and the runtime
+    name none of them."""
+    assert {f.name for f in (PKG / "gemm").glob("*.py")} == {"__init__.py", "cublaslt.py", "tune.py", "records.py"}
+    for part in ("store", "runtime", "ops"):
+        assert not {f.name for f in (PKG / part).glob("*.py")} & {"cublaslt.py", "gemm.py", "tuning.py"}, part
+    assert {p for p, deps in _graph().items() if "gemm" in deps} <= {"ops", "cli", "__init__"}
 
 
 def test_only_the_kernels_and_the_builder_import_cutlass():

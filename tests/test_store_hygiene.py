@@ -76,8 +76,8 @@ def test_stats_and_clean(cache):
         assert hygiene.clean_tmp(cache, dry_run=True) == 2 and dead.exists()
         assert hygiene.clean_tmp(cache) == 2 and live.exists() and not dead.exists() and not stray.exists()
     assert hygiene.clean_tmp(cache) == 1 and not live.exists()  # its writer let go: debris now
-    assert hygiene.clear(cache) == {"removed": sorted([a.key(), b.key()]), "busy": [], "tuning": [], "skipped": [],
-                                   "tmp": 0}
+    assert hygiene.clear(cache) == {"removed": sorted([a.key(), b.key()]), "busy": [], "records": {"gemm_tuning": []},
+                                   "skipped": [], "tmp": 0}
     assert cache.entries() == []
 
 
@@ -333,7 +333,8 @@ def test_maintenance_skips_entries_a_writer_holds(cache):
         cache.put(x, fake_cubin(x), fake_manifest(x))
     with lock_held_elsewhere(cache, p.key()):
         assert [e.key for e in hygiene.gc(cache, max_size=0)] == [q.key()]
-        assert hygiene.clear(cache) == {"removed": [], "busy": [p.key()], "tuning": [], "skipped": [], "tmp": 0}
+        assert hygiene.clear(cache) == {"removed": [], "busy": [p.key()], "records": {"gemm_tuning": []}, "skipped": [],
+                                        "tmp": 0}
         assert cache.sound(p.key())
     assert hygiene.clear(cache)["removed"] == [p.key()]
 

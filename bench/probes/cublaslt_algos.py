@@ -6,7 +6,7 @@ algorithm in the list that is fast at every M? Per (N, M): the algorithms the he
 4, 1 and 0 MiB (at most 8 each), each captured in a CUDA graph over 8 layers of distinct weights, medians, beside
 torch.mm; per algorithm its kernels (torch.profiler), workspace, tile and split-K, and its y against torch.mm's.
 
-cuBLASLt is called through the product's binding (`musekern/runtime/cublaslt.py`: the candidates `ops.gemm.tune`
+cuBLASLt is called through the product's binding (`musekern/gemm/cublaslt.py`: the candidates `gemm.tune.tune`
 chooses among). h200-cublaslt-algos.json was taken at cf464f5 with this probe's own ctypes binding, which also
 recorded each algorithm's config id, stages and waves (the same ids and stages everywhere).
 
@@ -26,8 +26,8 @@ from gemm_dispatch import kernel_names  # noqa: E402
 
 from musekern.bench.report import commit_info  # noqa: E402
 from musekern.bench.timing import Graph, time_graphs  # noqa: E402
+from musekern.gemm import cublaslt  # noqa: E402
 from musekern.kernels.qkv_front.variant import HIDDEN  # noqa: E402
-from musekern.runtime import cublaslt  # noqa: E402
 
 LAYERS, LOOPS = 8, 6
 MS = (1, 16, 17, 24, 32, 33, 48, 49, 56, 57, 64, 65, 72, 80, 88, 96, 112, 128, 192, 256)

@@ -2,7 +2,7 @@
 """What the fused epilogue adds after each cuBLAS algorithm of the GEMM path (bench/NOTES.md "Every M: the GEMM's
 algorithm": after the unsplit kernels the GEMM path minus the GEMM alone is 2.3-3.0 us, after split-K 0.6-1.4).
 
-Per (N, M): torch.mm and every algorithm cuBLASLt's heuristic offers (ops/gemm.py's candidates), each in a CUDA graph
+Per (N, M): torch.mm and every algorithm cuBLASLt's heuristic offers (gemm/tune.py's candidates), each in a CUDA graph
 of 8 layers (weights rotated past the L2, as `tune` and the bench time them), replayed 7 times, medians, us a layer:
 - `alone`: the GEMM only (what `tune` times);
 - `epi`: the GEMM, then the planned epilogue build on y (PDL, as the product launches it);
@@ -26,16 +26,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from issue13_table import _inputs, write_results  # noqa: E402
 
 import musekern  # noqa: E402
+from musekern.gemm import cublaslt  # noqa: E402
+from musekern.gemm import tune as G  # noqa: E402
 from musekern.kernels.qkv_front.variant import HIDDEN  # noqa: E402
 from musekern.ops import checks as CH  # noqa: E402
-from musekern.ops import gemm as G  # noqa: E402
 from musekern.ops import qkv_epilogue as E  # noqa: E402
-from musekern.runtime import cublaslt  # noqa: E402
 
 KV = {2176: 1, 4352: 2, 17408: 8}
 # the GEMM path's decode Ms where unsplit (TP4) and split-K (TP8) picks win, TP1 above its front
 SHAPES = ((2176, 65), (2176, 128), (2176, 256), (4352, 65), (4352, 128), (4352, 256), (17408, 64), (17408, 128))
-ROUNDS = 7  # graph replays a median is taken over (ops/gemm.py's timing: 8 calls a graph)
+ROUNDS = 7  # graph replays a median is taken over (gemm/tune.py's timing: 8 calls a graph)
 
 
 def shape_rows(n: int, m: int, dev: int) -> list:

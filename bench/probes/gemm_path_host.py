@@ -25,11 +25,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from issue13_table import _inputs, write_results  # noqa: E402
 
 import musekern  # noqa: E402
+from musekern.gemm import cublaslt  # noqa: E402
+from musekern.gemm import tune as G  # noqa: E402
 from musekern.ops import checks as CH  # noqa: E402
-from musekern.ops import gemm as G  # noqa: E402
 from musekern.ops import qkv_epilogue as E  # noqa: E402
 from musekern.ops import qkv_front as F  # noqa: E402
-from musekern.runtime import cublaslt  # noqa: E402
 
 # the path edges (TP8 64 | 65, TP4 65, TP1 65), a GEMM-path M where TP8 keeps a split-K algorithm, prefill (untuned)
 CASES = ((2176, 1, 64), (2176, 1, 65), (2176, 1, 128), (4352, 2, 65), (17408, 8, 65), (2176, 1, 2048))

@@ -18,7 +18,7 @@ epilogue's fraction of copy bandwidth also compares two numbers of the same minu
 a bench's end than at its start: `copy_TBps`, `copy_TBps_end`). (A 2 GiB copy captured in a graph runs at ~2.7 TB/s,
 a different path: not a reference.)
 - cublas:         torch.mm alone;  unfused: torch.mm + the plain-torch epilogue (bench/unfused.py);
-- gemm_best:      the GEMM path's GEMM alone (`ops.gemm.mm`: the cuBLAS algorithm `ops.gemm.tune` measured fastest for
+- gemm_best:      the GEMM path's GEMM alone (`gemm.tune.mm`: the cuBLAS algorithm `gemm.tune.tune` measured fastest for
                   this (N, M) before the graphs, torch.mm unless another was 3% faster; torch.mm untimed above
                   M = 512);
 - compiled:       torch.mm + `torch.compile(reference.fused_qknorm_rope_kv_insert, dynamic=True)` (M >= 2).
@@ -121,7 +121,7 @@ def format_all_m(doc: dict) -> str:
     out = ["all M: us per layer (8 distinct layers, graph replay); path = what the planner picks; epiBW = the "
            "fused epilogue's bytes / time / copy BW (2 GiB, the run's start); BWnow = the same against the 2 GiB copy "
            "measured right before the row; vsCpy = a copy of its bytes' time / its time; cuBLAS = torch.mm; bestGEMM = "
-           "the cuBLAS algorithm measured fastest (ops.gemm)", hdr,
+           "the cuBLAS algorithm measured fastest (gemm.tune)", hdr,
            "-" * len(hdr)]
     f = report._f
     for r in rows:
@@ -181,8 +181,8 @@ def measure_all_m(shard, m: int, copy_tbps: float, samples: int, compiled) -> di
     """Graphs of every applicable GRAPHS entry for one (N, M), an output check, the medians."""
     import torch
 
+    from ..gemm import tune as gemm
     from ..kernels.qkv_epilogue.variant import epilogue_bytes
-    from ..ops import gemm
     from ..ops import qkv_epilogue as epi
     from ..ops import qkv_front as ops
     from .timing import Graph, copy_closures, loops_for, time_graphs

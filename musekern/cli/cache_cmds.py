@@ -15,7 +15,8 @@ import time
 import click
 
 from ..env import human_size, parse_size
-from ..store import hygiene, lookup, tuning
+from ..gemm import records as gemm_records
+from ..store import hygiene, lookup, record_folders
 from .common import (
     EXIT_FAIL,
     Failure,
@@ -176,7 +177,8 @@ def clean_cmd(stale, all_, dry_run, cache_dir, as_json):
     if not dry_run:
         _writable(cache, "clean", "clean")
     hygiene.check_own_dirs(cache, "clean")  # a link where tmp/, plans/... should be: refused before anything goes
-    doomed, busy, tuned, skipped = [], [], [], []
+    doomed, busy, skipped = [], [], []
+    records = {f.name: [] for f in record_folders.folders()}  # a record folder -> the names removed (the GEMM tuning)
     if all_:
         doomed = cache.entries()
     elif stale:
@@ -185,11 +187,11 @@ def clean_cmd(stale, all_, dry_run, cache_dir, as_json):
     if dry_run:
         removed = list(summaries)
         tmp = hygiene.clean_tmp(cache, dry_run=True)
-        tuned = tuning.scope_files(cache) if all_ else []
+        records = {f.name: f.files(cache) for f in record_folders.folders()} if all_ else records
     elif all_:
         result = hygiene.clear(cache)
-        removed, busy, tmp, tuned, skipped = (result["removed"], result["busy"], result["tmp"], result["tuning"],
-                                              result["skipped"])
+        removed, busy, tmp, records, skipped = (result["removed"], result["busy"], result["tmp"], result["records"],
+                                                result["skipped"])
     else:
         done = {e.key: hygiene.remove_entry(cache, e.key, command="clean", skipped=skipped) for e in doomed}
         removed, busy = ([k for k, r in done.items() if r == want] for want in ("removed", "busy"))
@@ -199,12 +201,13 @@ def clean_cmd(stale, all_, dry_run, cache_dir, as_json):
         log(f"musekern: warning: {line}")
     if as_json:
         emit_json({"cache_dir": str(cache.root), "dry_run": dry_run, "removed": rows, "busy": busy,
-                   "temp_dirs_removed": tmp, "gemm_tuning_removed": tuned, "skipped": skipped})
+                   "temp_dirs_removed": tmp, **{f"{k}_removed": v for k, v in records.items()}, "skipped": skipped})
         return
     for r in rows:
         click.echo(f"{'would remove' if dry_run else 'removed'} {r['key'][:16]} {r['label']}")
-    for t in tuned:
-        click.echo(f"{'would remove' if dry_run else 'removed'} GEMM tuning record {t}")
+    for f in record_folders.folders():
+        for name in records.get(f.name, ()):
+            click.echo(f"{'would remove' if dry_run else 'removed'} {f.what} {name}")
     if dry_run:
         click.echo(f"{len(rows)} entries and {tmp} staging dirs would be removed; nothing was touched ({cache.root})")
     else:
@@ -243,7 +246,7 @@ def stats_cmd(zero, cache_dir, as_json):
                + f"; {c['built']} built, {c['pulled']} pulled")
     if s["max_size"] is not None:
         click.echo(f"size policy: at most {_human(s['max_size'])} (from {s['max_size_source']})")
-    for scope, shapes in s["gemm_tuning"].items():
+    for scope, shapes in s[gemm_records.FOLDER.name].items():
         click.echo(f"GEMM tuning: {shapes} shapes measured on {scope}")
     rows = [["kernel", k, v["entries"], _human(v["bytes"])] for k, v in sorted(s["by_kernel"].items())]
     rows += [["arch", k, v["entries"], _human(v["bytes"])] for k, v in sorted(s["by_arch"].items())]

@@ -100,7 +100,8 @@ def _fix_command(model_path, tp, cache_dir, missing) -> str:
 def doctor_cmd(model_path, target_names, tp, cache_dir, as_json):
     """Report versions, GPU and driver, the cache, MUSEKERN_* variables, and the model's variants missing
     from the cache (exit 1 if any, or if cuda-bindings cannot drive this driver)."""
-    from ..store import lookup, tuning
+    from ..gemm import records
+    from ..store import lookup
     from ..store.cache import Cache, default_cache_dir
     from ..store.keys import key_parts
 
@@ -115,7 +116,7 @@ def doctor_cmd(model_path, target_names, tp, cache_dir, as_json):
             missing.append({"target": e.target.name, "variant": e.variant.label})
     bindings = dist_version("cuda-bindings") or dist_version("cuda-python")
     driver = _driver_version()
-    from ..runtime.cublaslt import library_paths  # no torch, no CUDA: where the GEMM path's cuBLASLt would load from
+    from ..gemm.cublaslt import library_paths  # no torch, no CUDA: where the GEMM path's cuBLASLt would load from
 
     lt = library_paths()
     problems = [p for p in (bindings_driver_problem(bindings, driver), _remote_problem()) if p]
@@ -132,7 +133,7 @@ def doctor_cmd(model_path, target_names, tp, cache_dir, as_json):
         "cache_dir": str(cache.root),
         "cache_writable": not cache.read_only,
         "cache_entries": len(cache.entries()),
-        "gemm_tuning": tuning.summary(cache),
+        records.FOLDER.name: records.summary(cache),
         "model": model.source,
         "tp": list(model.tensor_parallel_sizes),
         "tp_source": model.tp_source,

@@ -18,10 +18,11 @@ import functools
 
 import torch
 
+from ..gemm import tune as gemm
 from ..kernels.qkv_front.rules import front_serves, variant
 from ..kernels.qkv_front.variant import QkvFrontVariant, launch_grid
 from ..model import HIDDEN, supports_shape
-from . import checks, gemm, qkv_epilogue
+from . import checks, qkv_epilogue
 from ._bind import Plans, binder, take
 from .checks import ALIGN, BF16, F32, I64, INF, is_tensor, overlaps
 

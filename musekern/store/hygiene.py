@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from .. import env
-from . import locks, owndirs, tuning
+from . import locks, owndirs, record_folders
 from .cache import CACHE_FORMAT, Cache, CacheError, Entry, manifest_bytes, staging_key
 from .fs import ReadProblem, atomic_write, read_regular
 from .keys import is_key, sha256_hex
@@ -37,8 +37,9 @@ COUNTERS = ("hit", "miss", "built", "pulled")
 
 # ---------------------------------------------------------------- the cache's own directories (store/owndirs.py)
 def own_dirs(cache: Cache) -> list[Path]:
-    """Every directory the store makes below the cache directory: the layout's, tuning/ and index/<family>/."""
-    dirs = [*cache.own_dirs, tuning.tuning_dir(cache)]
+    """Every directory the store makes below the cache directory: the layout's, the registered record folders'
+    (store/record_folders.py: the GEMM tuning records' tuning/) and index/<family>/."""
+    dirs = [*cache.own_dirs, *(f.path(cache) for f in record_folders.folders())]
     if owndirs.problem(cache.base) is None and owndirs.problem(cache.index_dir) is None:
         with contextlib.suppress(OSError):
             dirs += [cache.index_dir / n for n in sorted(os.listdir(cache.index_dir))]
@@ -198,8 +199,9 @@ def clean_tmp(cache: Cache, dry_run: bool = False, skipped: list | None = None) 
         return 0
     check_own_dirs(cache, "clean")
     n = 0
-    if not tuning_busy(cache):  # else a tuning writer is at work: its temp file is no debris (and is not waited for)
-        n += tuning.clean_debris(cache, dry_run)  # killed tuning writers' temp files
+    for f in record_folders.folders():  # killed record writers' temp files (a live writer's stay: not waited for)
+        if not records_busy(cache, f):
+            n += f.clean_debris(cache, dry_run)
     items = [i for i in staging(cache) if not i["live"]]
     if dry_run:
         return n + len(items)
@@ -219,13 +221,13 @@ def clean_tmp(cache: Cache, dry_run: bool = False, skipped: list | None = None) 
     return n
 
 
-def tuning_busy(cache: Cache, skipped: list | None = None) -> bool:
-    """Whether a GEMM tuning writer holds the tuning lock now (then its records and temp files stay: waiting for it
-    could take tuning.LOCK_WAIT_S); one line in `skipped` when so."""
-    lock = tuning.lock_path(cache)
+def records_busy(cache: Cache, folder: record_folders.RecordFolder, skipped: list | None = None) -> bool:
+    """Whether a writer of a record folder holds its lock now (then its records and temp files stay: waiting for it
+    could stall the command); one line in `skipped` when so."""
+    lock = folder.lock(cache)
     if not locks.is_held(lock):
         return False
-    line = (f"GEMM tuning records kept: another process holds {lock} (a GEMM tuning run is writing them); run "
+    line = (f"{folder.what}s kept: another process holds {lock} (a writer of them is at work); run "
             "`musekern clean --all` again when it is done")
     if skipped is not None and line not in skipped:
         skipped.append(line)
@@ -254,7 +256,7 @@ def stats(cache: Cache) -> dict:
     return {"cache_dir": str(cache.root), "format": CACHE_FORMAT, "read_only": cache.read_only,
             "entries": len(entries), "bytes": total, "by_kernel": by_kernel, "by_arch": by_arch,
             "uncommitted": len(cache.entry_keys()) - len(entries), "plans": sorted(plans(cache)),
-            "gemm_tuning": tuning.summary(cache),
+            **{f.name: f.summary(cache) for f in record_folders.folders()},
             "counters": counters(cache), "max_size": max_size, "max_size_source": source,
             "policy_problem": policy_problem, "not_own_dirs": bad_dirs,
             "staging": {"live": sum(i["live"] for i in items), "debris": sum(not i["live"] for i in items),
@@ -326,15 +328,15 @@ def repair(cache: Cache) -> dict:
 
 def clear(cache: Cache) -> dict:
     """`clean --all`: remove every entry no writer holds, their stamps and index markers, every recorded plan,
-    the GEMM tuning records and dead writers' staging debris. Live writers' entries and staging dirs, and the lock
-    files, stay. Returns {"removed": [keys], "busy": [keys a writer held], "tuning": [scopes removed], "tmp": staging
-    items removed, "skipped": [one line each: what was kept and why (the tuning lock held, a lock file that is a
-    directory)]}."""
+    the registered record folders' records (the GEMM tuning records) and dead writers' staging debris. Live writers'
+    entries and staging dirs, and the lock files, stay. Returns {"removed": [keys], "busy": [keys a writer held],
+    "records": {folder name: [names removed]}, "tmp": staging items removed, "skipped": [one line each: what was kept
+    and why (a record folder's lock held, a lock file that is a directory)]}."""
     cache.require_writable("clean", "clean")
     check_own_dirs(cache, "clean")
-    out: dict = {"removed": [], "busy": [], "tuning": [], "skipped": [], "tmp": 0}
-    if not tuning_busy(cache, out["skipped"]):
-        out["tuning"] = tuning.clear(cache)
+    out: dict = {"removed": [], "busy": [], "records": {}, "skipped": [], "tmp": 0}
+    for f in record_folders.folders():
+        out["records"][f.name] = [] if records_busy(cache, f, out["skipped"]) else f.clear(cache)
     for k in cache.entry_keys():
         result = remove_entry(cache, k, command="clean", skipped=out["skipped"])
         if result in ("removed", "busy"):

@@ -1,4 +1,4 @@
-"""GEMM tuning records: what `ops.gemm.tune` measured, kept in the cache so the next process skips the timing.
+"""GEMM tuning records: what `gemm.tune.tune` measured, kept in the cache so the next process skips the timing.
 
 One file per (GPU, cuBLASLt version) scope, `<cache>/v2/tuning/<scope>.json`: for each (N, M) the candidate kept
 ("mm" is torch.mm), its algorithm's 64 opaque bytes and workspace, and every candidate's measured us. A GPU model
@@ -8,7 +8,7 @@ scope, so nothing is ever reused across them.
 Trust: a record is advice, never authority. The reader (`load`) is bounded (MAX_BYTES, strict field types and
 ranges; a bad shape is skipped, a bad file reads as empty, nothing raises), and the product uses a recorded
 algorithm only when cuBLASLt offers those exact bytes under that name for the shape now and its result matches
-torch.mm's (ops/gemm.py), re-deciding the pick from the recorded times with its own rule. So a corrupt, stale or
+torch.mm's (gemm/tune.py), re-deciding the pick from the recorded times with its own rule. So a corrupt, stale or
 crafted file can cost speed (a slower correct algorithm, or torch.mm where an "mm" pick was forged), never a wrong
 result, a crash or a hang; `musekern clean --all` removes the records.
 
@@ -18,7 +18,8 @@ waited for at most LOCK_WAIT_S: a record is advice, so a writer that cannot take
 `prepare`. A read-only, missing or full cache keeps no record (one line says why) and the tuning still holds for
 the process. A writer killed mid-write leaves only its temp file (the record stays whole), removed by `musekern clean`
 once no writer holds the lock. `tuning/` must be a real directory: a symbolic link there is neither read through,
-written through nor cleaned through. Stdlib only.
+written through nor cleaned through (the store's maintenance treats tuning/ as one of its own folders through
+`FOLDER`, store/record_folders.py). Stdlib only.
 """
 from __future__ import annotations
 
@@ -29,15 +30,16 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import locks, owndirs
-from .cache import Cache, CacheError
-from .fs import ReadProblem, atomic_write, describe, read_regular
-from .manifest import manifest_bytes, parse_json
+from ..store import locks, owndirs
+from ..store.cache import Cache, CacheError
+from ..store.fs import ReadProblem, atomic_write, describe, read_regular
+from ..store.manifest import manifest_bytes, parse_json
+from ..store.record_folders import RecordFolder
 
 FORMAT = 1
 MAX_BYTES = 4 << 20  # the file's bound, read and written: ~800 shapes of 129 candidates, ~4000 of 20
 MAX_SHAPES = 8192
-MAX_CANDIDATES = 160  # the heuristic's 32 a workspace cap x 4 caps (runtime/cublaslt.py), + torch.mm
+MAX_CANDIDATES = 160  # the heuristic's 32 a workspace cap x 4 caps (gemm/cublaslt.py), + torch.mm
 ALGO_BYTES = 64  # cublasLtMatmulAlgo_t
 MAX_WORKSPACE = 1 << 31
 MAX_DIM = 1 << 24
@@ -250,3 +252,8 @@ def clear(cache: Cache) -> list[str]:
     removed if a writer holds it past LOCK_WAIT_S); the scopes removed."""
     gone = _remove(cache, lambda: [f"{s}.json" for s in scope_files(cache)] + _debris(cache))
     return sorted(n[:-5] for n in gone if not n.startswith("."))
+
+
+# what the store's maintenance (clean, clean --all, stats) sees of these records: `import musekern` registers it
+FOLDER = RecordFolder(name="gemm_tuning", what="GEMM tuning record", path=tuning_dir, lock=lock_path,
+                      files=scope_files, summary=summary, clean_debris=clean_debris, clear=clear)

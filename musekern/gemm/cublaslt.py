@@ -3,7 +3,7 @@
 The GEMM path (M the fused front does not serve) needs cuBLAS's GEMM; `torch.mm` asks cuBLAS for the heuristic's
 first algorithm, whose time steps where the bytes do not (bench/NOTES.md "Every M: the GEMM's algorithm": TP4 M = 65
 27.0 us where another algorithm the same heuristic offers takes 21.4). This module asks cuBLASLt for every algorithm
-it offers (`Matmul.candidates`) and launches the one `ops/gemm.py` measured fastest (`Matmul.launcher`). It opens the
+it offers (`Matmul.candidates`) and launches the one `gemm/tune.py` measured fastest (`Matmul.launcher`). It opens the
 libcublasLt torch already loaded (so both agree on the library), never links one of its own; no torch import here.
 
 Column-major, as cuBLASLt sees row-major tensors: y^T [N, M] (ld N) = A^T B with A = W^T [K, N] (ld K) and
@@ -26,7 +26,7 @@ COMPUTE_32F, R_32F, R_16BF, OP_N, OP_T = 68, 0, 14, 0, 1
 DESC_TRANSA, DESC_TRANSB, PREF_MAX_WORKSPACE = 3, 4, 1
 CFG_ID, CFG_TILE_ID, CFG_SPLITK, CFG_STAGES = 0, 1, 2, 6
 HEURISTIC_ASK = 32  # algorithms asked of the heuristic a call (cuBLASLt 13 answered at most 8 on the H200)
-# The pointers the heuristic may assume aligned to (its default): `ops.gemm.mm` takes torch.mm for any other call.
+# The pointers the heuristic may assume aligned to (its default): `gemm.tune.mm` takes torch.mm for any other call.
 ALIGNMENT = 256
 # The heuristic's answer depends on the workspace it may use: with none it offers only unsplit kernels (the fastest
 # at TP4 M = 16-128), with more the split-K ones (the fastest at TP8 M = 33-64). Asked once per cap, the union.

@@ -1,11 +1,11 @@
-"""ops/gemm.py on the CPU: which measured candidate it keeps, which recorded pick it accepts without timing, and an
+"""gemm/tune.py on the CPU: which measured candidate it keeps, which recorded pick it accepts without timing, and an
 untuned shape is torch.mm's product. (Tuning and the cuBLASLt launches run on the GPU: tests/test_gpu_gemm.py.)"""
 import pytest
 import torch
 
-from musekern.ops import gemm
-from musekern.runtime.cublaslt import Candidate
-from musekern.store.tuning import Record
+from musekern.gemm import tune as gemm
+from musekern.gemm.cublaslt import Candidate
+from musekern.gemm.records import Record
 
 
 # the margin's edges: a candidate must beat torch.mm by more than 3% to replace it

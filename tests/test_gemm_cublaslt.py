@@ -1,10 +1,10 @@
-"""runtime/cublaslt.py on the CPU: the C structures' sizes against cublasLt.h, where the library is looked for, the
+"""gemm/cublaslt.py on the CPU: the C structures' sizes against cublasLt.h, where the library is looked for, the
 error without one, and the candidates' records. (Its calls run on the GPU: tests/test_gpu_gemm.py.)"""
 import ctypes
 
 import pytest
 
-from musekern.runtime import cublaslt
+from musekern.gemm import cublaslt
 
 
 def test_structures_match_the_header():

@@ -11,7 +11,7 @@ capturable). A shape never tuned, a process without cuBLASLt, or a call whose po
 torch.mm. A tuned shape's result is bit-identical call to call (tests/test_gpu_gemm.py); another process may measure
 another algorithm fastest, so its bits may differ in the last place.
 
-What `tune` measured is kept in the kernel cache, per GPU model and cuBLASLt version (store/tuning.py): a later
+What `tune` measured is kept in the kernel cache, per GPU model and cuBLASLt version (gemm/records.py): a later
 process on such a GPU takes the recorded pick after checking it (cuBLASLt still offers that algorithm for the shape,
 and its result matches torch.mm's) instead of timing every candidate again. A record can change which correct
 algorithm runs, never the result; `musekern clean --all` removes the records.
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from ..model import HIDDEN
-from ..runtime.cublaslt import ALIGNMENT
 from ..runtime.loader import current_stream_getter, open_cache
-from ..store import tuning
+from . import records
+from .cublaslt import ALIGNMENT
 
 log = logging.getLogger("musekern.gemm")
 log.addHandler(logging.NullHandler())
@@ -114,7 +114,7 @@ def tune(n: int, ms, device: int) -> list[Choice]:
 
 
 def _tune(n: int, todo: list, device: int, dev: torch.device) -> None:
-    from ..runtime import cublaslt
+    from . import cublaslt
 
     try:
         lib, reason = cublaslt.library(), ""
@@ -127,7 +127,7 @@ def _tune(n: int, todo: list, device: int, dev: torch.device) -> None:
     if not timed:
         return
     cache, scope = _record_scope(lib, device)
-    recorded = tuning.load(cache, scope) if cache is not None else {}
+    recorded = records.load(cache, scope) if cache is not None else {}
     W, fresh = [], {}
     try:
         layers = max(2, -(-2 * torch.cuda.get_device_properties(device).L2_cache_size // (n * HIDDEN * 2)))
@@ -142,7 +142,7 @@ def _tune(n: int, todo: list, device: int, dev: torch.device) -> None:
                 while len(W) < layers:
                     W.append(_scratch_weight(n, dev))
                 choice, cand = _tune_one(mat, W, n, m, device)
-                fresh[(n, m)] = tuning.Record(choice.chosen, cand.algo if cand else None,
+                fresh[(n, m)] = records.Record(choice.chosen, cand.algo if cand else None,
                                               cand.workspace if cand else 0, choice.us)
             _CHOICES[(n, m, device)] = choice
     except torch.cuda.OutOfMemoryError as e:
@@ -153,7 +153,7 @@ def _tune(n: int, todo: list, device: int, dev: torch.device) -> None:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
     if fresh and cache is not None:
-        why = tuning.save(cache, scope, fresh)
+        why = records.save(cache, scope, fresh)
         if why:
             log.warning("%s", why)
 
@@ -166,7 +166,7 @@ def _record_scope(lib, device: int):
     """(the cache the kernels load from, or None where there is none to name, the tuning scope of this GPU and
     cuBLASLt)."""
     p = torch.cuda.get_device_properties(device)
-    scope = tuning.scope(p.name, (p.major, p.minor), p.multi_processor_count, lib.version)
+    scope = records.scope(p.name, (p.major, p.minor), p.multi_processor_count, lib.version)
     try:
         return open_cache(), scope
     except (ImportError, OSError, ValueError) as e:  # no cache dir to name (platformdirs missing, a bad path)
@@ -194,7 +194,7 @@ def _check(call, W0, y, want, tol: float, device: int) -> str | None:
     return None if err <= tol else f"max |y - torch.mm| = {err:.3g} > {tol:.3g}"  # NaN (unwritten y) fails too
 
 
-def _from_record(mat, rec: tuning.Record, W0: torch.Tensor | None, n: int, m: int, device: int) -> Choice | None:
+def _from_record(mat, rec: records.Record, W0: torch.Tensor | None, n: int, m: int, device: int) -> Choice | None:
     """The recorded pick for (N, M), re-decided from its times by `pick` and checked (cuBLASLt offers exactly those
     algorithm bytes for this shape now, and their result is torch.mm's), or None: then the shape is timed again."""
     best = pick(rec.us)

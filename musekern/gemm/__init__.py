@@ -1,0 +1,5 @@
+"""The GEMM path's y = x @ W^T, in one folder: the cuBLASLt binding (cublaslt.py: ctypes, no torch), the tuning and
+the tuned launch (tune.py: torch), and the tuning records kept in the cache (records.py: stdlib and the store).
+
+Importing this package imports none of them: the store's maintenance reads records.py without torch.
+"""

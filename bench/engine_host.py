@@ -82,7 +82,7 @@ def build_rows(n=2176, nkv=1, m=1):
     import torch
 
     import musekern
-    from musekern.bench.host import _inputs
+    from bench.harness.host import _inputs
     from musekern.kernels.qk_norm.variant import qk_norm_variant, qk_norm_vectors
     from musekern.ops import library
     from musekern.ops import qkv_front as ops
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import torch
 
-    from musekern.bench.report import commit_info
+    from bench.harness.report import commit_info
 
     rows, notes, _lib = build_rows(m=a.m)
     meta = {**commit_info(), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """qkv_epilogue timing on the GPU: CUDA-graph replay, medians, copy bandwidth measured in the same run.
 
-Per (N, M), each a graph of `layers` launches replayed until >= 1.5 ms of GPU work (musekern.bench.timing):
+Per (N, M), each a graph of `layers` launches replayed until >= 1.5 ms of GPU work (bench.harness.timing):
   epi          the fused epilogue alone, the build the planner picks (y rotated over enough buffers to leave the L2)
   epi_<k>x<r>  the same with each build of the sweep (vecs_per_thread k, rounds r: the data of the planner's rule)
   copy         torch's device copy of as many bytes (read + written) as the epilogue moves, over as many rotated
@@ -9,7 +9,7 @@ Per (N, M), each a graph of `layers` launches replayed until >= 1.5 ms of GPU wo
   mm           torch.mm (cuBLAS) alone, y = x @ W^T, W rotated over the layers' distinct weights
   mm_epi       torch.mm + the fused epilogue (its PDL launch attribute, as planned)
   mm_epi_nopdl torch.mm + the fused epilogue launched without PDL
-  mm_unfused   torch.mm + the unfused torch epilogue (musekern/bench/unfused.py: no host sync)
+  mm_unfused   torch.mm + the unfused torch epilogue (bench/harness/unfused.py: no host sync)
   mm_compiled  torch.mm + torch.compile(musekern.reference.fused_qknorm_rope_kv_insert, dynamic=True), M >= 2 (M = 1
                would compile once more per N: torch specializes sizes 0 and 1)
 Bytes of the epilogue: musekern.kernels.qkv_epilogue.variant.epilogue_bytes (y's q|k read and written, v read, k|v cache
@@ -31,9 +31,9 @@ import time
 
 import torch
 
-from musekern.bench.report import commit_info
-from musekern.bench.timing import Graph, copy_bandwidth, copy_closures, log, loops_for, time_graphs
-from musekern.bench.unfused import unfused_epilogue
+from bench.harness.report import commit_info
+from bench.harness.timing import Graph, copy_bandwidth, copy_closures, log, loops_for, time_graphs
+from bench.harness.unfused import unfused_epilogue
 from musekern.config import load_config
 from musekern.kernels.qkv_epilogue.variant import (
     QkvEpilogueVariant,

@@ -13,7 +13,7 @@ print('\\n'.join(b.label for b in all_builds()))")
 .venv/bin/python -m musekern prepare --target h200 --cache-dir "$CACHE" -j 2 "${labels[@]}" >&2
 .venv/bin/python - "$CACHE" <<'PY'
 import json, sys
-from musekern.bench.report import git_state
+from bench.harness.report import git_state
 info = git_state()
 json.dump(info, open(f"{sys.argv[1]}/BUILD_INFO.json", "w"))
 print(f"cache {sys.argv[1]} built from {info['commit']}{' (dirty)' if info['dirty'] else ''}")

@@ -160,7 +160,7 @@ def child(args) -> dict:
 
 def driver(args) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from musekern.bench.report import git_state
+    from bench.harness.report import git_state
 
     flags = [f for f, on in (("--no-pdl", args.no_pdl), ("--sync-launch", args.sync_launch), ("--cold", args.cold),
                              ("--twin-first", args.twin_first)) if on]

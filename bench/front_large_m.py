@@ -7,7 +7,7 @@ Here (CPU, build extra):     bash bench/gpu_cache.sh      (builds, among the res
                              python bench/front_large_m.py labels
 There (GPU, cache carried):  python3 bench/front_large_m.py run OUT.json [--no-tests]
 
-Timing is `musekern bench`'s (musekern/bench/qkv_front.py::measure_pair: CUDA-graph replay over 8 layers of
+Timing is the bench harness's (bench/harness/qkv_front.py::measure_pair: CUDA-graph replay over 8 layers of
 distinct weights, medians, the chain with PDL and the isolated launches through the product path, cuBLAS's
 bare GEMM and the unfused torch chain in the same graphs' round robin, every front layer checked bitwise
 against an eager launch); the alternatives beside the plan (tests/qkv_front_builds.py::front_candidates) are
@@ -70,9 +70,9 @@ def time_front(samples: int = SAMPLES) -> tuple[list, list, float]:
     from qkv_front_builds import TIMED_MS, front_candidates, shards
     from sweep_variants import run as time_variant
 
-    from musekern.bench.qkv_front import Shard, measure_pair
-    from musekern.bench.report import floor_us
-    from musekern.bench.timing import copy_bandwidth
+    from bench.harness.qkv_front import Shard, measure_pair
+    from bench.harness.report import floor_us
+    from bench.harness.timing import copy_bandwidth
     from musekern.config import load_config
     from musekern.kernels.qkv_front.rules import front_serves
     from musekern.kernels.qkv_front.variant import FRONT_MAX_TOKENS
@@ -147,7 +147,7 @@ def table(rows: list, alt_rows: list) -> None:
 def run(out_json: str, tests: bool = True) -> int:
     import torch
 
-    from musekern.bench.report import commit_info
+    from bench.harness.report import commit_info
 
     t0 = time.perf_counter()
     out_dir = os.path.dirname(os.path.abspath(out_json))

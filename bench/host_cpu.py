@@ -248,7 +248,7 @@ def main(argv=None) -> int:
         res = measure(rows, a.rounds, a.calls)
     finally:
         fake.undo()
-    from musekern.bench.report import commit_info
+    from bench.harness.report import commit_info
 
     doc = {**commit_info(), **({"commit": a.commit} if a.commit else {}),
            "shape": {"N": N, "num_kv_heads": NKV, "M": a.m}, "rounds": a.rounds, "calls": a.calls,

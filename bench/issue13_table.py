@@ -22,7 +22,7 @@ import time
 import torch
 
 import musekern
-from musekern.bench.report import HIDDEN, commit_info
+from bench.harness.report import HIDDEN, commit_info
 from musekern.config import load_config
 from musekern.reference import rope_cos_sin_table
 

@@ -5,7 +5,7 @@ Usage (GPU machine, cache carried): python3 bench/sweep_variants.py OUT.json [LA
   or  python3 bench/sweep_variants.py OUT.json --n 8704 --kv 4 --stages 3,4,5,8 --k-split 1 --m 1,16
 
 Per variant and M: a CUDA graph of 8 launches over 8 distinct weights (streams from HBM, not L2),
-with PDL (chain) and without (isolated), timed like `musekern bench` (musekern/bench/timing.py: median of
+with PDL (chain) and without (isolated), timed like the bench harness (bench/harness/timing.py: median of
 7 samples; rounds 1-13 of bench/HISTORY.md used this script's own replay loop, same graphs); us per launch and
 the fraction of copy bandwidth (weight bytes / time / copy bandwidth measured in the same run). Also the
 occupancy the driver reports (blocks per SM, active clusters), which the planner's rules use.
@@ -19,8 +19,8 @@ import sys
 import torch
 from cuda.bindings import driver as drv
 
-from musekern.bench.report import commit_info
-from musekern.bench.timing import Graph, copy_bandwidth, time_graphs
+from bench.harness.report import commit_info
+from bench.harness.timing import Graph, copy_bandwidth, time_graphs
 from musekern.kernels.qkv_front.rules import fixed_rows, token_tiles
 from musekern.kernels.qkv_front.variant import HIDDEN, TOKEN_TILE, QkvFrontVariant, launch_grid
 from musekern.ops.qkv_front import launch_args
@@ -32,7 +32,7 @@ from musekern.targets import get_target
 H200 = get_target("h200")  # the grid's tile counts are the H200's
 
 LAYERS, REPS, LOOPS = 8, 7, 8
-DISTINCT_OUT = False  # --distinct-out: one y buffer per layer (as musekern bench does) instead of a shared one
+DISTINCT_OUT = False  # --distinct-out: one y buffer per layer (as the bench harness does) instead of a shared one
 # The default grid is the latest tuning round's (round 25: TP4 at k_split 1 with the deep ring, TP8's grid shape,
 # against the plan, which it kept: bench/NOTES.md, k_split). Every earlier round's grid, prediction and result is in
 # bench/HISTORY.md (the grids themselves: `git log -p bench/sweep_variants.py`).
@@ -63,7 +63,7 @@ def occupancy(k) -> dict:
 
 
 def time_graph(name: str, closures: list) -> float:
-    """us per layer: musekern bench's graph timing (timing.Graph, LOOPS copies of the closures, REPS samples
+    """us per layer: the bench harness's graph timing (timing.Graph, LOOPS copies of the closures, REPS samples
     taken round robin with a lead-in replay each), so sweeps and the bench measure alike."""
     g = Graph(name, closures, LOOPS, LAYERS)
     return time_graphs([g], REPS)[name]["us"]
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--k-split", default="1")
     ap.add_argument("--m", default="1,16")
     ap.add_argument("--loops", type=int, default=8, help="copies of the 8-layer sequence per graph")
-    ap.add_argument("--distinct-out", action="store_true", help="one y buffer per layer (musekern bench's setup)")
+    ap.add_argument("--distinct-out", action="store_true", help="one y buffer per layer (the bench harness's setup)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the whole job list this many times, round-robin (A/B pairs see the same drift); "
                          "each row reports the medians and keeps every sample")
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
             jobs.append((QkvFrontVariant(a.n, a.kv, token_tiles(m, a.n, H200), int(st), int(sp), fixed_rows(m)), m))
     bw = copy_bandwidth()  # also makes torch's CUDA context current (the predecessor loads into it)
     try:
-        from musekern.bench.pred import PredKernel
+        from bench.harness.pred import PredKernel
 
         pred = PredKernel()
     except Exception as e:  # no NVRTC/nvcc: chain and isolated only

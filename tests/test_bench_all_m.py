@@ -1,7 +1,7 @@
-"""musekern/bench/all_m.py: the all-M table's row math, targets, cliffs and text (pure: no GPU)."""
+"""bench/harness/all_m.py: the all-M table's row math, targets, cliffs and text (pure: no GPU)."""
 import pytest
 
-from musekern.bench import all_m
+from bench.harness import all_m
 
 COPY = 4.0  # TB/s
 

@@ -251,7 +251,7 @@ extern "C" __global__ void pred_write_y(unsigned short* y, const unsigned short*
 def test_pdl_epilogue_sees_the_y_its_predecessor_writes():
     """50 times: the predecessor triggers its dependents at once, spins, then writes y; the epilogue (launched with
     PDL, so it may start while the predecessor spins) must work on the new y."""
-    from musekern.bench.pred import _BuiltKernel
+    from bench.harness.pred import _BuiltKernel
 
     try:
         pred = _BuiltKernel("sm_90a", PRED_SRC, "pred_write_y.cu", "pred_write_y")

@@ -146,6 +146,12 @@ def test_the_wheel_of_a_fresh_clone_installs_and_runs(tmp_path):
     names = set(zipfile.ZipFile(whl).namelist())
     shipped = {f for f in tracked if f.startswith("musekern/") and f.endswith((".py", ".json"))}
     assert shipped and shipped <= names, sorted(shipped - names)
+    # the research harness stays in the repository (bench/harness/); the wheel ships the package alone, with the
+    # small `musekern bench` command and the GEMM path in one folder
+    assert not [n for n in names if n.startswith(("musekern/bench/", "bench/"))], sorted(names)
+    assert not [n for n in names if n.split("/")[0] != "musekern" and ".dist-info/" not in n], sorted(names)
+    assert {"musekern/cli/bench_cmd.py", "musekern/gemm/cublaslt.py", "musekern/gemm/tune.py",
+            "musekern/gemm/records.py"} <= names
     meta = zipfile.ZipFile(whl).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     plain = [ln for ln in meta.splitlines() if ln.startswith("Requires-Dist:") and "extra ==" not in ln]
     assert not any("torch" in ln for ln in plain) and any("cuda-bindings" in ln for ln in plain), plain

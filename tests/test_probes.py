@@ -67,7 +67,7 @@ def test_tail_trace_builds_against_the_kernel(case):
 def test_tail_trace_predecessor_keeps_the_bench_kernel_and_builds():
     """The trace's predecessor is the bench's RMSNorm source plus three globaltimer stamps (its edits assert
     that each anchor occurs once in the source, so a change of the bench kernel fails here) and still builds."""
-    from musekern.bench import pred
+    from bench.harness import pred
 
     tt = _probe("tail_trace")
     src = tt.traced_pred_source()

@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from gemm_dispatch import kernel_names  # noqa: E402
 
-from musekern.bench.report import commit_info  # noqa: E402
-from musekern.bench.timing import Graph, time_graphs  # noqa: E402
+from bench.harness.report import commit_info  # noqa: E402
+from bench.harness.timing import Graph, time_graphs  # noqa: E402
 from musekern.gemm import cublaslt  # noqa: E402
 from musekern.kernels.qkv_front.variant import HIDDEN  # noqa: E402
 

@@ -3,7 +3,7 @@
 "qkv_epilogue"): the planned qkv_epilogue build alone, graph replay medians, at the all-M table's large cells, under
 the 2 x 2 x 2 combinations of
   cache   "allm": twice the slots the tokens take, randn-filled, M of them chosen at random
-          (musekern/bench/all_m.py); "epi": the tokens' slots rounded up to a block plus one block, zero-filled, a
+          (bench/harness/all_m.py); "epi": the tokens' slots rounded up to a block plus one block, zero-filled, a
           permutation (bench/epilogue_bench.py)
   ys      8 y buffers (all-M: one per layer) or as many as fill 256 MB (the epilogue bench, at least 1, at most 8)
   table   4096 (all-M) or 8192 (epilogue bench) cos|sin rows, positions drawn over the table
@@ -21,8 +21,8 @@ import sys
 
 import torch
 
-from musekern.bench.report import commit_info
-from musekern.bench.timing import Graph, copy_bandwidth, copy_closures, loops_for, time_graphs
+from bench.harness.report import commit_info
+from bench.harness.timing import Graph, copy_bandwidth, copy_closures, loops_for, time_graphs
 from musekern.config import load_config
 from musekern.kernels.qkv_epilogue.variant import epilogue_bytes
 from musekern.ops import qkv_epilogue as op

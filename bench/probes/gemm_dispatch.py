@@ -23,8 +23,8 @@ import sys
 
 import torch
 
-from musekern.bench.report import commit_info
-from musekern.bench.timing import Graph, copy_bandwidth, loops_for, time_graphs
+from bench.harness.report import commit_info
+from bench.harness.timing import Graph, copy_bandwidth, loops_for, time_graphs
 
 HIDDEN, LAYERS = 8192, 8
 MS = (48, 56, 57, 64, 65, 72, 80, 96, 112, 128, 129, 160, 192, 256)

@@ -264,7 +264,7 @@ def build(outdir: str, config_set: str = "planned") -> None:
         manifest.append({"config": asdict(c), "symbol": symbol, "abi": abi.to_json()})
         print(f"built {c.name}: {smem} B smem", file=sys.stderr)
     json.dump(manifest, open(os.path.join(outdir, "manifest.json"), "w"), indent=1)
-    from musekern.bench.report import git_state
+    from bench.harness.report import git_state
 
     json.dump({**git_state(), "set": config_set}, open(os.path.join(outdir, "BUILD_INFO.json"), "w"))
 
@@ -279,7 +279,7 @@ class _Entry:
 def run(outdir: str, out_json: str, only: str = "") -> int:
     import torch
 
-    from musekern.bench.timing import Graph, copy_bandwidth, loops_for, time_graphs
+    from bench.harness.timing import Graph, copy_bandwidth, loops_for, time_graphs
     from musekern.runtime.loader import LoadedKernel
 
     bw = copy_bandwidth()

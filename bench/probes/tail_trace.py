@@ -224,7 +224,7 @@ def compile_traced(v):
 
 
 def build(outdir: str, names=()) -> None:
-    from musekern.bench.report import git_state
+    from bench.harness.report import git_state
 
     known = [c[0] for c in CASES]
     if unknown := sorted(set(names) - set(known)):
@@ -254,7 +254,7 @@ MODES = ("chain", "after-norm", "after-norm-l2", "isolated")
 def traced_pred_source() -> str:
     """The bench's predecessor with globaltimer stamps (thread 0 of each CTA, 4 slots per CTA): after its
     launch_dependents, after its griddepcontrol.wait, after the CTA's stores (a barrier first)."""
-    from musekern.bench.pred import SOURCE
+    from bench.harness.pred import SOURCE
 
     def sub(old, new):
         assert SOURCE.count(old) == 1, old
@@ -281,7 +281,7 @@ def traced_pred_source() -> str:
 def _traced_pred():
     import ctypes
 
-    from musekern.bench.pred import HIDDEN, SYMBOL, THREADS, PredKernel, _BuiltKernel
+    from bench.harness.pred import HIDDEN, SYMBOL, THREADS, PredKernel, _BuiltKernel
 
     class TracedPred(PredKernel):
         def __init__(self):
@@ -348,7 +348,7 @@ def _layer_summary(st):
 def run(outdir: str, out_json: str) -> int:
     import torch
 
-    from musekern.bench.timing import Graph, time_graphs
+    from bench.harness.timing import Graph, time_graphs
     from musekern.kernels.qkv_front.variant import HIDDEN, launch_grid, padded_tokens
     from musekern.ops.qkv_front import launch_args
     from musekern.plan import variant_from_label

@@ -1,4 +1,4 @@
-"""The whole `musekern bench` run: copy bandwidth, qkv_front (all modes + baselines), qk_norm, host costs.
+"""The whole bench harness run: copy bandwidth, qkv_front (all modes + baselines), qk_norm, host costs.
 
 Progress goes to stderr with wall times; the caller prints the table (stdout) and gets the document.
 """
@@ -7,7 +7,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..store.keys import dist_version
+from musekern.store.keys import dist_version
+
 from . import report
 from .timing import Stopwatch, copy_bandwidth, log
 
@@ -44,7 +45,8 @@ def _meta(cfg: BenchConfig) -> dict:
 
 
 def _shards(cfg: BenchConfig):
-    from ..config import load_config
+    from musekern.config import load_config
+
     from .qkv_front import Shard
 
     model = load_config()

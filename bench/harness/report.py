@@ -1,4 +1,4 @@
-"""Pure row math, targets, the JSON document and the stdout table of `musekern bench` (no GPU, no torch).
+"""Pure row math, targets, the JSON document and the stdout table of the bench harness (no GPU, no torch).
 
 Everything the GPU part measures arrives here as plain numbers (us per layer), so every derived figure
 (floor, fraction of copy bandwidth, speedups, PASS/MISS) is computed - and tested - on the CPU.
@@ -9,7 +9,8 @@ import json
 import os
 import subprocess
 
-HIDDEN = 8192  # K of the projection: weight bytes per layer = N * HIDDEN * 2
+from musekern.model import HIDDEN  # K of the projection: weight bytes per layer = N * HIDDEN * 2
+
 BF16_BYTES = 2
 FRONT_MODES = ("chain", "after-norm", "isolated")
 

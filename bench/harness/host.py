@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: bench/harness/..
+
 
 def per_call_us(fn, batches: int = 7, calls: int = 200) -> float:
     """Median host time of one call: batches of `calls`, synchronised between batches so the launch queue
@@ -33,7 +35,8 @@ def per_call_us(fn, batches: int = 7, calls: int = 200) -> float:
 def _inputs(n: int, nkv: int, m: int, eps: float = 1e-6, theta: float = 10000.0):
     import torch
 
-    from ..reference import rope_cos_sin_table
+    from musekern.reference import rope_cos_sin_table
+
     from .qkv_front import BLOCK_SIZE, MAX_POS, NUM_BLOCKS
 
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -50,7 +53,7 @@ def _inputs(n: int, nkv: int, m: int, eps: float = 1e-6, theta: float = 10000.0)
 
 def measure_eager(n: int, nkv: int, m: int) -> dict:
     """us per eager call of ops.launch and ops.qkv_front (same inputs, `out` given: no allocation)."""
-    from ..ops import qkv_front as ops
+    from musekern.ops import qkv_front as ops
 
     a = tuple(_inputs(n, nkv, m).values())  # positional, in the ops' parameter order (no dict unpack timed)
     return {"shape": {"N": n, "num_kv_heads": nkv, "M": m},
@@ -59,9 +62,11 @@ def measure_eager(n: int, nkv: int, m: int) -> dict:
 
 
 def first_call_subprocess(n: int, nkv: int, m: int, timeout: float = 180.0) -> dict:
-    """Run the fresh-process measurement (same env: PYTHONPATH, MUSEKERN_CACHE_DIR) and parse its JSON."""
+    """Run the fresh-process measurement (same env: PYTHONPATH with the repository root first, for bench.harness;
+    MUSEKERN_CACHE_DIR) and parse its JSON."""
     cmd = [sys.executable, "-c", FIRST_CALL_SRC, str(n), str(nkv), str(m)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode or not lines:
         return {"error": f"rc={r.returncode}: {(r.stderr or r.stdout)[-500:]}"}
@@ -77,7 +82,7 @@ t1 = time.perf_counter()
 torch.zeros(1, device="cuda"); torch.cuda.synchronize()
 t2 = time.perf_counter()
 from musekern.ops import qkv_front as ops
-from musekern.bench.host import _inputs
+from bench.harness.host import _inputs
 t3 = time.perf_counter()
 n, nkv, m = map(int, sys.argv[1:4])
 a = tuple(_inputs(n, nkv, m).values())

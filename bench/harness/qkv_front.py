@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..reference import rope_cos_sin_table
+from musekern.reference import rope_cos_sin_table
+
 from . import report
 from .timing import Graph, loops_for, time_graphs
 from .unfused import unfused_front
@@ -81,9 +82,9 @@ def make_problem(shard: Shard, m: int, modes, seed: int = 1) -> Problem:
 # ---------------------------------------------------------------- launch closures
 def front_closure(shard: Shard, p: Problem, j: int, x: torch.Tensor, out: torch.Tensor, pdl: bool):
     """One layer's front through the product path (variant, cached kernel, launch_args, launch)."""
-    from ..kernels.qkv_front.variant import launch_grid
-    from ..ops import qkv_front as ops
-    from ..runtime import get_kernel
+    from musekern.kernels.qkv_front.variant import launch_grid
+    from musekern.ops import qkv_front as ops
+    from musekern.runtime import get_kernel
 
     dev = torch.cuda.current_device()
     v = ops._variant(shard.n, p.m, shard.num_kv_heads, dev)

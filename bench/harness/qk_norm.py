@@ -28,7 +28,7 @@ def _buffers(m: int) -> int:
 
 def measure(copy_tbps: float, ms=(16, 4096, 16384), head_dims=(64, 128), samples: int = 7) -> list[dict]:
     """One row per (head_dim, M): us per call (graph replay, median), TB/s, fraction of copy bandwidth."""
-    from ..ops.qk_norm import qk_norm
+    from musekern.ops.qk_norm import qk_norm
 
     rows = []
     floor = {}  # the empty kernel's us per launch by graph size: measured once, not per head_dim
@@ -42,7 +42,7 @@ def measure(copy_tbps: float, ms=(16, 4096, 16384), head_dims=(64, 128), samples
             closures = [(lambda x=x, o=o, hd=hd: qk_norm(x, hd, 1e-6, out=o)) for x, o in zip(xs, outs, strict=True)]
             per_call_s = max(2 * m * width * 2 / (copy_tbps * 1e12), 1.5e-6)
             g = Graph(f"qk_norm_{hd}_{m}", closures, loops_for(nb * per_call_s, max_loops=512), nb)
-            from ..reference import qk_norm_reference
+            from musekern.reference import qk_norm_reference
 
             g.replay()
             torch.cuda.synchronize()

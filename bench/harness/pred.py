@@ -139,7 +139,7 @@ class _BuiltKernel:
     def __init__(self, arch: str, source: str, name: str, symbol: str):
         from cuda.bindings import driver as drv
 
-        from ..runtime.driver import check, launch_config
+        from musekern.runtime.driver import check, launch_config
 
         self._drv, self._check, self._launch_config = drv, check, launch_config
         cubin, self.built_with = compile_cubin(arch, source, name)

@@ -1,4 +1,4 @@
-"""The all-M table of `musekern bench` (issue 13): every batch size, decode to prefill, per shard.
+"""The all-M table of the bench harness (issue 13): every batch size, decode to prefill, per shard.
 
 For each (N, M) the same harness as the decode table (CUDA-graph replay over LAYERS distinct weights, medians,
 copy bandwidth of the same run) times, side by side:
@@ -17,7 +17,7 @@ Before each M >= 1024 row the runner measures the 2 GiB device copy again (eager
 epilogue's fraction of copy bandwidth also compares two numbers of the same minutes (the H200 streams ~10% slower at
 a bench's end than at its start: `copy_TBps`, `copy_TBps_end`). (A 2 GiB copy captured in a graph runs at ~2.7 TB/s,
 a different path: not a reference.)
-- cublas:         torch.mm alone;  unfused: torch.mm + the plain-torch epilogue (bench/unfused.py);
+- cublas:         torch.mm alone;  unfused: torch.mm + the plain-torch epilogue (harness/unfused.py);
 - gemm_best:      the GEMM path's GEMM alone (`gemm.tune.mm`: the cuBLAS algorithm `gemm.tune.tune` measured fastest for
                   this (N, M) before the graphs, torch.mm unless another was 3% faster; torch.mm untimed above
                   M = 512);
@@ -53,7 +53,7 @@ def row(tp: int, n: int, nkv: int, m: int, us: dict, path: str, copy_tbps: float
         copy_tbps_here: float | None = None) -> dict:
     """Derived figures and the targets that apply to one (N, M) from its medians (us per layer); `copy_tbps_here`:
     the 2 GiB copy measured right before this row (M >= 1024)."""
-    from ..kernels.qkv_epilogue.variant import epilogue_bytes
+    from musekern.kernels.qkv_epilogue.variant import epilogue_bytes
 
     mus, cub = us.get("musekern"), us.get("cublas")
     epi_bytes = epilogue_bytes(m, n, nkv)
@@ -151,7 +151,7 @@ def _compiled_epilogue():
     """torch.compile of the reference epilogue, dynamic in M (None, with the reason, where it cannot build)."""
     import torch
 
-    from ..reference import fused_qknorm_rope_kv_insert
+    from musekern.reference import fused_qknorm_rope_kv_insert
 
     try:
         import torch._dynamo.config as dyn
@@ -165,7 +165,7 @@ def _compiled_epilogue():
 def _problem(n: int, nkv: int, m: int, seed: int) -> dict:
     import torch
 
-    from ..reference import rope_cos_sin_table
+    from musekern.reference import rope_cos_sin_table
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     blocks = max(64, -(-m // BLOCK_SIZE) * 2)
@@ -181,10 +181,11 @@ def measure_all_m(shard, m: int, copy_tbps: float, samples: int, compiled) -> di
     """Graphs of every applicable GRAPHS entry for one (N, M), an output check, the medians."""
     import torch
 
-    from ..gemm import tune as gemm
-    from ..kernels.qkv_epilogue.variant import epilogue_bytes
-    from ..ops import qkv_epilogue as epi
-    from ..ops import qkv_front as ops
+    from musekern.gemm import tune as gemm
+    from musekern.kernels.qkv_epilogue.variant import epilogue_bytes
+    from musekern.ops import qkv_epilogue as epi
+    from musekern.ops import qkv_front as ops
+
     from .timing import Graph, copy_closures, loops_for, time_graphs
     from .unfused import unfused_epilogue
 

@@ -4,6 +4,7 @@
 # Usage: bash bench/epilogue_cache.sh [cache-dir]   (default .musekern-cache, an ignored folder)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the research harness: bench.harness, from the repository root
 CACHE=${1:-.musekern-cache}
 labels=()
 while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python -c "

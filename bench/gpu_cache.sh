@@ -3,6 +3,7 @@
 # Usage: bash bench/gpu_cache.sh [cache-dir]   (default .musekern-cache, an ignored folder)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the research harness: bench.harness, from the repository root
 CACHE=${1:-.musekern-cache}
 MK=".venv/bin/python -m musekern"
 $MK prepare --target h200 --cache-dir "$CACHE" -j 2 >&2

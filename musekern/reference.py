@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .kv_cache import E4M3_MAX
 from .model import HEAD_DIM
 
 
@@ -27,7 +28,7 @@ def rope_cos_sin_table(max_pos: int, theta: float, device=None) -> torch.Tensor:
 
 def fused_qknorm_rope_kv_insert(y_gemm_bf16: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                                 slot_mapping: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                                num_kv_heads: int, eps: float) -> torch.Tensor:
+                                num_kv_heads: int, eps: float, k_scale=None, v_scale=None) -> torch.Tensor:
     """The qkv_front epilogue on a bf16 GEMM result y [M, N] (columns q | k | v | gate, 64 a head).
 
     - q and k heads: unweighted RMS norm over the head's 64 values (fp32 math on the bf16 values),
@@ -37,7 +38,9 @@ def fused_qknorm_rope_kv_insert(y_gemm_bf16: torch.Tensor, positions: torch.Tens
     - v and gate heads: unchanged;
     - k (normed, roped) and v of token t are written to key_cache / value_cache
       [num_blocks, block_size, num_kv_heads, 64] at block slot // block_size, offset
-      slot % block_size, unless slot < 0 (padding) or slot >= num_blocks * block_size.
+      slot % block_size, unless slot < 0 (padding) or slot >= num_blocks * block_size; to an FP8 cache
+      (float8_e4m3fn, or uint8 holding e4m3 bytes) as `e4m3_rows(rows, k_scale)` / `e4m3_rows(rows, v_scale)`
+      of those bf16 rows (vLLM's order: round to bf16, then quantize); a bf16 cache ignores the scales;
     Positions outside [0, max_pos) are clamped to [0, max_pos - 1] (the kernel does the same:
     it never reads cos|sin out of bounds). Returns a new tensor; the caches are written in place.
     Two tokens with the same valid slot in one call: which token's k / v that slot then holds is
@@ -63,9 +66,34 @@ def fused_qknorm_rope_kv_insert(y_gemm_bf16: torch.Tensor, positions: torch.Tens
     out[:, :nq + nkv] = roped
     out = out.reshape(m, n).to(torch.bfloat16)
     heads_out = out.reshape(m, heads, d)
-    insert_cache_rows(key_cache, slot_mapping, heads_out[:, nq:nq + nkv])
-    insert_cache_rows(value_cache, slot_mapping, heads_out[:, nq + nkv:nq + 2 * nkv])
+    k, v = heads_out[:, nq:nq + nkv], heads_out[:, nq + nkv:nq + 2 * nkv]
+    insert_cache_rows(key_cache, slot_mapping, cache_rows(k, key_cache, k_scale))
+    insert_cache_rows(value_cache, slot_mapping, cache_rows(v, value_cache, v_scale))
     return out
+
+
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.uint8)  # an FP8 cache: e4m3, or its bytes as vLLM allocates them
+
+
+def e4m3_rows(rows_bf16: torch.Tensor, scale=None) -> torch.Tensor:
+    """float8_e4m3fn of float(rows) / scale, rounded to nearest even and saturated to +-448 (PTX
+    cvt.rn.satfinite.e4m3x2.f32; torch's own cast does not saturate: 480 and above become NaN, so clamp first).
+    `scale`: None (1.0), a float, or a one-element float32 tensor; a true fp32 division, as vLLM's cache write."""
+    x = rows_bf16.to(torch.bfloat16).float()
+    if scale is not None:
+        s = scale.to(device=x.device, dtype=torch.float32).reshape(()) if isinstance(scale, torch.Tensor) \
+            else torch.tensor(float(scale), dtype=torch.float32, device=x.device)
+        x = x / s
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def cache_rows(rows_bf16: torch.Tensor, cache: torch.Tensor, scale=None) -> torch.Tensor:
+    """The rows as `cache` stores them: bf16 unchanged (the scale ignored), or their e4m3 bytes (in the cache's
+    dtype: float8_e4m3fn or uint8)."""
+    if cache.dtype not in FP8_CACHE_DTYPES:
+        return rows_bf16
+    q = e4m3_rows(rows_bf16, scale)
+    return q.view(torch.uint8) if cache.dtype == torch.uint8 else q
 
 
 def insert_cache_rows(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
@@ -76,6 +104,8 @@ def insert_cache_rows(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: tor
     m = rows.shape[0]
     if m == 0:
         return
+    if cache.dtype == torch.float8_e4m3fn:  # moved as bytes (torch.where takes no float8)
+        cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
     nb, bs = cache.shape[0], cache.shape[1]
     slots = slot_mapping.to(device=cache.device, dtype=torch.long)
     valid = (slots >= 0) & (slots < nb * bs)
@@ -91,11 +121,11 @@ def insert_cache_rows(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: tor
 def qkv_front_reference(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
                         cos_sin_cache: torch.Tensor, slot_mapping: torch.Tensor, key_cache: torch.Tensor,
                         value_cache: torch.Tensor, num_kv_heads: int, eps: float,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, k_scale=None, v_scale=None) -> torch.Tensor:
     """y = fused_qknorm_rope_kv_insert(bf16(x @ weight^T)) with an fp32-accumulated GEMM (CPU or GPU)."""
     y_gemm = (x.float() @ weight.float().t()).to(torch.bfloat16)
     y = fused_qknorm_rope_kv_insert(y_gemm, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
-                                    num_kv_heads, eps)
+                                    num_kv_heads, eps, k_scale, v_scale)
     if out is not None:
         out.copy_(y)
         return out

@@ -8,10 +8,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kv_layouts import paged_caches  # noqa: E402
+from kv_layouts import FP8_CACHES, SENTINEL_BYTE, paged_caches  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from musekern.reference import fused_qknorm_rope_kv_insert, insert_cache_rows, rope_cos_sin_table  # noqa: E402
+from musekern.reference import (  # noqa: E402
+    e4m3_rows,
+    fused_qknorm_rope_kv_insert,
+    insert_cache_rows,
+    qkv_front_reference,
+    rope_cos_sin_table,
+)
 
 D = 64
 EPS = 1e-6
@@ -39,7 +45,7 @@ def loop_epilogue(y, positions, cs, slots, kc, vc, nkv, eps):
     return out
 
 
-def make(m, nkv, layout, seed, num_blocks=64, block_size=16, max_pos=512):
+def make(m, nkv, layout, seed, num_blocks=64, block_size=16, max_pos=512, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
     n = (2 * 4 * nkv + 2 * nkv) * D
     y = (torch.randn(m, n, generator=g) * 3).to(torch.bfloat16)
@@ -52,7 +58,7 @@ def make(m, nkv, layout, seed, num_blocks=64, block_size=16, max_pos=512):
         slots[slots == cap - 1] = -1
         slots[2] = cap - 1  # the last slot of the cache
         slots[1] = cap + 3  # past the end
-    kc, vc, kv = paged_caches(num_blocks, block_size, nkv, layout)
+    kc, vc, kv = paged_caches(num_blocks, block_size, nkv, layout, dtype=dtype)
     return y, pos, rope_cos_sin_table(max_pos, 10000.0), slots, kc, vc, kv
 
 
@@ -124,3 +130,133 @@ def test_operation_count_does_not_depend_on_m():
     assert small.ops == large.ops and small.ops < 120, (small.ops, large.ops)
     # no host round trip: nothing reads a tensor's values back to Python
     assert not any(n.startswith(("aten._local_scalar_dense", "aten.item", "aten.nonzero")) for n in large.names)
+
+
+# ---------------------------------------------------------------- the FP8 KV cache (issue 29)
+def _e4m3_magnitudes() -> torch.Tensor:
+    """The value of each non-negative finite e4m3 (fn) code 0x00..0x7E in fp64, from the bit definition (4 exponent
+    bits of bias 7, 3 mantissa bits, exponent 0 subnormal; 0x7F is NaN): increasing with the code."""
+    out = []
+    for c in range(0x7F):
+        e, f = c >> 3, c & 7
+        out.append(f / 8.0 * 2.0 ** -6 if e == 0 else (1 + f / 8.0) * 2.0 ** (e - 7))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+E4M3_MAGNITUDES = _e4m3_magnitudes()
+
+
+def e4m3_fp64(q: torch.Tensor) -> torch.Tensor:
+    """The byte SATFINITE round-to-nearest-even e4m3 gives each value, in fp64: clamp |q| to 448, the nearer of the
+    two e4m3 magnitudes around it (a tie to the even code: mantissa LSB 0), the sign bit of q (so -0 for a negative
+    value that rounds to zero)."""
+    x = q.double()
+    a = x.abs().clamp(max=448.0).reshape(-1)
+    hi = torch.searchsorted(E4M3_MAGNITUDES, a).clamp(max=0x7E)
+    lo = (hi - 1).clamp(min=0)
+    dlo, dhi = a - E4M3_MAGNITUDES[lo], E4M3_MAGNITUDES[hi] - a
+    code = torch.where(dlo < dhi, lo, torch.where(dhi < dlo, hi, torch.where(lo % 2 == 0, lo, hi)))
+    code = code + 0x80 * torch.signbit(x.reshape(-1)).long()
+    return code.to(torch.uint8).reshape(q.shape)
+
+
+def quantized_fp64(rows_bf16: torch.Tensor, scale: float) -> torch.Tensor:
+    """The contract's bytes, independently: the fp32 quotient float32(bf16) / float32(scale) taken in fp64 and rounded
+    once to fp32 (exact: a quotient of 24-bit values rounds innocuously through 53 bits), then `e4m3_fp64`."""
+    s = float(torch.tensor(scale, dtype=torch.float32))
+    return e4m3_fp64((rows_bf16.double() / s).float())
+
+
+# The scales: 1 (vLLM's default), an engine-like k_scale, a large one (subnormals and zeros), tiny ones (most values
+# saturate at +-448, and a division overflowing fp32 to inf still gives 448).
+SCALES = (1.0, 0.0371, 3.7, 1e3, 2.0 ** -10, 1e-30)
+
+
+def _every_bf16() -> torch.Tensor:
+    """Every bf16 bit pattern but the NaNs: zeros, subnormals, normals, +-inf."""
+    bits = torch.arange(-(2 ** 15), 2 ** 15, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16)
+    return x[~torch.isnan(x)]
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_e4m3_rows_is_the_fp64_rounding_of_every_bf16(scale):
+    """All 65280 non-NaN bf16 values, as a float and as a 0-dim / 1-element tensor: the bytes of fp64's
+    round-to-nearest-even with saturation (values at and beyond +-448, +-inf, ties, e4m3 subnormals, zeros)."""
+    x = _every_bf16()
+    want = quantized_fp64(x, scale)
+    for s in (scale, torch.tensor(scale), torch.tensor([scale])):
+        got = e4m3_rows(x, s).view(torch.uint8)
+        bad = torch.nonzero(got != want).reshape(-1)
+        assert bad.numel() == 0, [(float(x[i]), hex(got[i]), hex(want[i])) for i in bad[:5]]
+
+
+def test_e4m3_rows_saturates():
+    """The contract saturates to +-448 (0x7E / 0xFE); e4m3_rows clamps first because torch's own cast has turned 480
+    and above into NaN (c10 Float8_e4m3fn.h; this CPU build saturates, the clamp makes it independent of that)."""
+    x = torch.tensor([447.0, 448.0, 464.0, 480.0, 1e4, float("inf"), -480.0, -float("inf")]).to(torch.bfloat16)
+    assert e4m3_rows(x).view(torch.uint8).tolist() == [0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0xFE, 0xFE]
+    assert e4m3_rows(torch.tensor([2.0 ** -10, 3 * 2.0 ** -10, -(2.0 ** -12)]).to(torch.bfloat16)).view(
+        torch.uint8).tolist() == [0x00, 0x02, 0x80]  # ties to even among subnormals; -0
+
+
+def _fp8_case(m, nkv, layout, dtype, seed):
+    y, pos, cs, slots, kc, vc, kv = make(m, nkv, layout, seed=seed, dtype=dtype)
+    y = (y.float() * 40).to(torch.bfloat16)  # v heads beyond +-448 / scale: saturation in the cache
+    return y, pos, cs, slots, kc, vc, kv
+
+
+# Both engine layouts, both FP8 dtypes, float and tensor scales, M with -1 slots, slots past the end and the last slot.
+@pytest.mark.parametrize("layout", ["vllm", "flashinfer"])
+@pytest.mark.parametrize("dtype", FP8_CACHES, ids=["float8_e4m3fn", "uint8"])
+@pytest.mark.parametrize("m,nkv,k_scale,v_scale", [(1, 1, 1.0, 1.0), (37, 2, 0.05, 0.2), (300, 1, 2.0, 1e-3)])
+def test_fp8_caches_hold_the_fp64_bytes_of_the_bf16_rows(layout, dtype, m, nkv, k_scale, v_scale):
+    """The fused reference into FP8 caches: y as with bf16 caches; each written slot holds the independent fp64
+    bytes of the bf16 k / v rows the loop writes to a bf16 cache; every other byte keeps the sentinel."""
+    y, pos, cs, slots, kc, vc, kv = _fp8_case(m, nkv, layout, dtype, seed=m + nkv)
+    bkc, bvc, _ = paged_caches(kc.shape[0], kc.shape[1], nkv, layout)
+    want_y = loop_epilogue(y, pos, cs, slots, bkc, bvc, nkv, EPS)
+    ks = torch.tensor(k_scale) if m % 2 else k_scale  # a 0-dim tensor or a float
+    vs = torch.tensor([v_scale]) if m % 2 else v_scale
+    got_y = fused_qknorm_rope_kv_insert(y, pos, cs, slots, kc, vc, nkv, EPS, k_scale=ks, v_scale=vs)
+    assert torch.equal(got_y, want_y)
+    cap = kc.shape[0] * kc.shape[1]
+    written = torch.zeros(kc.shape[0], kc.shape[1], dtype=torch.bool)
+    for t, s in enumerate(slots.tolist()):
+        if 0 <= s < cap:
+            written[s // kc.shape[1], s % kc.shape[1]] = True
+    for cache, ref, scale in ((kc, bkc, k_scale), (vc, bvc, v_scale)):
+        got = cache.view(torch.uint8)
+        assert torch.equal(got[written], quantized_fp64(ref[written], scale))
+        assert bool((got[~written] == SENTINEL_BYTE).all())  # -1 slots and slots past the end: nothing written
+    other = kv.view(torch.uint8).reshape(-1).numel() - 2 * kc.numel()
+    assert other == 0  # (both layouts: the two caches are the whole allocation)
+
+
+def test_bf16_caches_ignore_the_scales():
+    """As vLLM's kv_cache_dtype "auto": the scales reach only an FP8 cache."""
+    a = make(9, 2, "vllm", seed=4)
+    b = make(9, 2, "vllm", seed=4)
+    fused_qknorm_rope_kv_insert(*a[:6], 2, EPS)
+    fused_qknorm_rope_kv_insert(*b[:6], 2, EPS, k_scale=0.5, v_scale=torch.tensor(3.0))
+    assert torch.equal(a[6], b[6])
+
+
+def test_qkv_front_reference_passes_the_scales():
+    g = torch.Generator().manual_seed(0)
+    nkv, m = 1, 4
+    n = (2 * 2 * nkv + 2 * nkv) * D
+    x = torch.randn(m, 8192, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, 8192, generator=g) * 0.02).to(torch.bfloat16)
+    pos, slots = torch.arange(m), torch.tensor([0, -1, 5, 7])
+    cs = rope_cos_sin_table(64, 1e4)
+    k1, v1, _ = paged_caches(2, 4, nkv, "vllm", dtype=torch.uint8)
+    k2, v2, _ = paged_caches(2, 4, nkv, "vllm")
+    y1 = qkv_front_reference(x, w, pos, cs, slots, k1, v1, nkv, EPS, k_scale=0.25, v_scale=torch.tensor(0.5))
+    y2 = qkv_front_reference(x, w, pos, cs, slots, k2, v2, nkv, EPS)
+    assert torch.equal(y1, y2)
+    for c8, c16, s in ((k1, k2, 0.25), (v1, v2, 0.5)):
+        flat8, flat16 = c8.reshape(-1, nkv, D), c16.reshape(-1, nkv, D)
+        for slot in (0, 5, 7):
+            assert torch.equal(flat8[slot], quantized_fp64(flat16[slot], s))
+        assert bool((flat8[[1, 2, 3, 4, 6]] == SENTINEL_BYTE).all())

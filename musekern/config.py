@@ -12,9 +12,10 @@ configs give the head counts and sizes are read too (`_ALIASES`, `_kv_heads`: Fa
 head-like key that is not read is a warning. Other unknown keys are ignored; bad values raise ConfigError
 naming the file, the key and the reason.
 
-The `musekern` block (top level): `tensor_parallel_sizes`, `max_decode_tokens`, `targets`. A config
-that names no TP sizes plans TP 1 and says so in `ModelConfig.warnings`; `with_tensor_parallel`
-applies `--tp`.
+The `musekern` block (top level): `tensor_parallel_sizes`, `max_decode_tokens`, `targets`,
+`kv_cache_dtype` (vLLM's: "auto" / "bf16" = a bf16 KV cache, "fp8" / "fp8_e4m3" = e4m3 with per-tensor
+scales; musekern/kv_cache.py). A config that names no TP sizes plans TP 1 and says so in
+`ModelConfig.warnings`; `with_tensor_parallel` applies `--tp`, `with_kv_cache_dtype` `--kv-cache-dtype`.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
+from . import kv_cache
 from .model import FRONT_MAX_TOKENS
 from .model import HEAD_DIM as QKV_FRONT_HEAD_DIM
 from .model import HIDDEN as QKV_FRONT_HIDDEN
@@ -77,6 +79,7 @@ class ModelConfig:
     checkpoint_dtype: str = "bfloat16"  # the config's `dtype` / `torch_dtype`: how the weights were saved
     tp_source: str = "config"  # where tensor_parallel_sizes came from: "config", "--tp", or "default"
     key_warnings: tuple[str, ...] = ()  # head-like keys the config has and musekern does not read
+    kv_cache_dtype: str = kv_cache.BF16  # the KV cache the builds write (kv_cache.KV_CACHE_DTYPES)
 
     def shard(self, tp: int) -> ShardShape:
         nq = self.num_attention_heads // tp
@@ -103,7 +106,7 @@ _DEFAULTS = {"attn_output_gate": False, "rms_norm_eps": 1e-6, "rope_theta": 1000
              "max_position_embeddings": 4096}
 # max_decode_tokens defaults to model.FRONT_MAX_TOKENS; a larger value changes nothing (cuBLAS + the fused epilogue
 # serve every M) but is accepted.
-_MUSEKERN_DEFAULTS = {"max_decode_tokens": FRONT_MAX_TOKENS, "targets": []}
+_MUSEKERN_DEFAULTS = {"max_decode_tokens": FRONT_MAX_TOKENS, "targets": [], "kv_cache_dtype": "auto"}
 DEFAULT_TP_SIZES = (1,)
 SERVING_DTYPE = "bfloat16"  # the dtype every planned kernel is built for
 CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16")  # a checkpoint saved in any of these is served in bf16
@@ -321,13 +324,21 @@ def parse_config(data, source: str = "<config>") -> ModelConfig:
         if name not in TARGETS:
             raise ConfigError(src, "musekern.targets",
                               f"unknown target {_show(t)}; supported targets: {supported_targets()}")
+    kv = _kv_cache_dtype(src, "musekern.kv_cache_dtype", m["kv_cache_dtype"])
     return ModelConfig(
         source=src, hidden_size=vals["hidden_size"], num_attention_heads=nq, num_key_value_heads=nkv, head_dim=hd,
         attn_output_gate=gate, rms_norm_eps=eps, rope_theta=theta,
         max_position_embeddings=vals["max_position_embeddings"], tensor_parallel_sizes=tps,
         max_decode_tokens=mdt, targets=tuple(t.strip().lower() for t in targets), dtype=SERVING_DTYPE,
-        checkpoint_dtype=ckpt_dtype, tp_source=tp_source,
+        checkpoint_dtype=ckpt_dtype, tp_source=tp_source, kv_cache_dtype=kv,
         key_warnings=_key_warnings(src, _unread_keys(data, fields, prefix)))
+
+
+def _kv_cache_dtype(src: str, key: str, value) -> str:
+    try:
+        return kv_cache.resolve(value)
+    except ValueError as e:
+        raise ConfigError(src, key, str(e)) from None
 
 
 def _checkpoint_dtype(src: str, data: dict, fields: dict, prefix: str) -> str:
@@ -350,6 +361,12 @@ def with_tensor_parallel(model: ModelConfig, tps, source: str = "--tp") -> Model
     checked = _check_tps(source, "tensor_parallel_sizes", list(tps), model.num_attention_heads,
                          model.num_key_value_heads)
     return replace(model, tensor_parallel_sizes=checked, tp_source=source)
+
+
+def with_kv_cache_dtype(model: ModelConfig, value: str) -> ModelConfig:
+    """`model` planned for this KV cache dtype (the CLI's --kv-cache-dtype: auto, bf16, fp8, fp8_e4m3; ValueError
+    with the reason otherwise)."""
+    return replace(model, kv_cache_dtype=kv_cache.resolve(value))
 
 
 MAX_CONFIG_BYTES = 1 << 20  # a published config.json is 1-20 KB; the largest label maps stay under 1 MiB

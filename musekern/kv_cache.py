@@ -24,4 +24,5 @@ def resolve(value) -> str:
         return _ALIASES[value.strip().lower()]
     if isinstance(value, str) and value.strip().lower() == "fp8_e5m2":
         raise ValueError(E5M2_REASON)
-    raise ValueError(f"unknown KV cache dtype {value!r}; choose one of {', '.join(CHOICES)}")
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    raise ValueError(f"unknown KV cache dtype {shown}; choose one of {', '.join(CHOICES)}")

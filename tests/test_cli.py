@@ -484,3 +484,29 @@ def test_a_wrapped_table_keeps_every_character_of_every_cell(width):
     firsts = [i for i, ln in enumerate(lines[2:]) if ln[:start].strip()]
     cells = ["".join(col[a:b]) for a, b in zip(firsts, [*firsts[1:], len(col)], strict=True)]
     assert cells == [label, "short", "y" * 300]
+
+
+# --kv-cache-dtype on the planning commands (vLLM's values): the FP8 builds replace the bf16 ones, the config's
+# musekern.kv_cache_dtype is read, the flag overrides it, e5m2 is refused in one line
+def test_plan_kv_cache_dtype(run, tmp_path):
+    doc = json.loads(run("plan", "--target", "h200", "--kv-cache-dtype", "fp8", "--json").stdout)
+    assert doc["kv_cache_dtype"] == "fp8_e4m3"
+    kinds = {r["kernel"]: r.get("kv_cache_dtype") for r in doc["rows"]}
+    assert kinds == {"qk_norm": None, "qkv_front": "fp8_e4m3", "qkv_epilogue": "fp8_e4m3"}
+    bf16 = json.loads(run("plan", "--target", "h200", "--kv-cache-dtype", "auto", "--json").stdout)
+    assert bf16 == json.loads(run("plan", "--target", "h200", "--json").stdout)  # auto: today's plan, unchanged
+    cfg = json.load(open(os.path.join(os.path.dirname(DATA), "..", "musekern", "data", "muse_spark.json")))
+    cfg["musekern"]["kv_cache_dtype"] = "fp8_e4m3"
+    p = tmp_path / "fp8.json"
+    p.write_text(json.dumps(cfg))
+    from_cfg = json.loads(run("plan", "--model", str(p), "--json").stdout)
+    assert from_cfg["rows"] == doc["rows"]
+    back = json.loads(run("plan", "--model", str(p), "--kv-cache-dtype", "bf16", "--json").stdout)
+    assert back["rows"] == bf16["rows"]
+
+
+@pytest.mark.parametrize("cmd", ["plan", "prepare", "doctor", "explain", "export"])
+def test_kv_cache_dtype_e5m2_is_refused(run, cmd):
+    extra = {"explain": ["qk_norm[dtype=bfloat16,has_scale=False,head_dim=64]"], "export": ["-o", "x.tar"]}
+    r = run(cmd, *extra.get(cmd, []), "--target", "h200", "--kv-cache-dtype", "fp8_e5m2", code=2)
+    assert "fp8_e5m2 KV caches are not served" in r.output

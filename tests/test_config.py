@@ -349,3 +349,41 @@ def test_known_configs_warn_about_no_key(path):
 
 def test_a_wrappers_top_level_copy_of_text_config_is_no_warning():  # Qwen2.5-VL saves the text fields twice
     assert parse_config({**BASE, "text_config": dict(BASE)}).key_warnings == ()
+
+
+# vLLM's kv_cache_dtype vocabulary in the musekern block: auto / bf16 / bfloat16 -> bf16 builds, fp8 / fp8_e4m3 ->
+# e4m3 builds; e5m2 and anything else refused with the key and a one-line reason
+@pytest.mark.parametrize("value,want", [(None, "bf16"), ("auto", "bf16"), ("bf16", "bf16"), ("bfloat16", "bf16"),
+                                        ("fp8", "fp8_e4m3"), ("FP8_E4M3", "fp8_e4m3")])
+def test_kv_cache_dtype(value, want):
+    data = json.loads(json.dumps(BASE))
+    if value is not None:
+        data["musekern"]["kv_cache_dtype"] = value
+    assert parse_config(data).kv_cache_dtype == want
+
+
+@pytest.mark.parametrize("value,reason", [("fp8_e5m2", "fp8_e5m2 KV caches are not served"),
+                                          ("int8", "unknown KV cache dtype 'int8'"), (8, "unknown KV cache dtype 8")])
+def test_kv_cache_dtype_refused(value, reason):
+    data = json.loads(json.dumps(BASE))
+    data["musekern"]["kv_cache_dtype"] = value
+    with pytest.raises(ConfigError, match="musekern.kv_cache_dtype") as e:
+        parse_config(data)
+    assert reason in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fp8_plan_is_the_bf16_plan_with_the_cache_dtype():
+    """Every qkv_front / qkv_epilogue build of the FP8 plan is the bf16 plan's build with kv_cache_dtype=fp8_e4m3
+    (same levers); qk_norm builds are shared; bf16 labels never name the field (its default: keys unchanged)."""
+    from dataclasses import replace
+
+    from musekern.config import with_kv_cache_dtype
+
+    model = load_config()
+    h200 = [get_target("h200")]
+    bf16 = [e.variant for e in plan_model(model, h200)]
+    fp8 = [e.variant for e in plan_model(with_kv_cache_dtype(model, "fp8"), h200)]
+    assert not any("kv_cache_dtype" in v.label for v in bf16)
+    want = {v if v.kernel == "qk_norm" else replace(v, kv_cache_dtype="fp8_e4m3") for v in bf16}
+    assert set(fp8) == want and len(fp8) == len(bf16)
+    assert all("kv_cache_dtype=fp8_e4m3" in v.label for v in fp8 if v.kernel != "qk_norm")

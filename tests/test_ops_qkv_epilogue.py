@@ -8,6 +8,7 @@ torch = pytest.importorskip("torch")
 
 from musekern.kernels.qkv_epilogue.variant import EPI_HUGE, QkvEpilogueVariant, max_rows  # noqa: E402
 from musekern.ops import qkv_epilogue as op  # noqa: E402
+from musekern.ops.checks import SCALE_VALUES  # noqa: E402
 from musekern.reference import rope_cos_sin_table  # noqa: E402
 
 D = 64
@@ -129,12 +130,14 @@ def test_launch_args_bind_every_abi_name(layout):
                     "key_cache": kc.data_ptr(), "value_cache": c["value_cache"].data_ptr(), "M": 3,
                     "num_q_heads": 32, "num_kv_heads": 2, "ld_y": 4416, "max_pos": 64, "block_size": 4,
                     "num_blocks": 6, "k_block_stride": kc.stride(0), "v_block_stride": c["value_cache"].stride(0),
-                    "eps": 1e-5}
+                    "eps": 1e-5, "k_scale_ptr": 0, "k_scale": 1.0, "v_scale_ptr": 0, "v_scale": 1.0}
     assert kc.stride(0) == (2 if layout == "flashinfer" else 1) * 4 * 2 * D
     pytest.importorskip("cutlass")
     from musekern.kernels.qkv_epilogue.abi import abi_for
 
-    assert set(args) == {f.name for p in abi_for(QkvEpilogueVariant(1)).params for f in p.fields}
+    fields = lambda v: {f.name for p in abi_for(v).params for f in p.fields}  # noqa: E731
+    assert set(args) == fields(QkvEpilogueVariant(1, kv_cache_dtype="fp8_e4m3"))  # the FP8 builds take every value
+    assert fields(QkvEpilogueVariant(1)) == set(args) - set(SCALE_VALUES)  # the bf16 builds all but the scales
 
 
 # every rejection above, plus inputs the reasons turn down only after a cheap look (wrong ranks, an int eps)

@@ -400,7 +400,7 @@ def test_gemm_epilogue_path_is_mm_then_the_epilogue_in_place(monkeypatch):
     """launch_gemm_epilogue = torch.mm into out, then the epilogue on out (here the reference's, in place)."""
     calls = []
 
-    def epilogue(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps):
+    def epilogue(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, **scales):
         calls.append(y.data_ptr())
         y.copy_(fused_qknorm_rope_kv_insert(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
                                             num_kv_heads, eps))
@@ -467,3 +467,134 @@ def test_the_cache_layout_verdict_is_kept_per_layout(monkeypatch):
         kv = torch.zeros(2, nb + 1, 4, 1, D, dtype=torch.bfloat16)
         checks.fast_token_cache_values(5, -1, 1, *tok[:3], kv[0], kv[1])
     assert len(checks._LAYOUTS) <= 256
+
+
+# ---------------------------------------------------------------- FP8 KV caches (issue 29), on CPU
+def fp8_case(m=5, layout="vllm", dtype=torch.uint8, **kw):
+    """make_case with FP8 caches (float8_e4m3fn or uint8) of the same layout and shape."""
+    from kv_layouts import paged_caches
+
+    c = make_case(m=m, layout=layout, **kw)
+    kc = c["key_cache"]
+    c["key_cache"], c["value_cache"], _ = paged_caches(kc.shape[0], kc.shape[1], kc.shape[2], layout, dtype=dtype)
+    return c
+
+
+def _mut8(**changes):
+    c = fp8_case()
+    for k, f in changes.items():
+        c[k] = f(c) if callable(f) else f
+    return c
+
+
+# one line each: a cache dtype not served (e5m2 says so), caches of two dtypes, each wrong scale
+REJECT_FP8 = {
+    "e5m2 cache": (dict(key_cache=lambda c: c["key_cache"].view(torch.float8_e5m2),
+                        value_cache=lambda c: c["value_cache"].view(torch.float8_e5m2)), "fp8_e5m2 KV caches are not"),
+    "fp16 cache": (dict(key_cache=lambda c: torch.zeros(6, 4, 1, 64, dtype=torch.float16)), "float8_e4m3fn / uint8"),
+    "bf16 key, fp8 value": (dict(key_cache=lambda c: torch.zeros(6, 4, 1, 64, dtype=torch.bfloat16)), "differ"),
+    "uint8 key, float8 value": (dict(value_cache=lambda c: c["value_cache"].view(torch.float8_e4m3fn)), "differ"),
+    "k_scale float64": (dict(k_scale=torch.tensor(1.0, dtype=torch.float64)), "k_scale.dtype must be float32"),
+    "v_scale bf16": (dict(v_scale=torch.tensor([1.0], dtype=torch.bfloat16)), "v_scale.dtype must be float32"),
+    "k_scale two values": (dict(k_scale=torch.ones(2)), "k_scale must be a 0-dim or 1-element tensor"),
+    "v_scale empty": (dict(v_scale=torch.ones(0)), "v_scale must be a 0-dim or 1-element tensor"),
+    "k_scale str": (dict(k_scale="1.0"), "k_scale must be a float or a one-element float32 tensor"),
+    "k_scale bool": (dict(k_scale=True), "k_scale must be a float"),
+    "k_scale zero": (dict(k_scale=0.0), "k_scale must be a finite float > 0"),
+    "v_scale negative": (dict(v_scale=-0.5), "v_scale must be a finite float > 0"),
+    "v_scale inf": (dict(v_scale=float("inf")), "v_scale must be a finite float > 0"),
+    "k_scale nan": (dict(k_scale=float("nan")), "k_scale must be a finite float > 0"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REJECT_FP8))
+def test_fp8_unsupported_rejects(name):
+    changes, reason = REJECT_FP8[name]
+    c = _mut8(**changes)
+    r = op.unsupported(**c)
+    assert r is not None and reason in r and "\n" not in r, r
+    with pytest.raises((TypeError, ValueError), match="qkv_front"):
+        op.qkv_front(**c)
+    assert not op._fast(**{**c, "out": None}, dry=True)
+
+
+def test_fp8_scale_on_another_device_is_named(as_if_cuda):
+    c = {**fp8_case(), "out": None}
+    assert "k_scale is on meta, x on cpu" in op._reason(**c, k_scale=torch.tensor(0.5, device="meta"))
+    s = torch.tensor(0.5)
+    s.get_device = lambda: 1  # a scale on CUDA device 1, the call on device 0: the fast path leaves it to the reasons
+    assert op._fast(**fp8_case(), out=None, dry=True, v_scale=s) is None
+
+
+def test_kv_cache_layout_ok_takes_fp8_caches():
+    for dtype in (torch.uint8, torch.float8_e4m3fn):
+        c = fp8_case(dtype=dtype, nkv=2)
+        assert op.kv_cache_layout_ok(c["key_cache"], c["value_cache"], 2)
+    assert not op.kv_cache_layout_ok(fp8_case()["key_cache"].view(torch.float8_e5m2),
+                                     fp8_case()["value_cache"].view(torch.float8_e5m2), 1)
+
+
+SCALES = {"none": (None, None), "floats": (0.25, 3.0), "tensors": (torch.tensor(0.25), torch.tensor([3.0])),
+          "mixed": (torch.tensor(0.25), 3.0)}
+
+
+# both layouts, both FP8 dtypes, every kind of scale: the fast path takes the call, and the checked call launches
+# the FP8 build's plan with the values the unchecked binding gives (the scales as address 0 + value, or address)
+@pytest.mark.parametrize("layout", ["vllm", "flashinfer"])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn], ids=["uint8", "float8_e4m3fn"])
+@pytest.mark.parametrize("scales", sorted(SCALES))
+def test_fp8_checked_call_launches_the_fp8_plan_with_the_scales(as_if_cuda, recorder, monkeypatch, layout, dtype,
+                                                                 scales):
+    rec = recorder
+    monkeypatch.setattr(op, "_RUNS", op.Plans(lambda n, m, nkv, dev: pytest.fail("the bf16 plan")))
+    monkeypatch.setattr(op, "_RUNS_FP8", op.Plans(lambda n, m, nkv, dev: rec))
+    ks, vs = SCALES[scales]
+    c = fp8_case(layout=layout, dtype=dtype)
+    assert op._fast(**c, out=None, dry=True, k_scale=ks, v_scale=vs)
+    y = op.qkv_front(**c, k_scale=ks, v_scale=vs)
+    want = op.launch_args(c["x"], c["weight"], c["positions"], c["cos_sin_cache"], c["slot_mapping"],
+                          c["key_cache"], c["value_cache"], EPS, y, ks, vs)
+    want["weight"], want["x"] = _map_key(c["weight"]), _map_key(c["x"])
+    got = dict(zip(op._NAMES, rec.calls[0], strict=True))
+    assert len(rec.calls) == 1 and got == want
+    for s, p, v in ((ks, "k_scale_ptr", "k_scale"), (vs, "v_scale_ptr", "v_scale")):
+        assert (got[p], got[v]) == ((s.data_ptr(), 1.0) if isinstance(s, torch.Tensor) else (0, s or 1.0))
+
+
+def test_fp8_gemm_path_launches_the_fp8_epilogue_with_the_scales(as_if_cuda, recorder, monkeypatch):
+    rec = recorder
+    monkeypatch.setattr(op, "_RUNS_FP8", op.Plans(lambda n, m, nkv, dev: op._GEMM))
+    monkeypatch.setattr(op.qkv_epilogue, "_RUNS_FP8", op.Plans(lambda n, m, nkv, dev: rec))
+    c = fp8_case(m=40, num_blocks=16)
+    ks = torch.tensor(0.5)
+    y = op.qkv_front(**c, k_scale=ks, v_scale=2.0)
+    want = op.qkv_epilogue.launch_args(y, c["positions"], c["cos_sin_cache"], c["slot_mapping"], c["key_cache"],
+                                       c["value_cache"], 1, EPS, ks, 2.0)
+    assert len(rec.calls) == 1 and dict(zip(op.qkv_epilogue._NAMES, rec.calls[0], strict=True)) == want
+    assert want["k_scale_ptr"] == ks.data_ptr() and want["v_scale"] == 2.0
+
+
+def test_bf16_caches_take_the_bf16_plan_and_accept_scales(as_if_cuda, recorder, monkeypatch):
+    """vLLM passes its layers' scales whatever the cache: a bf16 cache ignores them (the bf16 build has no such
+    parameter), and its fast path stays the one of a call without them."""
+    rec = recorder
+    monkeypatch.setattr(op, "_RUNS", op.Plans(lambda n, m, nkv, dev: rec))
+    monkeypatch.setattr(op, "_RUNS_FP8", op.Plans(lambda n, m, nkv, dev: pytest.fail("the fp8 plan")))
+    c = make_case()
+    op.qkv_front(**c, k_scale=torch.tensor(2.0), v_scale=0.5)
+    op.qkv_front(**c)
+    assert len(rec.calls) == 2
+
+
+def test_fp8_auto_on_cpu_is_the_reference_with_the_scales():
+    from musekern.reference import e4m3_rows
+
+    for dtype in (torch.uint8, torch.float8_e4m3fn):
+        c8, c16 = fp8_case(dtype=dtype), make_case()
+        y8 = op.qkv_front_auto(**c8, k_scale=torch.tensor(0.5), v_scale=0.125)
+        y16 = op.qkv_front_auto(**c16)
+        assert torch.equal(y8, y16)
+        for cache8, cache16, s in ((c8["key_cache"], c16["key_cache"], 0.5), (c8["value_cache"],
+                                                                              c16["value_cache"], 0.125)):
+            written = (cache16 != 0).any(-1).any(-1)  # the bf16 run's written slots (inputs are nonzero there)
+            assert torch.equal(cache8.view(torch.uint8)[written], e4m3_rows(cache16[written], s).view(torch.uint8))

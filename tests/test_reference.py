@@ -222,7 +222,7 @@ def test_fp8_caches_hold_the_fp64_bytes_of_the_bf16_rows(layout, dtype, m, nkv, 
     assert torch.equal(got_y, want_y)
     cap = kc.shape[0] * kc.shape[1]
     written = torch.zeros(kc.shape[0], kc.shape[1], dtype=torch.bool)
-    for t, s in enumerate(slots.tolist()):
+    for s in slots.tolist():
         if 0 <= s < cap:
             written[s // kc.shape[1], s % kc.shape[1]] = True
     for cache, ref, scale in ((kc, bkc, k_scale), (vc, bvc, v_scale)):

@@ -11,6 +11,7 @@ from .common import (
     cache_dir_option,
     emit_json,
     json_option,
+    kv_cache_dtype_option,
     load_model,
     log,
     model_option,
@@ -66,7 +67,8 @@ def model_json(model) -> dict:
     """What every --json result that plans says about the model: source, TP sizes and where they came
     from, dtypes, and the warnings (also said on stderr)."""
     return {"model": model.source, "tp": list(model.tensor_parallel_sizes), "tp_source": model.tp_source,
-            "dtype": model.dtype, "checkpoint_dtype": model.checkpoint_dtype, "warnings": list(model.warnings)}
+            "dtype": model.dtype, "checkpoint_dtype": model.checkpoint_dtype, "kv_cache_dtype": model.kv_cache_dtype,
+            "warnings": list(model.warnings)}
 
 
 @click.command("plan")
@@ -74,10 +76,11 @@ def model_json(model) -> dict:
 @target_option
 @tp_option
 @wide_option
+@kv_cache_dtype_option
 @json_option
-def plan_cmd(model_path, target_names, tp, as_json):
+def plan_cmd(model_path, target_names, tp, kv_cache_dtype, as_json):
     """List every kernel variant the model needs, per target and TP rank."""
-    model = load_model(model_path, tp)
+    model = load_model(model_path, tp, kv_cache_dtype)
     targets = resolve_targets(target_names, model)
     entries = plan_model(model, targets)
     rows = _plan_rows(entries, model)
@@ -87,13 +90,15 @@ def plan_cmd(model_path, target_names, tp, as_json):
         return
     cols = ["target", "tp", "kernel", "N", "heads", "k_split", "stages", "tiles", "fixed_rows", "tokens", "label"]
     click.echo(table([[("" if r.get(c) is None else r.get(c, "")) for c in cols] for r in rows], cols))
-    click.echo(f"{len(entries)} distinct variants for {len(targets)} target(s): {model.source}")
+    kv = "" if model.kv_cache_dtype == "bf16" else f" (KV cache {model.kv_cache_dtype})"
+    click.echo(f"{len(entries)} distinct variants for {len(targets)} target(s): {model.source}{kv}")
 
 
 @click.command("prepare")
 @model_option
 @target_option
 @tp_option
+@kv_cache_dtype_option
 @click.option("--variant", "variant_labels", multiple=True,
               help="Build this variant (a label from `musekern plan`) instead of the model's plan. Repeatable.")
 @cache_dir_option
@@ -107,15 +112,15 @@ def plan_cmd(model_path, target_names, tp, as_json):
 @trusted_keys_option
 @wide_option
 @json_option
-def prepare_cmd(model_path, target_names, tp, variant_labels, cache_dir, jobs, shard, remote, upload, sign_key,
-                trusted_keys, as_json):
+def prepare_cmd(model_path, target_names, tp, kv_cache_dtype, variant_labels, cache_dir, jobs, shard, remote, upload,
+                sign_key, trusted_keys, as_json):
     """Compile every kernel variant the model needs into the cache (no GPU needed)."""
     from ..builder import BuildExtraMissing
     from ..builder.prepare import BUILT, FAILED, HIT, PULLED, prepare
     from ..store.cache import Cache, ReadOnlyCacheError, default_cache_dir
     from ..store.signing import SecretKey, TrustedKeys
 
-    model = load_model(model_path, tp)
+    model = load_model(model_path, tp, kv_cache_dtype)
     targets = resolve_targets(target_names, model)
     entries = _entries_for(model, targets, variant_labels)
     if upload and not remote:

@@ -9,7 +9,8 @@ import sys
 
 import click
 
-from ..config import ConfigError, load_config, with_tensor_parallel
+from .. import kv_cache
+from ..config import ConfigError, load_config, with_kv_cache_dtype, with_tensor_parallel
 from ..targets import TargetError, check_supported, get_target, local_target, supported_targets
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2  # the exit codes of every command
@@ -55,6 +56,28 @@ tp_option = click.option(
     "--tp", "tp", default=None, metavar="1,2,4,8", callback=_parse_tp,
     help="Tensor-parallel sizes to plan (overrides the config's musekern.tensor_parallel_sizes; a config that "
          "names none plans TP 1 and warns).")
+
+
+def _parse_kv_cache_dtype(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        return kv_cache.resolve(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def kv_cache_dtype_flag(kv) -> str:
+    """The --kv-cache-dtype spelling to put in a suggested fix command ("" for the config's or the default)."""
+    return f" --kv-cache-dtype {kv}" if kv else ""
+
+
+kv_cache_dtype_option = click.option(
+    "--kv-cache-dtype", "kv_cache_dtype", default=None, metavar="{" + ",".join(kv_cache.CHOICES) + "}",
+    callback=_parse_kv_cache_dtype,
+    help="The KV cache the engine allocates, as vLLM's --kv-cache-dtype: auto / bf16 plan the builds that write "
+         "bf16 caches, fp8 / fp8_e4m3 those that write e4m3 with per-tensor k_scale / v_scale (fp8_e5m2 is not "
+         "served). Overrides the config's musekern.kv_cache_dtype.")
 
 
 def parse_shard(value):
@@ -117,13 +140,15 @@ def is_broken_pipe(e: OSError) -> bool:
     return e.errno == errno.EPIPE
 
 
-def load_model(path, tp=None):
-    """The validated config (with --tp applied); its warnings go to stderr here, and every --json result
-    that plans carries them too (`model.warnings`)."""
+def load_model(path, tp=None, kv_cache_dtype=None):
+    """The validated config (with --tp and --kv-cache-dtype applied); its warnings go to stderr here, and every
+    --json result that plans carries them too (`model.warnings`)."""
     try:
         model = load_config(path)
         if tp is not None:
             model = with_tensor_parallel(model, tp)
+        if kv_cache_dtype is not None:
+            model = with_kv_cache_dtype(model, kv_cache_dtype)
     except ConfigError as e:
         raise UsageFailure(str(e)) from None
     for w in model.warnings:

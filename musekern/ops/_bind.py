@@ -28,13 +28,14 @@ def take(label: str, param_names: tuple, names: tuple) -> tuple[int, ...]:
     return tuple(names.index(n) for n in param_names)
 
 
-def binder(label: str, param_names: tuple, values: dict[str, str], args: str):
+def binder(label: str, param_names: tuple, values: dict[str, str], args: str, env: dict | None = None):
     """`lambda <args>: [values[name] for name in param_names]`, compiled once.
 
     `values` holds trusted source text (the op's own table, never user input); `args` is the comma-separated
-    argument list of the returned function."""
+    argument list of the returned function; `env` the functions the text may call besides float and int."""
     _unbound(label, param_names, values)
-    return eval(f"lambda {args}: [{', '.join(values[n] for n in param_names)}]", {"float": float, "int": int})
+    return eval(f"lambda {args}: [{', '.join(values[n] for n in param_names)}]",
+                {"float": float, "int": int, **(env or {})})
 
 
 class Plans(dict):

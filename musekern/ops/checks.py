@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kv_cache import E5M2_REASON
 from ..model import HEAD_DIM as HEAD_COLS
 
 ALIGN = 16  # TMA bases and 16-byte vector loads / stores
@@ -16,6 +17,10 @@ VEC = 8  # bf16 elements per 16 bytes: the caches' block strides are multiples o
 INT32_MAX = 2**31 - 1
 # the fast paths' dtype and eps tests, as module constants (a global read each, no attribute lookup on torch)
 BF16, I64, F32, INF = torch.bfloat16, torch.int64, torch.float32, float("inf")
+# An FP8 KV cache (kv_cache.FP8_E4M3): float8_e4m3fn, or uint8 holding e4m3 bytes (how vLLM allocates FP8 caches)
+FP8_CACHES = (torch.float8_e4m3fn, torch.uint8)
+CACHE_DTYPES = (BF16, *FP8_CACHES)
+NO_SCALES = (0, 1.0, 0, 1.0)  # the scale launch values of a call without scales: (k ptr, k value, v ptr, v value)
 
 
 def is_tensor(t) -> bool:
@@ -35,16 +40,17 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and a0 < b1 and b0 < a1
 
 
-def cache_end(c0: int, shape, block_stride: int) -> int:
-    """One past the last byte of a cache at `c0` of a layout `kv_reason` accepts (bf16, inner three dims contiguous)."""
-    return c0 + ((shape[0] - 1) * block_stride + shape[1] * shape[2] * shape[3]) * 2
+def cache_end(c0: int, shape, block_stride: int, esize: int = 2) -> int:
+    """One past the last byte of a cache at `c0` of a layout `kv_reason` accepts (inner three dims contiguous) with
+    `esize`-byte elements (2: bf16, 1: FP8)."""
+    return c0 + ((shape[0] - 1) * block_stride + shape[1] * shape[2] * shape[3]) * esize
 
 
 def meets_cache(a0: int, a1: int, c: torch.Tensor) -> bool:
     """Does the byte range [a0, a1) meet cache `c` (a layout `kv_reason` accepts)? The fast paths' overlap test: a
     few reads, where `overlaps` walks every dim."""
     c0 = c.data_ptr()
-    return a0 < cache_end(c0, c.shape, c.stride(0)) and c0 < a1
+    return a0 < cache_end(c0, c.shape, c.stride(0), c.element_size()) and c0 < a1
 
 
 def num_kv_heads_reason(num_kv_heads) -> str | None:
@@ -98,8 +104,10 @@ def token_inputs_reason(m: int, positions, slot_mapping, cos_sin_cache) -> str |
 def _cache_reason(name: str, c, num_kv_heads: int) -> str | None:
     if not is_tensor(c):
         return f"{name} must be a torch.Tensor, got {type(c).__name__}"
-    if c.dtype != torch.bfloat16:
-        return f"{name}.dtype must be bfloat16, got {c.dtype}"
+    if c.dtype == torch.float8_e5m2:
+        return f"{name}.dtype is float8_e5m2: {E5M2_REASON}"
+    if c.dtype not in CACHE_DTYPES:
+        return f"{name}.dtype must be bfloat16, or float8_e4m3fn / uint8 (an FP8 e4m3 cache), got {c.dtype}"
     if c.dim() != 4 or c.shape[2] != num_kv_heads or c.shape[3] != HEAD_COLS:
         return (f"{name} must be [num_blocks, block_size, num_kv_heads={num_kv_heads}, {HEAD_COLS}], "
                 f"got shape {tuple(c.shape)}")
@@ -125,16 +133,82 @@ def _cache_reason(name: str, c, num_kv_heads: int) -> str | None:
 
 
 def kv_reason(key_cache, value_cache, num_kv_heads: int) -> str | None:
-    """bf16 [num_blocks, block_size, num_kv_heads, 64] caches, inner three dims contiguous, any block stride that is
-    a multiple of 8 elements (vLLM's split [2, blocks, ...] and FlashInfer's [blocks, 2, ...] NHD layouts), 16-byte
-    aligned, the same shape."""
+    """[num_blocks, block_size, num_kv_heads, 64] caches of one dtype (bf16, or FP8: float8_e4m3fn / uint8), inner
+    three dims contiguous, any block stride that is a multiple of 8 elements (vLLM's split [2, blocks, ...] and
+    FlashInfer's [blocks, 2, ...] NHD layouts), 16-byte aligned, the same shape."""
     for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
         r = _cache_reason(name, c, num_kv_heads)
         if r:
             return r
+    if key_cache.dtype != value_cache.dtype:
+        return (f"key_cache.dtype {key_cache.dtype} and value_cache.dtype {value_cache.dtype} differ: both caches "
+                f"must have one dtype")
     if tuple(key_cache.shape) != tuple(value_cache.shape):
         return f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} differ in shape"
     return None
+
+
+def scale_reason(name: str, s) -> str | None:
+    """k_scale / v_scale: None (1.0), a finite float > 0, or a float32 tensor of one element (0-dim or [1]: read on
+    the device at launch, so a CUDA graph replay reads its value then). An FP8 cache stores e4m3(k / k_scale)."""
+    if s is None:
+        return None
+    if is_tensor(s):
+        if s.dtype != torch.float32:
+            return f"{name}.dtype must be float32 (a per-tensor scale), got {s.dtype}"
+        if s.numel() != 1:
+            return f"{name} must be a 0-dim or 1-element tensor (one per-tensor scale), got shape {tuple(s.shape)}"
+        return None
+    if isinstance(s, bool) or not isinstance(s, (int, float)):
+        return f"{name} must be a float or a one-element float32 tensor, got {type(s).__name__}"
+    if not 0 < s < INF:
+        return f"{name} must be a finite float > 0, got {s!r}"
+    return None
+
+
+def scales_reason(k_scale, v_scale) -> str | None:
+    return scale_reason("k_scale", k_scale) or scale_reason("v_scale", v_scale)
+
+
+def scale_tensors(k_scale, v_scale) -> list:
+    """(name, tensor) of the scales given as tensors: they must be on the call's CUDA device (`device_reason`)."""
+    return [(n, s) for n, s in (("k_scale", k_scale), ("v_scale", v_scale)) if is_tensor(s)]
+
+
+def fast_scales(k_scale, v_scale, dev: int) -> tuple | None:
+    """The launch values (k ptr, k value, v ptr, v value) of the scales of a common valid call: a scale tensor is
+    passed by address (0 otherwise) and read by the kernel, a float by value. None where `scales_reason` or the
+    device check may reject it (then they say why). Raises AttributeError for a non-tensor, non-float."""
+    out = []
+    for s in (k_scale, v_scale):
+        if s is None:
+            out += (0, 1.0)
+        elif type(s) is float:
+            if not 0.0 < s < INF:
+                return None
+            out += (0, s)
+        elif s.dtype is F32 and s.numel() == 1 and s.get_device() == dev:
+            out += (s.data_ptr(), 1.0)
+        else:
+            return None
+    return tuple(out)
+
+
+def scale_ptr(s) -> int:
+    """The launch value `<k|v>_scale_ptr` of a scale: a tensor's address, else 0 (the kernel then takes the value)."""
+    return s.data_ptr() if is_tensor(s) else 0
+
+
+def scale_value(s) -> float:
+    """The launch value `<k|v>_scale` of a scale: a float's value (None: 1.0; a tensor: read on the device)."""
+    return 1.0 if s is None or is_tensor(s) else float(s)
+
+
+# The scales' launch values of every build that writes an FP8 cache (kernels' `abi_for`): by ABI name, the
+# expression over the call's `k_scale`, `v_scale` (ops/_bind.py), and the functions those call.
+SCALE_VALUES = {"k_scale_ptr": "scale_ptr(k_scale)", "k_scale": "scale_value(k_scale)",
+                "v_scale_ptr": "scale_ptr(v_scale)", "v_scale": "scale_value(v_scale)"}
+SCALE_ENV = {"scale_ptr": scale_ptr, "scale_value": scale_value}
 
 
 def device_reason(lead: str, t0: torch.Tensor, named) -> str | None:
@@ -147,7 +221,7 @@ def device_reason(lead: str, t0: torch.Tensor, named) -> str | None:
     return None
 
 
-def _layout(ks, vs, kst, vst, cs, nkv: int) -> tuple | None:
+def _layout(ks, vs, kst, vst, cs, nkv: int, esize: int) -> tuple | None:
     """The caches' and cos_sin_cache's rules of `kv_reason` / `token_inputs_reason` on their shapes and strides, for
     the common valid call (exact strides): (max_pos, block_size, num_blocks, the two block strides, the bytes each
     cache spans), or None."""
@@ -160,19 +234,21 @@ def _layout(ks, vs, kst, vst, cs, nkv: int) -> tuple | None:
             and kst[1:] == vst[1:] == (row, HEAD_COLS, 1) and kb >= bs * row and vb >= bs * row
             and (kb | vb) % VEC == 0):
         return None
-    return cs[0], bs, nb, kb, vb, cache_end(0, ks, kb), cache_end(0, vs, vb)
+    return cs[0], bs, nb, kb, vb, cache_end(0, ks, kb, esize), cache_end(0, vs, vb, esize)
 
 
-_LAYOUTS: dict = {}  # (shapes and strides of the caches and cos_sin_cache, num_kv_heads) -> _layout's accepted verdict
+_LAYOUTS: dict = {}  # (shapes and strides of the caches and cos_sin_cache, num_kv_heads, cache element size) ->
+# _layout's accepted verdict
 
 
 def fast_token_cache_values(m: int, dev: int, nkv: int, positions, slot_mapping, cos_sin_cache, key_cache,
-                            value_cache, a0: int = 0, a1: int = 0) -> tuple | None:
+                            value_cache, a0: int = 0, a1: int = 0, esize: int = 2) -> tuple | None:
     """`token_inputs_reason`, `kv_reason` and the device check of the common valid call, reading each attribute once,
     and that the bytes [a0, a1) (an output; a1 = 0: none) meet neither cache. Returns the launch values they give, in
     the ops' ABI order (positions, cos_sin_cache, slot_mapping, key_cache, value_cache addresses; max_pos, block_size,
     num_blocks, the two block strides), or None. Stricter than the reasons (exact cache strides, each tensor on CUDA
-    device `dev`): whatever it accepts, they accept. The caller has checked the dtypes and that nkv is an int; a
+    device `dev`): whatever it accepts, they accept. The caller has checked the dtypes (the caches' element size is
+    `esize`: 2 bf16, 1 FP8) and that nkv is an int; a
     tensor of another rank raises IndexError or TypeError (the caller's slow path then says why).
 
     The layout rules' verdict is kept per (shapes, strides, num_kv_heads) in a bounded dict: an engine's caches keep
@@ -182,7 +258,8 @@ def fast_token_cache_values(m: int, dev: int, nkv: int, positions, slot_mapping,
     if not (positions.shape == slot_mapping.shape == (m,) and positions.is_contiguous() and slot_mapping.is_contiguous()
             and cos_sin_cache.is_contiguous()):
         return None
-    key = (key_cache.shape, value_cache.shape, key_cache.stride(), value_cache.stride(), cos_sin_cache.shape, nkv)
+    key = (key_cache.shape, value_cache.shape, key_cache.stride(), value_cache.stride(), cos_sin_cache.shape, nkv,
+           esize)
     lay = _LAYOUTS.get(key)
     if lay is None:
         lay = _layout(*key)

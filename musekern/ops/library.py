@@ -3,15 +3,17 @@
 Importing this module registers (once per process):
 
     torch.ops.musekern.qkv_front(Tensor x, Tensor weight, Tensor positions, Tensor cos_sin_cache,
-        Tensor slot_mapping, Tensor(a!) key_cache, Tensor(b!) value_cache, int num_kv_heads, float eps) -> Tensor
+        Tensor slot_mapping, Tensor(a!) key_cache, Tensor(b!) value_cache, int num_kv_heads, float eps,
+        Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor
     torch.ops.musekern.qk_norm(Tensor x, int head_dim, float eps=1e-05, float scale=1.0) -> Tensor
 
 `qkv_front` writes k and v into the two caches in place (the schema says so: torch.compile functionalizes
-the call and re-inplaces it) and returns a new y [M, N]. Its CUDA kernel is `ops.qkv_front.qkv_front` (the
-checked call, every M: the fused front or cuBLAS + the fused epilogue), its CPU kernel the plain-torch
-reference: together what `qkv_front_auto` does, without its device test. `qk_norm` runs the cached kernel
-on CUDA tensors, the reference on CPU tensors. Each op has a fake (meta) implementation, so it traces under
-torch.compile with `fullgraph=True` and dynamic M.
+the call and re-inplaces it) and returns a new y [M, N]; bf16 caches, or FP8 (float8_e4m3fn / uint8) ones with
+the per-tensor `k_scale` / `v_scale` (one-element float32 tensors, read on the device; None: 1.0). Its CUDA
+kernel is `ops.qkv_front.op_call` (the checked call, every M: the fused front or cuBLAS + the fused epilogue),
+its CPU kernel the plain-torch reference: together what `qkv_front_auto` does, without its device test.
+`qk_norm` runs the cached kernel on CUDA tensors, the reference on CPU tensors. Each op has a fake (meta)
+implementation, so it traces under torch.compile with `fullgraph=True` and dynamic M.
 
 Registration route: `torch.library.Library` + `.impl` + `register_fake`, not `torch.library.custom_op`:
 the latter wraps every call in Python bookkeeping that costs several times the kernel launch
@@ -29,7 +31,8 @@ from . import qkv_front as _qkv_front
 
 NAMESPACE = "musekern"
 QKV_FRONT_SCHEMA = ("qkv_front(Tensor x, Tensor weight, Tensor positions, Tensor cos_sin_cache, Tensor slot_mapping, "
-                    "Tensor(a!) key_cache, Tensor(b!) value_cache, int num_kv_heads, float eps) -> Tensor")
+                    "Tensor(a!) key_cache, Tensor(b!) value_cache, int num_kv_heads, float eps, "
+                    "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor")
 QK_NORM_SCHEMA = "qk_norm(Tensor x, int head_dim, float eps=1e-05, float scale=1.0) -> Tensor"
 # Inductor must hand the ops the strides eager would (qk_norm takes strided rows of a fused projection, qkv_front
 # needs a contiguous x); pt2_compliant: opcheck passes on both (tests/test_ops_library.py, tests/test_gpu_engine.py).
@@ -37,14 +40,16 @@ _TAGS = (torch.Tag.needs_fixed_stride_order, torch.Tag.pt2_compliant_tag)
 
 
 # ---------------------------------------------------------------- kernels (CPU and CUDA), fakes
-def _qkv_front_cpu(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps):
+def _qkv_front_cpu(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
+                   k_scale=None, v_scale=None):
     from ..reference import qkv_front_reference
 
     return qkv_front_reference(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
-                               num_kv_heads, eps)
+                               num_kv_heads, eps, None, k_scale, v_scale)
 
 
-def _qkv_front_fake(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps):
+def _qkv_front_fake(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
+                    k_scale=None, v_scale=None):
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
 
 
@@ -70,7 +75,7 @@ def _register() -> torch.library.Library:
     lib = torch.library.Library(NAMESPACE, "FRAGMENT")
     lib.define(QKV_FRONT_SCHEMA, tags=_TAGS)
     lib.define(QK_NORM_SCHEMA, tags=_TAGS)
-    lib.impl("qkv_front", _qkv_front.qkv_front, "CUDA")  # the checked call: every M, checks once
+    lib.impl("qkv_front", _qkv_front.op_call, "CUDA")  # the checked call: every M, checks once
     lib.impl("qkv_front", _qkv_front_cpu, "CPU")
     lib.impl("qk_norm", _qk_norm_cuda, "CUDA")
     lib.impl("qk_norm", _qk_norm_cpu, "CPU")
@@ -91,19 +96,21 @@ def register_ops():
 
 # ---------------------------------------------------------------- before CUDA graph capture
 def prepare(n: int, rows=16, num_kv_heads: int | None = None, qk_norm_head_dims=(),
-            dtype=torch.bfloat16, device=None) -> list:
+            dtype=torch.bfloat16, device=None, kv_cache_dtype: str = "auto") -> list:
     """Load every kernel the ops take for weight rows N and M in `rows`, and time cuBLAS's algorithms for the M the
     GEMM path takes (up to 512: `ops.gemm.tune`, 0.06-0.5 s an M, one checked launch an M the cache's tuning record
     holds), before a CUDA graph is captured.
 
     `rows`: an int (every M in 1..rows) or an iterable of M values, as `ops.qkv_front.prepare` takes them;
+    `kv_cache_dtype`: the KV caches the calls write ("auto" / "bf16", "fp8" / "fp8_e4m3": musekern/kv_cache.py);
     `qk_norm_head_dims`: the head sizes the model's qk_norm calls use (every build of each is loaded: with
     and without a scale, for small and large inputs). Raises MissingKernelError (naming the
     `musekern prepare` command) when one is not in the cache. Returns the loaded kernels.
     """
     from . import qk_norm as _qk_norm
 
-    kernels = list(_qkv_front.prepare(n, rows, num_kv_heads=num_kv_heads, device=device))
+    kernels = list(_qkv_front.prepare(n, rows, num_kv_heads=num_kv_heads, device=device,
+                                      kv_cache_dtype=kv_cache_dtype))
     for hd in qk_norm_head_dims:
         kernels += _qk_norm.prepare(hd, dtype, device)
     return kernels

@@ -1,10 +1,12 @@
 """musekern.qkv_epilogue: the attention front's epilogue on a GEMM result (any M), on the cached CuTe DSL kernel.
 
-qkv_epilogue(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps) -> y
+qkv_epilogue(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, k_scale=None,
+             v_scale=None) -> y
 takes y = bf16(x @ W^T) [M, N] (q | k | v | gate, 64 columns a head, e.g. from torch.mm), RMS-norms and RoPEs
-its q and k heads IN PLACE and writes k and v into the paged caches: musekern.reference.
-fused_qknorm_rope_kv_insert, without its copy of y. No host sync, no allocation, capturable in a CUDA graph
-(`prepare` loads the builds first). Importing this module never imports cutlass.
+its q and k heads IN PLACE and writes k and v into the paged caches (bf16, or FP8 e4m3 of k / k_scale and
+v / v_scale: musekern/kv_cache.py): musekern.reference.fused_qknorm_rope_kv_insert, without its copy of y.
+No host sync, no allocation, capturable in a CUDA graph (`prepare` loads the builds first). Importing this
+module never imports cutlass.
 """
 from __future__ import annotations
 
@@ -19,10 +21,12 @@ from ..kernels.qkv_epilogue.variant import (
     launch_grid,
     max_rows,
 )
+from ..kv_cache import BF16 as KV_BF16
+from ..kv_cache import FP8_E4M3
 from ..model import supports_shape
 from . import checks
 from ._bind import Plans, binder, take
-from .checks import ALIGN, BF16, F32, I64, INF, INT32_MAX, VEC, is_tensor, overlaps
+from .checks import ALIGN, BF16, F32, FP8_CACHES, I64, INF, INT32_MAX, NO_SCALES, VEC, is_tensor, overlaps
 
 
 @functools.lru_cache(maxsize=256)
@@ -31,7 +35,8 @@ def rows_any_build(n: int, num_kv_heads: int) -> int:
     return max_rows(QkvEpilogueVariant(1), n, num_kv_heads)
 
 
-def _layout_reason(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps) -> str | None:
+def _layout_reason(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, k_scale=None,
+                   v_scale=None) -> str | None:
     """Every check but the device one (so the rejections are testable with CPU tensors)."""
     if not is_tensor(y):
         return f"y must be a torch.Tensor, got {type(y).__name__}"
@@ -60,7 +65,7 @@ def _layout_reason(y, positions, cos_sin_cache, slot_mapping, key_cache, value_c
     for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
         if m > 0 and overlaps(y, c):
             return f"y overlaps {name} (y is rewritten in place while the caches are written)"
-    return checks.eps_reason(eps)
+    return checks.eps_reason(eps) or checks.scales_reason(k_scale, v_scale)
 
 
 @functools.lru_cache(maxsize=256)
@@ -70,15 +75,16 @@ def rows_limit(n: int, num_kv_heads: int) -> int:
     return rows_any_build(n, num_kv_heads) if supports_shape(n, num_kv_heads) else 0
 
 
-def _fast(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, dry):
+def _fast(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, dry, k_scale=None,
+          v_scale=None):
     """The common valid call (contiguous y of M >= 1 on one CUDA device), checked reading each attribute once, then
     (unless `dry`) launched with the values it read: y, or True where `dry`; None for any other call (then
     `_layout_reason` and the device check say why, or accept it). Stricter than they are: whatever it accepts,
     they accept."""
     try:
-        bf, nkv = BF16, num_kv_heads
+        bf, nkv, kd = BF16, num_kv_heads, key_cache.dtype
         m, n = y.shape
-        if not (y.dtype is bf and key_cache.dtype is bf and value_cache.dtype is bf
+        if not (y.dtype is bf and value_cache.dtype is kd and (kd is bf or kd in FP8_CACHES)
                 and positions.dtype is I64 and slot_mapping.dtype is I64 and cos_sin_cache.dtype is F32
                 and type(nkv) is int and type(eps) is float and 0.0 <= eps < INF and m >= 1 and y.is_cuda):
             return None
@@ -86,47 +92,57 @@ def _fast(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num
         y0 = y.data_ptr()
         if not (y.stride() == (n, 1) and y0 % ALIGN == 0 and m <= rows_limit(n, nkv)):
             return None
+        sc = NO_SCALES if k_scale is None and v_scale is None else checks.fast_scales(k_scale, v_scale, dev)
+        fp8 = kd is not bf
         tc = checks.fast_token_cache_values(m, dev, nkv, positions, slot_mapping, cos_sin_cache, key_cache,
-                                            value_cache, y0, y0 + m * n * 2)
-        if tc is None:
+                                            value_cache, y0, y0 + m * n * 2, 1 if fp8 else 2)
+        if tc is None or sc is None:
             return None
     except (AttributeError, TypeError, ValueError, IndexError):  # not tensors, wrong ranks: the slow path says why
         return None
     if dry:
         return True
-    launch_read((n, m, nkv, dev), y0, tc, eps)
+    launch_read((n, m, nkv, dev), y0, tc, eps, sc, fp8)
     return y
 
 
-def launch_read(key: tuple, y0: int, tc: tuple, eps: float) -> None:
+def launch_read(key: tuple, y0: int, tc: tuple, eps: float, sc: tuple = NO_SCALES, fp8: bool = False) -> None:
     """No checks: the launch of a contiguous y (address y0) of call shape key = (N, M, num_kv_heads, device), with
-    the values `checks.fast_token_cache_values` read (`tc`): the checked calls' launch, nothing read twice."""
+    the values `checks.fast_token_cache_values` read (`tc`) and the scales' (`sc`: `checks.fast_scales`) into
+    caches of bf16 or (`fp8`) e4m3: the checked calls' launch, nothing read twice."""
     n, m, nkv, _ = key
     # `_VALUES` order; y is contiguous: its row stride is N
-    _RUNS[key]([y0, *tc[:5], m, (n // EPI_HEAD_DIM - 2 * nkv) // 2, nkv, n, *tc[5:], eps])
+    (_RUNS_FP8 if fp8 else _RUNS)[key]([y0, *tc[:5], m, (n // EPI_HEAD_DIM - 2 * nkv) // 2, nkv, n, *tc[5:], eps,
+                                        *sc])
 
 
-def unsupported(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps) -> str | None:
+def unsupported(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, k_scale=None,
+                v_scale=None) -> str | None:
     """Why the qkv_epilogue kernel cannot take this call (checked before launch), or None."""
-    if _fast(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, True):
+    if _fast(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, True, k_scale,
+             v_scale):
         return None
-    return _reason(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps)
+    return _reason(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, k_scale,
+                   v_scale)
 
 
-def _reason(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps) -> str | None:
+def _reason(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, k_scale=None,
+            v_scale=None) -> str | None:
     """Every check, one at a time, for the reason (the calls `_fast` does not take)."""
-    r = _layout_reason(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps)
+    r = _layout_reason(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, k_scale,
+                       v_scale)
     if r:
         return r
     return checks.device_reason("y", y, (("positions", positions), ("cos_sin_cache", cos_sin_cache),
                                          ("slot_mapping", slot_mapping), ("key_cache", key_cache),
-                                         ("value_cache", value_cache)))
+                                         ("value_cache", value_cache), *checks.scale_tensors(k_scale, v_scale)))
 
 
 # ---------------------------------------------------------------- launch
 # How each value of the kernel's launch ABI (kernels/qkv_epilogue/abi.py) is computed from a call; the loaded
-# kernel's param_names give the order (ops/_bind.py).
-_ARGS = "y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps"
+# kernel's param_names give the order (ops/_bind.py). The FP8 builds take the four scale values too.
+_ARGS = ("y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, k_scale=None, "
+         "v_scale=None")
 _VALUES = {
     "y": "y.data_ptr()", "positions": "positions.data_ptr()", "cos_sin_cache": "cos_sin_cache.data_ptr()",
     "slot_mapping": "slot_mapping.data_ptr()", "key_cache": "key_cache.data_ptr()",
@@ -134,16 +150,17 @@ _VALUES = {
     "num_q_heads": f"(y.shape[1] // {EPI_HEAD_DIM} - 2 * num_kv_heads) // 2", "num_kv_heads": "num_kv_heads",
     "ld_y": "y.stride(0) if y.shape[0] > 1 else y.shape[1]", "max_pos": "cos_sin_cache.shape[0]",
     "block_size": "key_cache.shape[1]", "num_blocks": "key_cache.shape[0]", "k_block_stride": "key_cache.stride(0)",
-    "v_block_stride": "value_cache.stride(0)", "eps": "float(eps)",
+    "v_block_stride": "value_cache.stride(0)", "eps": "float(eps)", **checks.SCALE_VALUES,
 }
 _NAMES = tuple(_VALUES)
-_all_values = binder("qkv_epilogue", _NAMES, _VALUES, _ARGS)
+_all_values = binder("qkv_epilogue", _NAMES, _VALUES, _ARGS, checks.SCALE_ENV)
 
 
-def launch_args(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps) -> dict:
+def launch_args(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, k_scale=None,
+                v_scale=None) -> dict:
     """The values of every ABI field by name (kernels/qkv_epilogue/abi.py); LoadedKernel.launch packs them."""
     return dict(zip(_NAMES, _all_values(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
-                                        num_kv_heads, eps), strict=True))
+                                        num_kv_heads, eps, k_scale, v_scale), strict=True))
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,15 +180,16 @@ def _launcher(v: QkvEpilogueVariant, m: int, n: int, num_kv_heads: int, device_i
     return kernel.launcher(launch_grid(v, m, n, num_kv_heads), take=order)
 
 
-def _resolve(n: int, m: int, num_kv_heads: int, device_index: int):
-    return _launcher(epilogue_variant(n, m, num_kv_heads), m, n, num_kv_heads, device_index)
+def _resolve(n: int, m: int, num_kv_heads: int, device_index: int, kv: str = KV_BF16):
+    return _launcher(epilogue_variant(n, m, num_kv_heads, kv), m, n, num_kv_heads, device_index)
 
 
 _RUNS = Plans(_resolve)  # (N, M, num_kv_heads, device) -> the launcher of the build the rule picks
+_RUNS_FP8 = Plans(lambda n, m, nkv, dev: _resolve(n, m, nkv, dev, FP8_E4M3))  # the same, FP8 caches
 
 
 def launch(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
-           variant: QkvEpilogueVariant | None = None) -> torch.Tensor:
+           variant: QkvEpilogueVariant | None = None, k_scale=None, v_scale=None) -> torch.Tensor:
     """No checks: launch the build this call takes (or `variant`) on torch's current stream; y is rewritten in
     place and returned. M == 0 launches nothing."""
     m, n = y.shape
@@ -179,32 +197,42 @@ def launch(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, nu
         return y
     dev = y.get_device()
     dev = dev if dev >= 0 else torch.cuda.current_device()
-    run = _RUNS[(n, m, num_kv_heads, dev)] if variant is None else _launcher(variant, m, n, num_kv_heads, dev)
-    run(_all_values(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps))
+    plans = _RUNS if key_cache.dtype == torch.bfloat16 else _RUNS_FP8
+    run = plans[(n, m, num_kv_heads, dev)] if variant is None else _launcher(variant, m, n, num_kv_heads, dev)
+    run(_all_values(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, k_scale,
+                    v_scale))
     return y
 
 
-def qkv_epilogue(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps) -> torch.Tensor:
+def qkv_epilogue(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, k_scale=None,
+                 v_scale=None) -> torch.Tensor:
     """Checked qkv_epilogue (in place on y, which it returns): raises TypeError (wrong types / dtypes) or
-    ValueError with the reason, else launches."""
-    if _fast(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, False) is not None:
+    ValueError with the reason, else launches. `k_scale`, `v_scale` (FP8 caches; a bf16 cache ignores them): None
+    (1.0), a float, or a one-element float32 tensor on y's device, read by the kernel at launch."""
+    if _fast(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, False, k_scale,
+             v_scale) is not None:
         return y
-    reason = _reason(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps)
+    reason = _reason(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, k_scale,
+                     v_scale)
     if reason is not None:
         checks.raise_for("qkv_epilogue", reason)
-    return launch(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps)
+    return launch(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
+                  k_scale=k_scale, v_scale=v_scale)
 
 
-def prepare(N: int, rows, num_kv_heads: int | None = None, device=None) -> list:
+def prepare(N: int, rows, num_kv_heads: int | None = None, device=None, kv_cache_dtype: str = "auto") -> list:
     """Load every build the calls with N columns and M in `rows` take (before CUDA graph capture).
 
     `rows`: an int (every M in 1..rows) or an iterable of M values. `num_kv_heads` defaults to the bundled
-    model's shard of this N. Returns the loaded kernels (raises MissingKernelError, naming the `musekern
-    prepare` command, if one is not in the cache).
+    model's shard of this N. `kv_cache_dtype`: the caches the calls write (musekern/kv_cache.py: "auto" / "bf16",
+    "fp8" / "fp8_e4m3"). Returns the loaded kernels (raises MissingKernelError, naming the `musekern prepare`
+    command, if one is not in the cache).
     """
+    from ..kv_cache import resolve
 
+    kv = resolve(kv_cache_dtype)
     dev, num_kv_heads, ms = checks.prepare_args(N, rows, num_kv_heads, device)
-    builds = dict.fromkeys(epilogue_variant(N, m, num_kv_heads) for m in ms)
+    builds = dict.fromkeys(epilogue_variant(N, m, num_kv_heads, kv) for m in ms)
     return [_loaded(v, dev)[0] for v in builds]
 
 

@@ -1,10 +1,13 @@
 """musekern.qkv_front: the Muse Spark attention front, for every M, on cached kernels (no compiler at run time).
 
 qkv_front(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
-          out=None) -> y
+          out=None, k_scale=None, v_scale=None) -> y
 computes y = bf16(x @ weight^T), RMS-norms + RoPEs the q and k heads, and writes k and v into the paged caches
-(musekern.reference.qkv_front_reference, which it equals up to the GEMM's summation order). On the GPU each call
-takes one of two paths, by the planner's measured rule for (N, M, this GPU) (`kernels.qkv_front.rules.front_serves`):
+(musekern.reference.qkv_front_reference, which it equals up to the GEMM's summation order): bf16 caches, or FP8
+ones (float8_e4m3fn / uint8: e4m3 of k / k_scale, v / v_scale, as vLLM's `--kv-cache-dtype fp8`; the scales a
+float, or a one-element float32 tensor the kernel reads on the device: a CUDA graph replay reads its value then).
+On the GPU each call takes one of two paths, by the planner's measured rule for (N, M, this GPU)
+(`kernels.qkv_front.rules.front_serves`):
 - the fused front: one CuTe DSL launch (split-K GEMM, norm, RoPE, y store, K/V insert);
 - cuBLAS's GEMM into y (`ops.gemm.mm`: the algorithm `prepare` measured fastest for the shape, else `torch.mm`) +
   the fused epilogue (musekern.ops.qkv_epilogue), for every other M.
@@ -21,10 +24,12 @@ import torch
 from ..gemm import tune as gemm
 from ..kernels.qkv_front.rules import front_serves, variant
 from ..kernels.qkv_front.variant import QkvFrontVariant, launch_grid
+from ..kv_cache import BF16 as KV_BF16
+from ..kv_cache import FP8_E4M3, resolve
 from ..model import HIDDEN, supports_shape
 from . import checks, qkv_epilogue
 from ._bind import Plans, binder, take
-from .checks import ALIGN, BF16, F32, I64, INF, is_tensor, overlaps
+from .checks import ALIGN, BF16, F32, FP8_CACHES, I64, INF, NO_SCALES, is_tensor, overlaps
 
 
 def hidden_rows_ok(x) -> bool:
@@ -34,8 +39,9 @@ def hidden_rows_ok(x) -> bool:
 
 
 def kv_cache_layout_ok(key_cache, value_cache, num_kv_heads: int) -> bool:
-    """bf16 [num_blocks, block_size, num_kv_heads, 64] caches, inner three dims contiguous, any block stride that is a
-    multiple of 8 (vLLM's split [2, blocks, ...] and FlashInfer's [blocks, 2, ...] NHD layouts), same shape."""
+    """[num_blocks, block_size, num_kv_heads, 64] caches of one dtype (bf16, or FP8: float8_e4m3fn / uint8), inner
+    three dims contiguous, any block stride that is a multiple of 8 (vLLM's split [2, blocks, ...] and FlashInfer's
+    [blocks, 2, ...] NHD layouts), same shape."""
     if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
         return False
     return checks.kv_reason(key_cache, value_cache, num_kv_heads) is None
@@ -59,7 +65,7 @@ def _matrix_reason(name: str, t, rows: str) -> str | None:
 
 
 def _layout_reason(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
-                   out) -> str | None:
+                   out, k_scale=None, v_scale=None) -> str | None:
     """Every check but the device one (so the rejections are testable with CPU tensors)."""
     r = _matrix_reason("x", x, "M") or _matrix_reason("weight", weight, "N")
     if r:
@@ -68,7 +74,8 @@ def _layout_reason(x, weight, positions, cos_sin_cache, slot_mapping, key_cache,
     r = (checks.num_kv_heads_reason(num_kv_heads)
          or checks.layout_reason(n, num_kv_heads, supports_shape, "weight.shape[0]")
          or checks.token_inputs_reason(m, positions, slot_mapping, cos_sin_cache)
-         or checks.kv_reason(key_cache, value_cache, num_kv_heads) or checks.eps_reason(eps))
+         or checks.kv_reason(key_cache, value_cache, num_kv_heads) or checks.eps_reason(eps)
+         or checks.scales_reason(k_scale, v_scale))
     if r:
         return r
     if m > qkv_epilogue.rows_any_build(n, num_kv_heads):
@@ -85,14 +92,15 @@ def _layout_reason(x, weight, positions, cos_sin_cache, slot_mapping, key_cache,
     return None
 
 
-def _fast(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out, dry):
+def _fast(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out, dry,
+          k_scale=None, v_scale=None):
     """The common valid call, checked reading each tensor attribute once, then (unless `dry`) launched with the values
     it read (the checked call's host cost): y, or True where `dry`; None for any other call (then `_reason` says
     why, or accepts a valid call this path leaves to it: a CPU x, an `out` view with a row stride). Stricter than
     `_reason`: whatever it accepts, that accepts."""
     try:
-        bf, nkv = BF16, num_kv_heads
-        if not (x.dtype is bf and weight.dtype is bf and key_cache.dtype is bf and value_cache.dtype is bf
+        bf, nkv, kd = BF16, num_kv_heads, key_cache.dtype
+        if not (x.dtype is bf and weight.dtype is bf and value_cache.dtype is kd and (kd is bf or kd in FP8_CACHES)
                 and positions.dtype is I64 and slot_mapping.dtype is I64 and cos_sin_cache.dtype is F32
                 and type(nkv) is int and type(eps) is float and 0.0 <= eps < INF and x.is_cuda):
             return None
@@ -111,46 +119,51 @@ def _fast(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_ca
             if not (out.dtype is bf and out.shape == (m, n) and out.stride() == (n, 1) and y0 % ALIGN == 0
                     and out.get_device() == dev and not (y0 < x0 + m * HIDDEN * 2 and x0 < y1)):
                 return None
+        sc = NO_SCALES if k_scale is None and v_scale is None else checks.fast_scales(k_scale, v_scale, dev)
+        fp8 = kd is not bf
         tc = checks.fast_token_cache_values(m, dev, nkv, positions, slot_mapping, cos_sin_cache, key_cache,
-                                            value_cache, y0, y1)
-        if tc is None:
+                                            value_cache, y0, y1, 1 if fp8 else 2)
+        if tc is None or sc is None:
             return None
     except (AttributeError, TypeError, IndexError, ValueError):  # not tensors, wrong ranks: `_reason` says why
         return None
     if dry:
         return True
     key = (n, m, nkv, dev)
-    run = _RUNS[key]
+    run = (_RUNS_FP8 if fp8 else _RUNS)[key]
     if out is None:
         out = x.new_empty(m, n)  # x's dtype (bf16) and device; int sizes parse faster than a tuple
         y0 = out.data_ptr()
     if run is _GEMM:  # y = x @ W^T by cuBLAS, then the epilogue in place with the values read here
         if not gemm.launch_tuned(n, m, dev, x0, w0, y0):
             torch.mm(x, weight.t(), out=out)
-        qkv_epilogue.launch_read(key, y0, tc, eps)
+        qkv_epilogue.launch_read(key, y0, tc, eps, sc, fp8)
     else:
-        run([(w0, n, HIDDEN, HIDDEN), (x0, m, HIDDEN, HIDDEN), m, w0, y0, *tc, eps])  # `_VALUES` order
+        run([(w0, n, HIDDEN, HIDDEN), (x0, m, HIDDEN, HIDDEN), m, w0, y0, *tc, eps, *sc])  # `_VALUES` order
     return out
 
 
 def _reason(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
-            out) -> str | None:
+            out, k_scale=None, v_scale=None) -> str | None:
     """Every check, one at a time, for the reason (the calls `_fast` does not take)."""
     r = _layout_reason(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads,
-                       eps, out)
+                       eps, out, k_scale, v_scale)
     if r:
         return r
     named = [("weight", weight), ("positions", positions), ("cos_sin_cache", cos_sin_cache),
-             ("slot_mapping", slot_mapping), ("key_cache", key_cache), ("value_cache", value_cache)]
+             ("slot_mapping", slot_mapping), ("key_cache", key_cache), ("value_cache", value_cache),
+             *checks.scale_tensors(k_scale, v_scale)]
     return checks.device_reason("x", x, named + ([("out", out)] if out is not None else []))
 
 
 def unsupported(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
-                out=None) -> str | None:
+                out=None, k_scale=None, v_scale=None) -> str | None:
     """Why the GPU path cannot take this call (checked before launch), or None."""
-    if _fast(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out, True):
+    if _fast(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out, True,
+             k_scale, v_scale):
         return None
-    return _reason(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out)
+    return _reason(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out,
+                   k_scale, v_scale)
 
 
 # ---------------------------------------------------------------- launch
@@ -165,8 +178,8 @@ def _target(device_index: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _variant(n: int, m: int, num_kv_heads: int, device_index: int) -> QkvFrontVariant:
-    return variant(n, m, num_kv_heads, _target(device_index))
+def _variant(n: int, m: int, num_kv_heads: int, device_index: int, kv: str = KV_BF16) -> QkvFrontVariant:
+    return variant(n, m, num_kv_heads, _target(device_index), kv)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -178,105 +191,137 @@ def _fused(n: int, m: int, device_index: int) -> bool:
 # How each value the front's launch ABI (kernels/qkv_front/abi.py) names is computed from a call; the loaded
 # kernel's param_names pick theirs by name (ops/_bind.py). Tensor-map parameters take the tensor itself. The checked
 # call's `_fast` reads the same values, in this order, while it checks them (tests/test_ops_qkv_front.py compares).
-_ARGS = "x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out"
+_ARGS = ("x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out, k_scale=None, "
+         "v_scale=None")
 _VALUES = {
     "weight": "weight", "x": "x", "M": "x.shape[0]", "weight_ptr": "weight.data_ptr()", "y": "out.data_ptr()",
     "positions": "positions.data_ptr()", "cos_sin_cache": "cos_sin_cache.data_ptr()",
     "slot_mapping": "slot_mapping.data_ptr()", "key_cache": "key_cache.data_ptr()",
     "value_cache": "value_cache.data_ptr()", "max_pos": "cos_sin_cache.shape[0]", "block_size": "key_cache.shape[1]",
     "num_blocks": "key_cache.shape[0]", "k_block_stride": "key_cache.stride(0)",
-    "v_block_stride": "value_cache.stride(0)", "eps": "float(eps)",
+    "v_block_stride": "value_cache.stride(0)", "eps": "float(eps)", **checks.SCALE_VALUES,  # (FP8 builds only)
 }
 _NAMES = tuple(_VALUES)
-_all_values = binder("qkv_front", _NAMES, _VALUES, _ARGS)
+_all_values = binder("qkv_front", _NAMES, _VALUES, _ARGS, checks.SCALE_ENV)
 
 
-def launch_args(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out) -> dict:
+def launch_args(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out, k_scale=None,
+                v_scale=None) -> dict:
     """Every value a qkv_front build may take, by ABI name: the `args` of LoadedKernel.launch."""
     return dict(zip(_NAMES, _all_values(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
-                                        eps, out), strict=True))
+                                        eps, out, k_scale, v_scale), strict=True))
 
 
 @functools.lru_cache(maxsize=None)
-def _front_plan(n: int, m: int, num_kv_heads: int, device_index: int):
+def _front_plan(n: int, m: int, num_kv_heads: int, device_index: int, kv: str = KV_BF16):
     """(loaded kernel, grid, its launcher of `_VALUES`-ordered values) of a fused-front call shape: once per process."""
     from ..runtime import get_kernel
 
-    v = _variant(n, m, num_kv_heads, device_index)
+    v = _variant(n, m, num_kv_heads, device_index, kv)
     kernel = get_kernel(v, device=device_index, on_miss=checks.on_miss())
     grid = launch_grid(v)
     return kernel, grid, kernel.launcher(grid, take=take(v.label, kernel.param_names, _NAMES))
 
 
-def _resolve(n: int, m: int, num_kv_heads: int, device_index: int):
+def _resolve(n: int, m: int, num_kv_heads: int, device_index: int, kv: str = KV_BF16):
     """The plan of a call shape: the fused front's launcher, or _GEMM (the planner's rule)."""
-    return _front_plan(n, m, num_kv_heads, device_index)[2] if _fused(n, m, device_index) else _GEMM
+    return _front_plan(n, m, num_kv_heads, device_index, kv)[2] if _fused(n, m, device_index) else _GEMM
 
 
 _GEMM = "cuBLAS GEMM + fused epilogue"  # the plan of a call shape the fused front does not serve
 _RUNS = Plans(_resolve)  # (N, M, num_kv_heads, device) -> the front's launcher, or _GEMM
+_RUNS_FP8 = Plans(lambda n, m, nkv, dev: _resolve(n, m, nkv, dev, FP8_E4M3))  # the same, FP8 caches
+
+
+def _kv(key_cache) -> str:
+    """The build dtype of the caches of an (accepted) call."""
+    return KV_BF16 if key_cache.dtype == torch.bfloat16 else FP8_E4M3
 
 
 def launch_front(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
-                 out) -> torch.Tensor:
+                 out, k_scale=None, v_scale=None) -> torch.Tensor:
     """No checks: the fused front for this call (its M must be one a front build serves), into `out`."""
     dev = x.get_device()
-    run = _front_plan(weight.shape[0], x.shape[0], num_kv_heads, dev if dev >= 0 else torch.cuda.current_device())[2]
-    run(_all_values(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out))
+    dev = dev if dev >= 0 else torch.cuda.current_device()
+    run = _front_plan(weight.shape[0], x.shape[0], num_kv_heads, dev, _kv(key_cache))[2]
+    run(_all_values(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out, k_scale,
+                    v_scale))
     return out
 
 
 def launch_gemm_epilogue(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads,
-                         eps, out) -> torch.Tensor:
+                         eps, out, k_scale=None, v_scale=None) -> torch.Tensor:
     """No checks: cuBLAS's GEMM into `out` (the algorithm `prepare` measured fastest, else torch.mm's), then the fused
     epilogue on it in place (every M)."""
     gemm.mm(x, weight, out)
     return qkv_epilogue.launch(out, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads,
-                               eps)
+                               eps, k_scale=k_scale, v_scale=v_scale)
 
 
 def launch(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
-           out=None) -> torch.Tensor:
+           out=None, k_scale=None, v_scale=None) -> torch.Tensor:
     """No checks: the path the planner picks for this call, on torch's current stream."""
     m, n = x.shape[0], weight.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     dev = x.get_device()
     key = (n, m, num_kv_heads, dev if dev >= 0 else torch.cuda.current_device())
-    run = _RUNS[key]
+    run = (_RUNS if key_cache.dtype == torch.bfloat16 else _RUNS_FP8)[key]
     if run is _GEMM:
         return launch_gemm_epilogue(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
-                                    num_kv_heads, eps, out)
-    run(_all_values(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out))
+                                    num_kv_heads, eps, out, k_scale, v_scale)
+    run(_all_values(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out, k_scale,
+                    v_scale))
     return out
 
 
 def qkv_front(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
-              out=None) -> torch.Tensor:
-    """Checked: raises TypeError (wrong types/dtypes) or ValueError with the reason, else launches."""
-    y = _fast(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out, False)
+              out=None, k_scale=None, v_scale=None) -> torch.Tensor:
+    """Checked: raises TypeError (wrong types/dtypes) or ValueError with the reason, else launches. `k_scale`,
+    `v_scale` (FP8 caches; a bf16 cache ignores them, as vLLM's "auto"): None (1.0), a float > 0, or a 0-dim /
+    1-element float32 tensor on x's device (read by the kernel after its predecessor: graph-safe, no host sync)."""
+    y = _fast(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out, False,
+              k_scale, v_scale)
     if y is not None:
         return y
     # a rejected call (raise the reason), or a valid one the fast path leaves to the full checks
-    reason = _reason(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out)
+    reason = _reason(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out,
+                     k_scale, v_scale)
     if reason is not None:
         checks.raise_for("qkv_front", reason)
-    return launch(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out)
+    return launch(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, out,
+                  k_scale, v_scale)
+
+
+def op_call(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
+            k_scale=None, v_scale=None) -> torch.Tensor:
+    """`qkv_front` in the custom op's argument order (ops/library.py: the dispatcher passes the scales where
+    `qkv_front` takes `out`), as cheap: the same two steps, no extra call."""
+    y = _fast(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, None,
+              False, k_scale, v_scale)
+    if y is not None:
+        return y
+    reason = _reason(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
+                     None, k_scale, v_scale)
+    if reason is not None:
+        checks.raise_for("qkv_front", reason)
+    return launch(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, None,
+                  k_scale, v_scale)
 
 
 def qkv_front_auto(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
-                   out=None) -> torch.Tensor:
+                   out=None, k_scale=None, v_scale=None) -> torch.Tensor:
     """`qkv_front` for CUDA tensors (every M, never the plain-torch path); the reference for CPU tensors."""
     if is_tensor(x) and x.is_cuda:
         return qkv_front(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads,
-                         eps, out)
+                         eps, out, k_scale, v_scale)
     from ..reference import qkv_front_reference
 
     return qkv_front_reference(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
-                               num_kv_heads, eps, out)
+                               num_kv_heads, eps, out, k_scale, v_scale)
 
 
-def prepare(N: int, rows=16, num_kv_heads: int | None = None, device=None) -> list:
+def prepare(N: int, rows=16, num_kv_heads: int | None = None, device=None, kv_cache_dtype: str = "auto") -> list:
     """Load every build the calls with weight rows N and M in `rows` take, fused front or GEMM + epilogue, and
     measure cuBLAS's algorithms for the GEMM path's M values up to `gemm.TUNE_MAX_ROWS` (`ops.gemm.tune`:
     0.06-0.5 s an M, or one checked launch where the cache's tuning record holds it; scratch weights of two layers
@@ -284,16 +329,18 @@ def prepare(N: int, rows=16, num_kv_heads: int | None = None, device=None) -> li
     measured fastest.
 
     `rows`: an int (every M in 1..rows) or an iterable of M values. `num_kv_heads` defaults to the bundled
-    model's shard of this N. Returns the loaded kernels (raises MissingKernelError, naming the `musekern
-    prepare` command, if one is not in the cache).
+    model's shard of this N. `kv_cache_dtype`: the caches the calls write (musekern/kv_cache.py: "auto" / "bf16",
+    "fp8" / "fp8_e4m3"). Returns the loaded kernels (raises MissingKernelError, naming the `musekern prepare`
+    command, if one is not in the cache).
     """
+    kv = resolve(kv_cache_dtype)
     dev, num_kv_heads, ms = checks.prepare_args(N, rows, num_kv_heads, device)
     fused = [m for m in ms if _fused(N, m, dev)]
     # the front's launch plans (kernel, grid, binder) resolved here, so nothing but the launch is left for capture
-    kernels = list(dict.fromkeys(_front_plan(N, m, num_kv_heads, dev)[0] for m in fused))
+    kernels = list(dict.fromkeys(_front_plan(N, m, num_kv_heads, dev, kv)[0] for m in fused))
     rest = [m for m in ms if m not in fused]
     if rest:
-        kernels += qkv_epilogue.prepare(N, rest, num_kv_heads, dev)
+        kernels += qkv_epilogue.prepare(N, rest, num_kv_heads, dev, kv)
         gemm.tune(N, rest, dev)  # cuBLAS's handles made and its algorithm measured per M, outside any capture
     return kernels
 

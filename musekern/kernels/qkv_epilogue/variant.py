@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ...kv_cache import BF16, KV_CACHE_DTYPES
 from ...model import HEAD_DIM, supports_shape
 from ..base import VariantMixin
 
@@ -65,8 +66,12 @@ class QkvEpilogueVariant(VariantMixin):
     kernel: ClassVar[str] = "qkv_epilogue"
     vecs_per_thread: int  # EPI_VPT_CHOICES; never changes a bit
     rounds: int = 1  # EPI_ROUNDS_CHOICES; never changes a bit
+    kv_cache_dtype: str = BF16  # the KV cache it writes (kv_cache.KV_CACHE_DTYPES); never changes y
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"qkv_epilogue kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.vecs_per_thread not in EPI_VPT_CHOICES:
             raise ValueError(f"qkv_epilogue vecs_per_thread must be one of {EPI_VPT_CHOICES}, "
                              f"got {self.vecs_per_thread!r}")
@@ -79,10 +84,10 @@ class QkvEpilogueVariant(VariantMixin):
         return EPI_CTAS_PER_SM[(self.vecs_per_thread, self.rounds)]
 
 
-def all_builds() -> tuple[QkvEpilogueVariant, ...]:
+def all_builds(kv_cache_dtype: str = BF16) -> tuple[QkvEpilogueVariant, ...]:
     """Every build the GPU tests, the sanitizer, bench/epilogue_cache.sh and the bench's sweep take: each
-    vecs_per_thread with each rounds."""
-    return tuple(QkvEpilogueVariant(v, r) for v in EPI_VPT_CHOICES for r in EPI_ROUNDS_CHOICES)
+    vecs_per_thread with each rounds (writing caches of `kv_cache_dtype`)."""
+    return tuple(QkvEpilogueVariant(v, r, kv_cache_dtype) for v in EPI_VPT_CHOICES for r in EPI_ROUNDS_CHOICES)
 
 
 def head_counts(n: int, num_kv_heads: int) -> tuple[int, int]:
@@ -114,11 +119,11 @@ def max_rows(v: QkvEpilogueVariant, n: int, num_kv_heads: int) -> int:
 _TIERS = ((EPI_SMALL, EPI_SMALL_VECTORS), (EPI_LARGE, EPI_ROUNDS_VECTORS), (EPI_HUGE, None))
 
 
-def epilogue_variant(n: int, m: int, num_kv_heads: int) -> QkvEpilogueVariant:
-    """The build a call with N columns and M tokens takes (the rule above)."""
+def epilogue_variant(n: int, m: int, num_kv_heads: int, kv_cache_dtype: str = BF16) -> QkvEpilogueVariant:
+    """The build a call with N columns and M tokens takes (the rule above), writing caches of `kv_cache_dtype`."""
     vectors = epilogue_vectors(m, n, num_kv_heads)
     build = next(b for b, bound in _TIERS if bound is None or vectors <= bound)  # the last tier has no bound
-    return QkvEpilogueVariant(*build)
+    return QkvEpilogueVariant(*build, kv_cache_dtype)
 
 
 def rows_served(v: QkvEpilogueVariant, n: int, num_kv_heads: int) -> tuple[int, int] | None:
@@ -133,9 +138,9 @@ def rows_served(v: QkvEpilogueVariant, n: int, num_kv_heads: int) -> tuple[int, 
     return None
 
 
-def qkv_epilogue_variants() -> tuple[QkvEpilogueVariant, ...]:
+def qkv_epilogue_variants(kv_cache_dtype: str = BF16) -> tuple[QkvEpilogueVariant, ...]:
     """Every build the rule picks (the same for every shard), largest inputs first."""
-    return tuple(QkvEpilogueVariant(*build) for build, _ in reversed(_TIERS))
+    return tuple(QkvEpilogueVariant(*build, kv_cache_dtype) for build, _ in reversed(_TIERS))
 
 
 def launch_grid(v: QkvEpilogueVariant, m: int, n: int, num_kv_heads: int) -> tuple[int, int, int]:

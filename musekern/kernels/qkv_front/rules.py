@@ -7,6 +7,7 @@ rules are not part of any cache key: a rule change picks other builds, it never 
 """
 from __future__ import annotations
 
+from ...kv_cache import BF16
 from ...targets import SMEM_RESERVED_PER_CTA, Target
 from .variant import (
     CONSUMER_WARPS,
@@ -150,8 +151,9 @@ def warp_split(n: int, split: int, target: Target, tiles: int) -> str:
     return "rows" if tiles == 1 and pdl_trigger(n, split, target, tiles) == "late" else "k"
 
 
-def variant(n: int, m: int, num_kv_heads: int, target: Target) -> QkvFrontVariant:
-    """The compiled variant a call with weight rows N and M tokens takes on `target`."""
+def variant(n: int, m: int, num_kv_heads: int, target: Target, kv_cache_dtype: str = BF16) -> QkvFrontVariant:
+    """The compiled variant a call with weight rows N and M tokens takes on `target`, writing caches of
+    `kv_cache_dtype` (the same build otherwise: the FP8 store measures no rule of its own)."""
     if not supports_shape(n, num_kv_heads):
         raise ValueError(f"qkv_front does not support N={n} with num_kv_heads={num_kv_heads}")
     tiles = token_tiles(m, n, target)
@@ -161,7 +163,7 @@ def variant(n: int, m: int, num_kv_heads: int, target: Target) -> QkvFrontVarian
     stages = ring_stages(s, target, tiles, n, recv_in_ring=rir)
     return QkvFrontVariant(n, num_kv_heads, tiles, stages, s, fixed_rows(m), pdl_trigger(n, s, target, tiles),
                            warp_split=split, trigger_ahead=trigger_ahead(n, s, target, tiles, stages),
-                           recv_in_ring=rir, x_mcast=x_mcast(s, tiles, split))
+                           recv_in_ring=rir, x_mcast=x_mcast(s, tiles, split), kv_cache_dtype=kv_cache_dtype)
 
 
 # NOTES "x_mcast": the heads of a pair share each x tile (half the x reads from the L2) where x weighs most: 8 tiles
@@ -199,16 +201,18 @@ def front_serves(n: int, m: int, target: Target) -> bool:
     return one_wave_at_two_per_sm(n, s, target) and (s > 1 or tiles <= UNSPLIT_MAX_TILES)
 
 
-def served_tokens(n: int, num_kv_heads: int, target: Target, max_tokens: int = MAX_TOKENS) -> dict:
+def served_tokens(n: int, num_kv_heads: int, target: Target, max_tokens: int = MAX_TOKENS,
+                  kv_cache_dtype: str = BF16) -> dict:
     """{variant: the M values (ascending) that take it} for the calls M = 1..max_tokens the front serves, the
     variants in the order of their first M."""
     out = {}
     for m in range(1, min(max_tokens, FRONT_MAX_TOKENS) + 1):
         if front_serves(n, m, target):
-            out.setdefault(variant(n, m, num_kv_heads, target), []).append(m)
+            out.setdefault(variant(n, m, num_kv_heads, target, kv_cache_dtype), []).append(m)
     return out
 
 
-def qkv_front_variants(n: int, num_kv_heads: int, target: Target, max_tokens: int = MAX_TOKENS):
+def qkv_front_variants(n: int, num_kv_heads: int, target: Target, max_tokens: int = MAX_TOKENS,
+                       kv_cache_dtype: str = BF16):
     """Every distinct variant the calls M = 1..max_tokens take where the front serves them, in a stable order."""
-    return tuple(served_tokens(n, num_kv_heads, target, max_tokens))
+    return tuple(served_tokens(n, num_kv_heads, target, max_tokens, kv_cache_dtype))

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ...kv_cache import BF16, KV_CACHE_DTYPES
 from ...model import FRONT_MAX_TOKENS, HEAD_DIM, HIDDEN, supports_shape
 from ..base import VariantMixin
 
@@ -71,9 +72,14 @@ class QkvFrontVariant(VariantMixin):
     # L2); a stage is refilled once both heads released it. Both heads start at the pair's first k-tile, so the odd
     # head's summation order differs from the unpaired build (still fixed).
     x_mcast: bool = False
+    # The KV cache the build writes (kv_cache.KV_CACHE_DTYPES): "bf16", or "fp8_e4m3" (e4m3 bytes of k_bf16 / k_scale,
+    # v_bf16 / v_scale; four more launch values: the scales' addresses and values). Never changes y.
+    kv_cache_dtype: str = BF16
 
     def __post_init__(self):
         problems = []
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            problems.append(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not supports_shape(self.n, self.num_kv_heads):
             problems.append(f"N={self.n} with num_kv_heads={self.num_kv_heads} is not a q|k|v|gate layout")
         if self.tiles not in TILE_CHOICES:

@@ -235,3 +235,66 @@ def test_sass(v, tmp_path):
     # every y load is issued before the first shuffle waits on one (bytes in flight: bench/NOTES.md qkv_epilogue)
     head = s[:s.index("SHFL.BFLY")]
     assert len(re.findall(r"\bLDG\.E\.128\b", head)) >= vpt
+
+
+# ---------------------------------------------------------------- FP8 KV cache builds (issue 29)
+ALL_FP8 = list(all_builds("fp8_e4m3"))
+SCALE_NAMES = ["k_scale_ptr", "k_scale", "v_scale_ptr", "v_scale"]
+
+
+def test_fp8_abi_is_the_bf16_abi_then_the_scales():
+    pytest.importorskip("cutlass")
+    from musekern.kernels.qkv_epilogue.abi import abi_for
+
+    for v in ALL_FP8:
+        abi = abi_for(v)
+        assert [p.name for p in abi.params] == PARAM_NAMES + SCALE_NAMES
+        assert [(p.kind, p.align, p.size) for p in abi.params[-4:]] == [("pointer", 8, 8), ("scalar", 4, 4)] * 2
+        assert abi.launch == abi_for(QkvEpilogueVariant(v.vecs_per_thread, v.rounds)).launch
+        assert KernelAbi.from_json(abi.to_json()) == abi
+
+
+# every FP8 build: the bf16 build's loads, shuffles and y stores; the cache stores 8-byte e4m3 vectors (a true fp32
+# division by the scale, satfinite RN conversion), the scales read once (two predicated 4-byte loads) after the wait
+@pytest.mark.parametrize("v", ALL_FP8, ids=lambda v: v.label)
+def test_fp8_compile_sm90a(v):
+    ck = _compile(v)
+    assert cubin_arch(ck.cubin) == "sm_90a" and "kernel_fp8" in ck.symbol
+    check_abi_against_ptx(ck.abi, ck.ptx, ck.symbol)
+    ptx = ck.ptx[ck.ptx.index(".entry " + ck.symbol):]
+    vpt, rounds = v.vecs_per_thread, v.rounds
+    assert _count(r"^\s*(@%p\d+\s+)?ld\.global(\.\w+)*\.v4\.(b32|u32|f32)\s", ptx) == (vpt + 2) * rounds
+    assert _count(r"^\s*(@%p\d+\s+)?ld\.global", ptx) == (vpt + 4) * rounds + 2  # + the two scales
+    assert _count(r"^\s*(@%p\d+\s+)?st\.global(\.\w+)*\.v4\.(b32|u32|f32)\s", ptx) == vpt * rounds  # y
+    assert _count(r"^\s*(@%p\d+\s+)?st\.global\.v2\.b32\s", ptx) == 2 * vpt * rounds  # key and value cache
+    assert _count(r"^\s*(@%p\d+\s+)?st\.global", ptx) == 3 * vpt * rounds
+    assert _count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) == 8 * vpt * rounds
+    assert _count(r"div\.rn\.f32", ptx) == 16 * vpt * rounds and not re.search(r"div\.(approx|full)", ptx)
+    assert _count(r"shfl\.sync\.bfly\.b32", ptx) == 3 * vpt * rounds
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+
+
+@pytest.mark.parametrize("v", ALL_FP8, ids=lambda v: v.label)
+def test_fp8_sass(v, tmp_path):
+    ck = _compile(v)
+    usage = nvdump.resources(ck.cubin, tmp_path)
+    if usage is None:
+        pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"local memory (spills or stack arrays): {usage}"
+    regs = (usage["REG"] + 7) // 8 * 8  # the occupancy variants/qkv_epilogue.py records (EPI_CTAS_PER_SM_FP8)
+    assert v.ctas_per_sm * EPI_BLOCK * regs <= 65536 < (v.ctas_per_sm + 1) * EPI_BLOCK * regs, f"{regs} registers"
+    s = nvdump.dump(ck.cubin, tmp_path, "-sass").stdout
+    vpt, rounds = v.vecs_per_thread, v.rounds
+    assert len(re.findall(r"\bSTG\.E\.64\b", s)) == 2 * vpt * rounds
+    assert len(re.findall(r"\bSTG\.E\.128\b", s)) == vpt * rounds
+    assert len(re.findall(r"\bF2FP\.SATFINITE\.E4M3\.F32\.PACK_AB_MERGE_C\b", s)) == 8 * vpt * rounds
+    assert not re.search(r"\b(STL|LDL)\b", s)
+
+
+def test_fp8_sm100a_compiles():
+    ck = _compile(ALL_FP8[0], "sm_100a")
+    assert cubin_arch(ck.cubin) == "sm_100a" and "cvt.rn.satfinite.e4m3x2.f32" in ck.ptx
+
+
+def test_fp8_and_bf16_builds_are_distinct_kernels():
+    assert len({_compile(v).cubin for v in ALL + ALL_FP8}) == len(ALL) + len(ALL_FP8)

@@ -356,3 +356,83 @@ def test_compile_is_deterministic(kmod):
     a = kmod.compile_variant(v, "sm_90a")
     b = kmod.compile_variant(v, "sm_90a")
     assert a.cubin == b.cubin and a.symbol == b.symbol
+
+
+# ---------------------------------------------------------------- FP8 KV cache builds (issue 29)
+FP8 = "fp8_e4m3"
+PLANNED_FP8 = [dataclasses.replace(v, kv_cache_dtype=FP8) for v in PLANNED]  # the fp8 plan (test_config checks it)
+SCALE_PARAMS = [("k_scale_ptr", "pointer", 8), ("k_scale", "scalar", 4), ("v_scale_ptr", "pointer", 8),
+                ("v_scale", "scalar", 4)]
+
+
+@pytest.mark.parametrize("v", PLANNED_FP8, ids=lambda v: v.label)
+def test_fp8_abi_is_the_bf16_abi_then_the_scales(kmod, v):
+    bf16 = kmod.abi_for(dataclasses.replace(v, kv_cache_dtype="bf16"))
+    abi = kmod.abi_for(v)
+    shape = lambda params: [(p.name, p.kind, p.align, p.size, p.fields) for p in params]  # noqa: E731
+    assert shape(abi.params[:-4]) == shape(bf16.params)
+    assert [(p.name, p.kind, p.size) for p in abi.params[-4:]] == SCALE_PARAMS
+    assert (abi.launch, abi.tensormaps) == (bf16.launch, bf16.tensormaps)
+
+
+def _ops(ptx: str) -> dict:
+    """Counts of the instructions an FP8 build must share with its bf16 build (the GEMM, the ring, the exchange)."""
+    pats = {"mma": r"mma\.sync\.aligned", "wgmma": r"wgmma\.mma_async", "tma": r"cp\.async\.bulk\.tensor",
+            "ldmatrix": r"ldmatrix\.sync", "st.async": r"st\.async", "wait": r"griddepcontrol\.wait",
+            "trigger": r"griddepcontrol\.launch_dependents", "cluster": r"barrier\.cluster\.wait",
+            "shfl": r"shfl\.sync"}
+    return {k: _count(p, ptx) for k, p in pats.items()}
+
+
+# every FP8 build of the h200 plan (both owner epilogues: a lane a RoPE pair, eight lanes a token): the ABI is the
+# PTX .entry's, the cache stores are e4m3 satfinite conversions of a true fp32 division at half the bf16 width, and
+# everything else (MMA, TMA ring, cluster exchange, PDL) is the bf16 build's instruction for instruction
+@pytest.mark.slow
+@pytest.mark.parametrize("v", PLANNED_FP8, ids=lambda v: v.label)
+def test_fp8_compile_ptx(kmod, v):
+    from musekern.kernels.qkv_front.octets import OCTET_MIN_OWNED
+    from musekern.store.abi import check_abi_against_ptx, ptx_entry_params
+
+    ck, _ = _compile(kmod, v)
+    check_abi_against_ptx(ck.abi, ck.ptx, ck.symbol)
+    assert "kernel_fp8" in ck.symbol and len(ptx_entry_params(ck.ptx, ck.symbol)) == len(ck.abi.params)
+    bf, _ = _compile(kmod, dataclasses.replace(v, kv_cache_dtype="bf16"))
+    ptx = ck.ptx
+    assert _ops(ptx) == _ops(bf.ptx)
+    owned = padded_tokens(v) // v.k_split
+    octets = v.warp_split == "wg" and owned >= OCTET_MIN_OWNED
+    rounds = -(-owned // 16) if octets else owned // 4  # a warp's groups of four tokens, or its tokens
+    per_store = 8 if octets else 2  # values a lane stores: its 16-byte vector, or its RoPE pair
+    assert _count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) == rounds * per_store // 2
+    assert _count(r"div\.rn\.f32", ptx) == rounds * per_store
+    assert _count(r"div\.(approx|full)", ptx) == 0 and "rcp.approx" not in ptx
+    if octets:  # y: 16 bytes a lane; the cache: 8
+        assert _count(r"st\.global\.v4\.b32", ptx) == rounds and _count(r"st\.global\.v2\.b32", ptx) == rounds
+    else:  # y: the pair's 4 bytes (two bf16 stores the compiler may merge); the cache: 2 bytes
+        assert _count(r"st\.global\.b16", ptx) == rounds
+    assert _count(r"st\.global\.v4\.b32", bf.ptx) == (3 * rounds if octets else 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("v", [v for v in PLANNED_FP8 if v.tiles in (1, 8)], ids=lambda v: v.label)
+def test_fp8_sass(kmod, v, tmp_path):
+    import nvdump
+
+    ck, _ = _compile(kmod, v)
+    usage = nvdump.resources(ck.cubin, tmp_path)
+    if usage is None:
+        pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"local memory: {usage}"
+    if v.stages < 8:  # two CTAs per SM, as the bf16 build
+        assert CTAS_PER_SM * THREADS * ((usage["REG"] + 7) // 8 * 8) <= SM90_REGS_PER_SM
+    s = nvdump.dump(ck.cubin, tmp_path, "-sass").stdout
+    assert "F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C" in s
+    assert re.search(r"\bSTG\.E\.(64|U16)\b", s), "the e4m3 cache store"
+    assert not re.search(r"\b(STL|LDL)\b", s)
+
+
+@pytest.mark.slow
+def test_fp8_sm100a_compiles(kmod):
+    v = next(v for v in PLANNED_FP8 if v.warp_split != "wg")
+    ck, _ = _compile(kmod, v, "sm_100a")
+    assert ".target sm_100a" in ck.ptx and "cvt.rn.satfinite.e4m3x2.f32" in ck.ptx

@@ -8,7 +8,8 @@ A kernel is one folder `musekern/kernels/<name>/`:
     kernel.py    the CuTe DSL kernel (imports cutlass; only the builder imports it): `compile_call(variant, arch)`
                  -> (the @cute.jit function, its compile arguments)
     __init__.py  `KERNEL = KernelSpec(...)`: what `musekern/plan.py`'s registry lists (one line a kernel)
-The variant class names the files of its folder whose bytes define what it compiles to (`sources`): they and
+The variant class names the files whose bytes define what it compiles to (`sources`, relative to its folder: its own
+and, as ../x.py, a module kernels share such as _fp8.py, the FP8 KV cache store): they and
 `COMMON_SOURCES` make the source hash of its cache key (store/keys.py reads them; the store names no kernel).
 """
 from __future__ import annotations
@@ -61,7 +62,7 @@ class VariantMixin:
     def source_files(cls) -> tuple[Path, ...]:
         """The files the key's source hash covers, in a fixed order (the kernel's own, then the common ones)."""
         folder = Path(sys.modules[cls.__module__].__file__).resolve().parent
-        return tuple(folder / f for f in cls.sources) + tuple(PACKAGE / f for f in COMMON_SOURCES)
+        return tuple((folder / f).resolve() for f in cls.sources) + tuple(PACKAGE / f for f in COMMON_SOURCES)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ Given y = bf16(x @ W^T) [M, N] (columns q | k | v | gate, 64 a head: nq, nkv, nk
   k (normed, roped) and v heads -> key_cache / value_cache [num_blocks, block_size, nkv, 64] at block
               slot // block_size, offset slot % block_size, unless slot < 0 or slot >= num_blocks * block_size;
   v and gate heads of y are not written (the gate is not even read).
+An FP8 build (variant kv_cache_dtype "fp8_e4m3") stores e4m3(k / k_scale) and e4m3(v / v_scale) bytes instead,
+8 bytes a lane (musekern/kernels/_fp8.py), the scales read once per thread after griddepcontrol.wait.
 That is musekern.reference.fused_qknorm_rope_kv_insert (two tokens with the same valid slot in one call leave
 that slot holding, per 16-byte piece, one of their values: undefined, as in the reference).
 
@@ -51,6 +53,7 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.cutlass_dsl import dsl_user_op
 
 from ...store.keys import variant_tag
+from .. import _fp8
 from .variant import (
     EPI_BLOCK,
     EPI_HEAD_DIM,
@@ -109,30 +112,56 @@ class QkvEpilogueKernel:
     def __init__(self, v: QkvEpilogueVariant):
         self.v = v
         self.vpt = v.vecs_per_thread
+        self.fp8 = v.kv_cache_dtype != "bf16"  # e4m3 caches: `kernel_fp8` (four more parameters: the scales)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, y: cute.Pointer, positions: cute.Pointer, cos_sin: cute.Pointer, slots: cute.Pointer,
                  kc: cute.Pointer, vc: cute.Pointer, m: Int32, nq: Int32, nkv: Int32, ld_y: Int32, max_pos: Int32,
                  block_size: Int32, num_blocks: Int32, k_block_stride: Int64, v_block_stride: Int64, eps: Float32,
-                 stream: cuda.CUstream):
-        """The launch CuTe would do (the loader reproduces it from the manifest and variants' launch_grid)."""
+                 stream: cuda.CUstream, *scales):
+        """The launch CuTe would do (the loader reproduces it from the manifest and variants' launch_grid). An FP8
+        build takes the four scale arguments (kv_cache.scale_params) after the stream."""
         total = m * ((nq + 2 * nkv + (self.vpt - 1)) // self.vpt * EPI_LANES)  # units
         per_cta = EPI_BLOCK * self.v.rounds  # units of one CTA
         grid_x = (total + (per_cta - 1)) // per_cta
-        self.kernel(y, positions, cos_sin, slots, kc, vc, m, nq, nkv, ld_y, max_pos, block_size, num_blocks,
-                    k_block_stride, v_block_stride, eps).launch(grid=[grid_x, 1, 1], block=[EPI_BLOCK, 1, 1], smem=0,
-                                                                stream=stream, use_pdl=True)
+        args = (y, positions, cos_sin, slots, kc, vc, m, nq, nkv, ld_y, max_pos, block_size, num_blocks,
+                k_block_stride, v_block_stride, eps)
+        if cutlass.const_expr(self.fp8):
+            self.kernel_fp8(*args, *scales).launch(grid=[grid_x, 1, 1], block=[EPI_BLOCK, 1, 1], smem=0,
+                                                   stream=stream, use_pdl=True)
+        else:
+            self.kernel(*args).launch(grid=[grid_x, 1, 1], block=[EPI_BLOCK, 1, 1], smem=0, stream=stream,
+                                      use_pdl=True)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, y: cute.Pointer, positions: cute.Pointer, cos_sin: cute.Pointer, slots: cute.Pointer,
                kc: cute.Pointer, vc: cute.Pointer, m: Int32, nq: Int32, nkv: Int32, ld_y: Int32, max_pos: Int32,
                block_size: Int32, num_blocks: Int32, k_block_stride: Int64, v_block_stride: Int64, eps: Float32):
+        """The bf16 builds' entry."""
+        self.body(y, positions, cos_sin, slots, kc, vc, m, nq, nkv, ld_y, max_pos, block_size, num_blocks,
+                  k_block_stride, v_block_stride, eps, None)
+
+    @cute.kernel
+    def kernel_fp8(self, y: cute.Pointer, positions: cute.Pointer, cos_sin: cute.Pointer, slots: cute.Pointer,
+                   kc: cute.Pointer, vc: cute.Pointer, m: Int32, nq: Int32, nkv: Int32, ld_y: Int32, max_pos: Int32,
+                   block_size: Int32, num_blocks: Int32, k_block_stride: Int64, v_block_stride: Int64, eps: Float32,
+                   k_scale_ptr: cute.Pointer, k_scale: Float32, v_scale_ptr: cute.Pointer, v_scale: Float32):
+        """The FP8 builds' entry: the bf16 one's parameters, then the scales'."""
+        self.body(y, positions, cos_sin, slots, kc, vc, m, nq, nkv, ld_y, max_pos, block_size, num_blocks,
+                  k_block_stride, v_block_stride, eps, (k_scale_ptr, k_scale, v_scale_ptr, v_scale))
+
+    @cute.jit
+    def body(self, y, positions, cos_sin, slots, kc, vc, m, nq, nkv, ld_y, max_pos, block_size, num_blocks,
+             k_block_stride, v_block_stride, eps, scales):
         tidx = cute.arch.thread_idx()[0]
         bidx = cute.arch.block_idx()[0]
         cute.arch.griddepcontrol_wait()  # before any global read: y is the previous grid's output
         cute.arch.griddepcontrol_launch_dependents()
+        kv_scales = None
+        if cutlass.const_expr(self.fp8):  # (k_scale, v_scale): read once per thread
+            kv_scales = (_fp8.kv_scale(scales[0], scales[1]), _fp8.kv_scale(scales[2], scales[3]))
 
         heads = nq + 2 * nkv  # q, k, v heads of a row (the gate heads are never touched)
         row_units = (heads + (self.vpt - 1)) // self.vpt * EPI_LANES  # units per row
@@ -162,7 +191,7 @@ class QkvEpilogueKernel:
             self._prefetch(t, w + k * stride, total, row_units, heads)
         for k in cutlass.range_constexpr(self.v.rounds):
             unit = self._load(t, w + k * stride, total, row_units, heads)
-            self._finish(t, unit, heads, nq, nkv, max_pos, block_size, num_blocks, eps)
+            self._finish(t, unit, heads, nq, nkv, max_pos, block_size, num_blocks, eps, kv_scales)
 
     @cute.jit
     def _coords(self, w, total, row_units):
@@ -200,9 +229,10 @@ class QkvEpilogueKernel:
         return _Unit(live, r, j, h0, pos, slot, frags)
 
     @cute.jit
-    def _finish(self, t, unit, heads, nq, nkv, max_pos, block_size, num_blocks, eps):
+    def _finish(self, t, unit, heads, nq, nkv, max_pos, block_size, num_blocks, eps, kv_scales):
         """The unit's cos|sin loads (lane j's four pairs from the clamped position's row, shared by its heads),
-        then per head 1 / rms, RoPE and the 16-byte stores (y for q, k heads; the caches for a valid slot)."""
+        then per head 1 / rms, RoPE and the 16-byte stores (y for q, k heads; the caches for a valid slot: 8 bytes
+        of e4m3 in an FP8 build)."""
         r, j, h0, frags = unit.r, unit.j, unit.h0, unit.frags
         p32 = Int32(cutlass.min(cutlass.max(unit.pos, Int64(0)), Int64(max_pos) - Int64(1)))
         cos_f = cute.make_rmem_tensor(cute.make_layout(_CS_VEC), Float32)
@@ -223,9 +253,17 @@ class QkvEpilogueKernel:
                 cute.copy(t.y_copy, o, t.y[r, h * EPI_LANES + j, None])
             if cached and h >= nq:
                 if h < nq + nkv:
-                    cute.copy(t.y_copy, o, t.k[blk, slot_vec0 + (h - nq) * EPI_LANES, None])
+                    if cutlass.const_expr(self.fp8):
+                        _fp8.store_octet(t.k[blk, slot_vec0 + (h - nq) * EPI_LANES, None].iterator.toint(), o,
+                                         kv_scales[0])
+                    else:
+                        cute.copy(t.y_copy, o, t.k[blk, slot_vec0 + (h - nq) * EPI_LANES, None])
                 elif h < heads:
-                    cute.copy(t.y_copy, frags[u], t.v[blk, slot_vec0 + (h - nq - nkv) * EPI_LANES, None])
+                    if cutlass.const_expr(self.fp8):
+                        _fp8.store_octet(t.v[blk, slot_vec0 + (h - nq - nkv) * EPI_LANES, None].iterator.toint(),
+                                         frags[u], kv_scales[1])
+                    else:
+                        cute.copy(t.y_copy, frags[u], t.v[blk, slot_vec0 + (h - nq - nkv) * EPI_LANES, None])
 
     @cute.jit
     def _inv_rms(self, frags, eps):
@@ -261,11 +299,13 @@ class QkvEpilogueKernel:
 
 # ---------------------------------------------------------------------- ABI and build
 def compile_call(v: QkvEpilogueVariant, arch: str):
-    """(the @cute.jit kernel object, its compile arguments in `abi.abi_for`'s order, then the stream) of `v`; the
-    builder compiles it for `arch` on any machine (no GPU needed)."""
+    """(the @cute.jit kernel object, its compile arguments in `abi.abi_for`'s order, then the stream, then an FP8
+    build's four scale arguments) of `v`; the builder compiles it for `arch` on any machine (no GPU needed)."""
     bf = make_ptr(BFloat16, _FAKE_ADDR, cute.AddressSpace.gmem, assumed_align=16)
     f32 = make_ptr(Float32, _FAKE_ADDR, cute.AddressSpace.gmem, assumed_align=16)
     i64 = make_ptr(Int64, _FAKE_ADDR, cute.AddressSpace.gmem, assumed_align=8)
-    return QkvEpilogueKernel(v), (bf, i64, f32, i64, bf, bf, Int32(16), Int32(16), Int32(1), Int32(2176),
+    fp8 = v.kv_cache_dtype != "bf16"
+    kv = _fp8.cache_ptr(_FAKE_ADDR) if fp8 else bf
+    return QkvEpilogueKernel(v), (bf, i64, f32, i64, kv, kv, Int32(16), Int32(16), Int32(1), Int32(2176),
                                   Int32(4096), Int32(16), Int32(64), Int64(16 * 64), Int64(16 * 64), Float32(1e-5),
-                                  cuda.CUstream(0))
+                                  cuda.CUstream(0), *(_fp8.compile_scale_args(_FAKE_ADDR) if fp8 else ()))

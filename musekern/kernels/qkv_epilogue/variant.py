@@ -41,6 +41,11 @@ EPI_ROUNDS_CHOICES = (1, 2)  # 4 rounds of two vectors measured slower than 2 ev
 # so with one round an SM has 32 / 40 / 48 / 64 KiB of y loads in flight (2048 / 1280 / 768 / 512 threads x 16 B x
 # vecs_per_thread).
 EPI_CTAS_PER_SM = {(1, 1): 8, (2, 1): 5, (4, 1): 3, (8, 1): 2, (1, 2): 5, (2, 2): 4, (4, 2): 2, (8, 2): 1}
+# The FP8-cache builds (kv_cache_dtype "fp8_e4m3"): ptxas gives them 32 / 59 / 79 / 127 registers with one round, 40 /
+# 64 / 101 / 127 with two, so (2, 1), the rule's build from 128 * EPI_BLOCK vectors up to EPI_ROUNDS_VECTORS, holds
+# 4 CTAs (32 KiB of y loads in flight an SM, bf16: 40) and (1, 2) / (8, 2) one more than bf16; 50 registers even
+# with the divisions' reciprocal hoisted, so the true division (vLLM's bytes) stays. Its speed: the lead's H200 run.
+EPI_CTAS_PER_SM_FP8 = {**EPI_CTAS_PER_SM, (2, 1): 4, (1, 2): 6, (8, 2): 2}
 # The rule (measured, bench/NOTES.md "qkv_epilogue"), by the 16-byte vectors of the input (M * H * 8):
 #   <= EPI_SMALL_VECTORS: one vector, one round: as fast as any on small inputs and up to 0.16 us faster on some
 #   (TP4 M <= 64), where a call costs 1.2-1.3 us;
@@ -64,6 +69,7 @@ EPI_GRID_RULE = (f"grid = (ceil(M * {EPI_LANES} * ceil((nq + 2 * nkv) / vecs_per
 class QkvEpilogueVariant(VariantMixin):
     """One compiled qkv_epilogue: serves every N, head layout, row stride, cache layout and M."""
     kernel: ClassVar[str] = "qkv_epilogue"
+    sources: ClassVar[tuple[str, ...]] = ("variant.py", "abi.py", "kernel.py", "../_fp8.py", "../../kv_cache.py")
     vecs_per_thread: int  # EPI_VPT_CHOICES; never changes a bit
     rounds: int = 1  # EPI_ROUNDS_CHOICES; never changes a bit
     kv_cache_dtype: str = BF16  # the KV cache it writes (kv_cache.KV_CACHE_DTYPES); never changes y
@@ -81,7 +87,8 @@ class QkvEpilogueVariant(VariantMixin):
     @property
     def ctas_per_sm(self) -> int:
         """CTAs of this build one SM holds (register bound)."""
-        return EPI_CTAS_PER_SM[(self.vecs_per_thread, self.rounds)]
+        table = EPI_CTAS_PER_SM if self.kv_cache_dtype == BF16 else EPI_CTAS_PER_SM_FP8
+        return table[(self.vecs_per_thread, self.rounds)]
 
 
 def all_builds(kv_cache_dtype: str = BF16) -> tuple[QkvEpilogueVariant, ...]:

@@ -5,6 +5,7 @@ PTX `.entry` of every build and writes it into the manifest; the op binds its la
 """
 from __future__ import annotations
 
+from ...kv_cache import BF16, scale_params
 from ...store.abi import KernelAbi, LaunchSpec, TensorMapSpec, coord_tensor, pointer, scalar, tensormap
 from .variant import HEAD_COLS, THREADS, QkvFrontVariant, cluster_size, smem_bytes, x_box_rows
 
@@ -26,7 +27,8 @@ def abi_for(v: QkvFrontVariant) -> KernelAbi:
         pointer("positions", "int64 [M]"),
         pointer("cos_sin_cache", "float32 [max_pos, 64] contiguous"),
         pointer("slot_mapping", "int64 [M]"),
-        pointer("key_cache", "bf16 [num_blocks, block_size, num_kv_heads, 64], inner dims contiguous"),
+        pointer("key_cache", f"{'bf16' if v.kv_cache_dtype == BF16 else 'e4m3 (uint8) bytes'} "
+                             "[num_blocks, block_size, num_kv_heads, 64], inner dims contiguous"),
         pointer("value_cache", "same layout as key_cache, own block stride"),
         scalar("max_pos", "i32", "rows of cos_sin_cache"),
         scalar("block_size", "i32"),
@@ -34,6 +36,7 @@ def abi_for(v: QkvFrontVariant) -> KernelAbi:
         scalar("k_block_stride", "i64", "key_cache.stride(0) in elements"),
         scalar("v_block_stride", "i64", "value_cache.stride(0) in elements"),
         scalar("eps", "f32"),
+        *(scale_params() if v.kv_cache_dtype != BF16 else ()),  # an FP8 build's entry `kernel_fp8`
     ]
     return KernelAbi(
         params=tuple(params),

@@ -41,6 +41,10 @@ cos|sin and before any global store; griddepcontrol.launch_dependents right afte
 (variant trigger "early"), once the producer has issued its last load ("late"; with trigger_ahead > 0, its
 load that many k-tiles before the last), or never ("exit": a CTA counts as triggered when it exits).
 
+FP8 builds (variant kv_cache_dtype "fp8_e4m3", entry `kernel_fp8`: four more parameters, the scales) store the k / v
+cache rows as e4m3(value / scale) bytes, half the bf16 stores' width (musekern/kernels/_fp8.py); the owner's consumer
+threads of a k or v head read their scale once, after griddepcontrol.wait. y and everything else are the bf16 build's.
+
 Out-of-range positions (p < 0 or p >= max_pos) are clamped to [0, max_pos - 1] for the cos|sin
 read (the reference does the same). Slots < 0 or >= num_blocks * block_size write nothing.
 """
@@ -56,6 +60,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.utils import hopper_helpers as sm90_utils
 
 from ...store.keys import variant_tag
+from .. import _fp8
 from .mma import BAR_AUX, BAR_PARTIALS, BAR_RED, CONSUMER_THREADS, CtaPlace, FrontConsumers
 from .octets import OCTET_MIN_OWNED, FrontOctetEpilogue
 from .variant import (
@@ -166,13 +171,14 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
         self.Smem = make_smem_struct(self.stages, self.tt, self.owned, v.recv_in_ring)
         assert not v.recv_in_ring or self.tt * HEAD_COLS * 4 <= self.stages * W_STAGE_BYTES
         self.smem = smem_bytes(v)
+        self.fp8 = v.kv_cache_dtype != "bf16"  # e4m3 caches: `kernel_fp8`
 
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, w_ptr: cute.Pointer, x_ptr: cute.Pointer, y_ptr: cute.Pointer, pos_ptr: cute.Pointer,
                  cs_ptr: cute.Pointer, slot_ptr: cute.Pointer, kc_ptr: cute.Pointer, vc_ptr: cute.Pointer,
                  M: Int32, max_pos: Int32, block_size: Int32, num_blocks: Int32, k_block_stride: Int64,
-                 v_block_stride: Int64, eps: Float32, stream: cuda.CUstream):
+                 v_block_stride: Int64, eps: Float32, stream: cuda.CUstream, *scales):
         mW = cute.make_tensor(w_ptr, cute.make_layout((self.n, HIDDEN), stride=(HIDDEN, 1)))
         if cutlass.const_expr(self.v.fixed_rows):
             mX = cute.make_tensor(x_ptr, cute.make_layout((self.v.fixed_rows, HIDDEN), stride=(HIDDEN, 1)))
@@ -188,9 +194,14 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
             # one warp's MMA: sliced by lane; the 64 rows are 4 m16 repeats, the TT tokens 1 or 2 n8 atoms
             tiled_mma = cute.make_tiled_mma(mma_op, (1, 1, 1), permutation_mnk=(16, self.tt, 16))
         assert self.Smem.size_in_bytes() == self.smem, (self.Smem.size_in_bytes(), self.smem)
-        self.kernel(tma_w, mW_tma, tma_x, mX_tma, w_ptr, y_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, max_pos,
-                    block_size, num_blocks, k_block_stride, v_block_stride, eps, tiled_mma, sW_layout,
-                    sX_layout).launch(grid=list(launch_grid(self.v)), block=[THREADS, 1, 1],
+        args = (tma_w, mW_tma, tma_x, mX_tma, w_ptr, y_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, max_pos,
+                block_size, num_blocks, k_block_stride, v_block_stride, eps, tiled_mma, sW_layout, sX_layout)
+        if cutlass.const_expr(self.fp8):  # the scales (kv_cache.scale_params) after the bf16 build's parameters
+            self.kernel_fp8(*args, *scales).launch(grid=list(launch_grid(self.v)), block=[THREADS, 1, 1],
+                                                   cluster=[self.cluster, 1, 1], smem=self.smem, stream=stream,
+                                                   use_pdl=True)
+        else:
+            self.kernel(*args).launch(grid=list(launch_grid(self.v)), block=[THREADS, 1, 1],
                                       cluster=[self.cluster, 1, 1], smem=self.smem, stream=stream, use_pdl=True)
 
     # ------------------------------------------------------------------ device side
@@ -200,6 +211,25 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
                slot_ptr: cute.Pointer, kc_ptr: cute.Pointer, vc_ptr: cute.Pointer, max_pos: Int32,
                block_size: Int32, num_blocks: Int32, k_block_stride: Int64, v_block_stride: Int64, eps: Float32,
                tiled_mma: cute.TiledMma, sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout):
+        """The bf16 builds' entry."""
+        self.body(tma_w, mW_tma, tma_x, mX_tma, w_ptr, y_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, max_pos,
+                  block_size, num_blocks, k_block_stride, v_block_stride, eps, tiled_mma, sW_layout, sX_layout, None)
+
+    @cute.kernel
+    def kernel_fp8(self, tma_w: cute.CopyAtom, mW_tma: cute.Tensor, tma_x: cute.CopyAtom, mX_tma: cute.Tensor,
+                   w_ptr: cute.Pointer, y_ptr: cute.Pointer, pos_ptr: cute.Pointer, cs_ptr: cute.Pointer,
+                   slot_ptr: cute.Pointer, kc_ptr: cute.Pointer, vc_ptr: cute.Pointer, max_pos: Int32,
+                   block_size: Int32, num_blocks: Int32, k_block_stride: Int64, v_block_stride: Int64, eps: Float32,
+                   tiled_mma: cute.TiledMma, sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout,
+                   k_scale_ptr: cute.Pointer, k_scale: Float32, v_scale_ptr: cute.Pointer, v_scale: Float32):
+        """The FP8 builds' entry: the bf16 one's parameters, then the scales'."""
+        self.body(tma_w, mW_tma, tma_x, mX_tma, w_ptr, y_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, max_pos,
+                  block_size, num_blocks, k_block_stride, v_block_stride, eps, tiled_mma, sW_layout, sX_layout,
+                  (k_scale_ptr, k_scale, v_scale_ptr, v_scale))
+
+    @cute.jit
+    def body(self, tma_w, mW_tma, tma_x, mX_tma, w_ptr, y_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, max_pos,
+             block_size, num_blocks, k_block_stride, v_block_stride, eps, tiled_mma, sW_layout, sX_layout, scales):
         tidx = cute.arch.thread_idx()[0]
         bidx = cute.arch.block_idx()[0]
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -263,7 +293,7 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
                 acc = self.consumer_k(tiled_mma, sW, sX, full, empty, warp_idx, tidx % 32, place)
                 self.reduce_send(tiled_mma, acc, st, recv_bar, warp_idx, tidx, place)
             self.finish(st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
-                        v_block_stride, eps, place, warp_idx, tidx)
+                        v_block_stride, eps, place, warp_idx, tidx, scales)
         if cutlass.const_expr(self.cluster > 1):
             # nobody leaves while a peer may still write into its shared memory or arrive on its barriers
             cute.arch.cluster_arrive()
@@ -350,7 +380,7 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
 
     @cute.jit
     def finish(self, st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
-               v_block_stride, eps, place, warp_idx, tidx):
+               v_block_stride, eps, place, warp_idx, tidx, scales):
         """Owner epilogue: wait for the partials and the staged slots and cos|sin rows, then RMS norm, RoPE and the
         stores (the wgmma builds with 16 owned tokens or more: `finish_octets`; the others: `_finish_pairs`)."""
         head = place.head
@@ -371,18 +401,25 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
         kv_head = head - self.nq
         if is_v:
             kv_head = head - self.nq - self.nkv
+        kv_scale = None
+        if cutlass.const_expr(self.fp8):  # this head's cache scale (k or v heads only read one)
+            kv_scale = Float32(1.0)
+            if is_k:
+                kv_scale = _fp8.kv_scale(scales[0], scales[1])
+            if is_v:
+                kv_scale = _fp8.kv_scale(scales[2], scales[3])
         if cutlass.const_expr(self.v.warp_split == "wg" and self.owned >= OCTET_MIN_OWNED):
             # eight lanes a token, 16-byte vectors, where every warp takes a group of four tokens
             # (kernels/qkv_front/octets.py)
             self.finish_octets(recv, cs, slots, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
-                               v_block_stride, eps, place, warp_idx, lane, is_qk, is_k, is_v, kv_head)
+                               v_block_stride, eps, place, warp_idx, lane, is_qk, is_k, is_v, kv_head, kv_scale)
         else:
             self._finish_pairs(recv, cs, slots, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
-                               v_block_stride, eps, place, warp_idx, lane, is_qk, is_k, is_v, kv_head)
+                               v_block_stride, eps, place, warp_idx, lane, is_qk, is_k, is_v, kv_head, kv_scale)
 
     @cute.jit
     def _finish_pairs(self, recv, cs, slots, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
-                      v_block_stride, eps, place, warp_idx, lane, is_qk, is_k, is_v, kv_head):
+                      v_block_stride, eps, place, warp_idx, lane, is_qk, is_k, is_v, kv_head, kv_scale):
         """The epilogue of the builds with fewer than 16 owned tokens (every mma.sync build, the 3-tile wgmma builds
         at S = 2 and TP8's 6 tiles at S = 4: 12 owned): warp w owns tokens w, w + 4, ...; lane l holds columns
         (2l, 2l+1) = RoPE pair l."""
@@ -401,7 +438,7 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
             if j * self.k_split + rank < M:
                 self._token_store(vals[jj][0], vals[jj][1], mY, slots, kc_ptr, vc_ptr, j, j * self.k_split + rank,
                                   lane, head, kv_head, is_k, is_v, block_size, num_blocks, k_block_stride,
-                                  v_block_stride)
+                                  v_block_stride, kv_scale)
 
     @cute.jit
     def _token_values(self, recv, cs, j, lane, eps, is_qk):
@@ -430,9 +467,9 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
 
     @cute.jit
     def _token_store(self, ya, yb, mY, slots, kc_ptr, vc_ptr, j, t, lane, head, kv_head, is_k, is_v, block_size,
-                     num_blocks, k_block_stride, v_block_stride):
+                     num_blocks, k_block_stride, v_block_stride, kv_scale):
         """Token t's two columns to y, and (k, v heads) to its cache slot unless the slot is padding (< 0) or
-        past the cache."""
+        past the cache (an FP8 build: their two e4m3 bytes of value / kv_scale)."""
         c0 = 2 * lane
         mY[t, head * HEAD_COLS + c0] = ya
         mY[t, head * HEAD_COLS + c0 + 1] = yb
@@ -449,7 +486,12 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
                     blk = slot // Int64(block_size)
                 off = slot - blk * Int64(block_size)
                 inner = off * Int64(self.nkv * HEAD_COLS) + Int64(kv_head * HEAD_COLS + c0)
-                if is_k:
+                if cutlass.const_expr(self.fp8):
+                    base = vc_ptr + (blk * v_block_stride + inner)
+                    if is_k:
+                        base = kc_ptr + (blk * k_block_stride + inner)
+                    _fp8.store_pair(base.toint(), Float32(ya), Float32(yb), kv_scale)
+                elif is_k:
                     dst = cute.make_tensor(kc_ptr + (blk * k_block_stride + inner), cute.make_layout(2))
                     dst[0] = ya
                     dst[1] = yb
@@ -498,8 +540,11 @@ def compile_args(v: QkvFrontVariant) -> tuple:
     bf = make_ptr(BFloat16, 1 << 20, cute.AddressSpace.gmem, assumed_align=16)
     f32 = make_ptr(Float32, 1 << 20, cute.AddressSpace.gmem, assumed_align=16)
     i64 = make_ptr(Int64, 1 << 20, cute.AddressSpace.gmem, assumed_align=8)
-    return (bf, bf, bf, i64, f32, i64, bf, bf, Int32(max(v.fixed_rows, 1)), Int32(1), Int32(16), Int32(1),
-            Int64(1 << 20), Int64(1 << 20), Float32(1e-5), cuda.CUstream(0))
+    fp8 = v.kv_cache_dtype != "bf16"
+    kv = _fp8.cache_ptr(1 << 20) if fp8 else bf
+    return (bf, bf, bf, i64, f32, i64, kv, kv, Int32(max(v.fixed_rows, 1)), Int32(1), Int32(16), Int32(1),
+            Int64(1 << 20), Int64(1 << 20), Float32(1e-5), cuda.CUstream(0),
+            *(_fp8.compile_scale_args(1 << 20) if fp8 else ()))
 
 
 def compile_call(v: QkvFrontVariant, arch: str):

@@ -13,6 +13,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
+from .. import _fp8
 from .variant import CONSUMER_WARPS, HEAD_COLS
 
 OCT = 8  # columns a lane (16 bytes of bf16), lanes a token
@@ -29,7 +30,7 @@ class FrontOctetEpilogue:
 
     @cute.jit
     def finish_octets(self, recv, cs, slots, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
-                      v_block_stride, eps, place, warp_idx, lane, is_qk, is_k, is_v, kv_head):
+                      v_block_stride, eps, place, warp_idx, lane, is_qk, is_k, is_v, kv_head, kv_scale):
         """Every group's math first (padded tokens too: their partials are the zero-filled x rows; nothing of them is
         stored), then the stores: the groups' loads and shuffle rounds overlap."""
         q = lane % OCT
@@ -95,7 +96,12 @@ class FrontOctetEpilogue:
                         blk = slot // Int64(block_size)
                     vec = (slot - blk * Int64(block_size)) * Int64(self.nkv * (HEAD_COLS // OCT)) \
                         + Int64(kv_head * (HEAD_COLS // OCT) + q)
-                    if is_k:
+                    if cutlass.const_expr(self.fp8):  # 8 e4m3 bytes of o / kv_scale (musekern/kernels/_fp8.py)
+                        addr = mV[blk, vec, None].iterator.toint()
+                        if is_k:
+                            addr = mK[blk, vec, None].iterator.toint()
+                        _fp8.store_octet(addr, o, kv_scale)
+                    elif is_k:
                         cute.copy(bf16x8, o, mK[blk, vec, None])
                     else:
                         cute.copy(bf16x8, o, mV[blk, vec, None])

@@ -7,6 +7,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the research harness: ben
 CACHE=${1:-.musekern-cache}
 MK=".venv/bin/python -m musekern"
 $MK prepare --target h200 --cache-dir "$CACHE" -j 2 >&2
+# the FP8 KV cache builds (issue 29, tests/test_gpu_kv_cache.py): the h200 plan with --kv-cache-dtype fp8
+$MK prepare --target h200 --kv-cache-dtype fp8 --cache-dir "$CACHE" -j 2 >&2
 # qk_norm variants beyond the model's (head_dim 64): the GPU tests cover head_dim 128/256 and fp16, with one and
 # four vectors per thread.
 labels=()
@@ -31,6 +33,11 @@ PY
 while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python bench/front_large_m.py labels)
 # every qkv_epilogue build (the plan takes 1 and 2 vectors a thread; the GPU tests and the sanitizer run all four)
 for vpt in 1 2 4 8; do labels+=(--variant "qkv_epilogue[vecs_per_thread=$vpt]"); done
+# every FP8 qkv_epilogue build (tests/test_gpu_kv_cache.py runs all eight against the bf16 build of the same levers)
+for vpt in 1 2 4 8; do for r in 1 2; do
+  labels+=(--variant "qkv_epilogue[kv_cache_dtype=fp8_e4m3,rounds=$r,vecs_per_thread=$vpt]")
+  labels+=(--variant "qkv_epilogue[rounds=$r,vecs_per_thread=$vpt]")
+done; done
 # the ring-depth / k_split sweep of bench/sweep_variants.py (issue 5's levers)
 while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python bench/sweep_variants.py --print-labels)
 $MK prepare --target h200 --cache-dir "$CACHE" -j 2 "${labels[@]}" >&2

@@ -2,8 +2,9 @@
 """Eager launches of every qkv_epilogue build with hostile inputs, for compute-sanitizer: every buffer allocated to
 its exact size (y's last row ends the allocation, also with strided rows; positions, slots, cos|sin and both caches
 exact), padding slots (-1), a slot past the end of the cache, the last slot, positions past the table and negative,
-both cache layouts, partial head groups (TP8's 18 heads at 4 and 8 heads a thread, N = 256's 3 heads < 4), M = 1,
-17 and 300. Exit 0 if every launch ran.
+both cache layouts, bf16 and FP8 (uint8 e4m3) caches (every FP8 build, a scale tensor and a float scale), partial
+head groups (TP8's 18 heads at 4 and 8 heads a thread, N = 256's 3 heads < 4), M = 1, 17 and 300. Exit 0 if every
+launch ran.
 
   compute-sanitizer --tool memcheck python3 bench/sanitize_qkv_epilogue.py
 """
@@ -24,11 +25,11 @@ def exact_y(m: int, n: int, pad: int) -> torch.Tensor:
     return torch.as_strided(flat, (m, n), (n + pad, 1))
 
 
-def caches(nb: int, bs: int, nkv: int, layout: str):
+def caches(nb: int, bs: int, nkv: int, layout: str, dtype=torch.bfloat16):
     if layout == "vllm":
-        kv = torch.zeros(2, nb, bs, nkv, HD, device="cuda", dtype=torch.bfloat16)
+        kv = torch.zeros(2, nb, bs, nkv, HD, device="cuda", dtype=dtype)
         return kv[0], kv[1]
-    kv = torch.zeros(nb, 2, bs, nkv, HD, device="cuda", dtype=torch.bfloat16)
+    kv = torch.zeros(nb, 2, bs, nkv, HD, device="cuda", dtype=dtype)
     return kv[:, 0], kv[:, 1]
 
 
@@ -56,6 +57,13 @@ def main() -> int:
                 launches += 1
                 for build in all_builds():
                     op.launch(y, pos, cs, slots, kc, vc, nkv, 1e-5, variant=build)
+                    launches += 1
+                k8, v8 = caches(nb, bs, nkv, layout, torch.uint8)  # FP8: the scale read on the device, and a float
+                ks = torch.tensor(0.05, device="cuda")
+                op.qkv_epilogue(y, pos, cs, slots, k8, v8, nkv, 1e-5, k_scale=ks, v_scale=0.03)
+                launches += 1
+                for build in all_builds("fp8_e4m3"):
+                    op.launch(y, pos, cs, slots, k8, v8, nkv, 1e-5, variant=build, k_scale=ks, v_scale=0.03)
                     launches += 1
         torch.cuda.synchronize()
         print(f"sanitize: shape {i + 1}/{len(SHAPES)} N={n} done", file=sys.stderr)

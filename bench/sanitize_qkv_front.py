@@ -2,7 +2,8 @@
 """One launch of every default-model qkv_front variant (and qk_norm) with hostile inputs, for compute-sanitizer:
 padding slots (-1), a slot past the end of the cache, positions past the end of the table and negative, at the
 smallest and the largest M each planned front build serves (`planned_ms`: every build per N, its most padded and its
-fullest token tiles) and M = 100 (torch.mm + the fused epilogue everywhere), FlashInfer's strided cache layout; at
+fullest token tiles) and M = 100 (torch.mm + the fused epilogue everywhere), each into bf16 caches and into FP8 (uint8
+e4m3) caches with a scale tensor and a float scale (the --kv-cache-dtype fp8 builds), FlashInfer's strided layout; at
 M = 100 also every cuBLASLt algorithm the GEMM path may choose (`gemm.tune`: each candidate launched once through
 gemm/cublaslt.py, so the binding's layouts and workspace are checked). Exit 0 if every launch ran.
 `--fused-only`: only the M the fused front serves (racecheck: on the GEMM path it reports hazards inside cuBLAS's own
@@ -72,7 +73,10 @@ def main() -> int:
                 slots[0] = -1
             kv = torch.zeros(nb, 2, bs, shard.num_kv_heads, HD, device="cuda", dtype=torch.bfloat16)
             musekern.qkv_front(x, w, pos, cs, slots, kv[:, 0], kv[:, 1], shard.num_kv_heads, 1e-5)
-            n_launch += 1
+            kv8 = torch.zeros(nb, 2, bs, shard.num_kv_heads, HD, device="cuda", dtype=torch.uint8)
+            musekern.qkv_front(x, w, pos, cs, slots, kv8[:, 0], kv8[:, 1], shard.num_kv_heads, 1e-5,
+                               k_scale=torch.tensor(0.05, device="cuda"), v_scale=0.03)
+            n_launch += 2
             if m == 100:
                 n_launch += lt_candidates(w, x)
         torch.cuda.synchronize()

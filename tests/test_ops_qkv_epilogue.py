@@ -130,14 +130,19 @@ def test_launch_args_bind_every_abi_name(layout):
                     "key_cache": kc.data_ptr(), "value_cache": c["value_cache"].data_ptr(), "M": 3,
                     "num_q_heads": 32, "num_kv_heads": 2, "ld_y": 4416, "max_pos": 64, "block_size": 4,
                     "num_blocks": 6, "k_block_stride": kc.stride(0), "v_block_stride": c["value_cache"].stride(0),
-                    "eps": 1e-5, "k_scale_ptr": 0, "k_scale": 1.0, "v_scale_ptr": 0, "v_scale": 1.0}
+                    "eps": 1e-5}
     assert kc.stride(0) == (2 if layout == "flashinfer" else 1) * 4 * 2 * D
+    ks = torch.tensor(0.5)
+    args8 = op.launch_args(**{**c, "key_cache": kc.view(torch.uint8)[..., :D], "value_cache": c["value_cache"].view(
+        torch.uint8)[..., :D]}, k_scale=ks, v_scale=2.0)  # FP8 caches: the scales' four values too
+    assert {k: args8[k] for k in SCALE_VALUES} == {"k_scale_ptr": ks.data_ptr(), "k_scale": 1.0, "v_scale_ptr": 0,
+                                                   "v_scale": 2.0}
     pytest.importorskip("cutlass")
     from musekern.kernels.qkv_epilogue.abi import abi_for
 
     fields = lambda v: {f.name for p in abi_for(v).params for f in p.fields}  # noqa: E731
-    assert set(args) == fields(QkvEpilogueVariant(1, kv_cache_dtype="fp8_e4m3"))  # the FP8 builds take every value
-    assert fields(QkvEpilogueVariant(1)) == set(args) - set(SCALE_VALUES)  # the bf16 builds all but the scales
+    assert set(args) == fields(QkvEpilogueVariant(1))
+    assert set(args8) == fields(QkvEpilogueVariant(1, kv_cache_dtype="fp8_e4m3"))
 
 
 # every rejection above, plus inputs the reasons turn down only after a cheap look (wrong ranks, an int eps)

@@ -3,6 +3,7 @@ rejection of `unsupported` (CPU tensors), and the kernel against the reference (
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -366,6 +367,30 @@ def test_op_binds_every_planned_abi_by_name(v):
     assert all(val is by_name[n] or val == by_name[n] for n, val in zip(names, picked, strict=True))
 
 
+@pytest.mark.parametrize("v", [dataclasses.replace(e.variant, kv_cache_dtype="fp8_e4m3")
+                               for e in plan_model(load_config(), [get_target("h200")]) if e.kernel == "qkv_front"],
+                         ids=lambda v: v.label)
+def test_op_binds_every_planned_fp8_abi_by_name(v):
+    """The FP8 builds: the bf16 build's values, then the scales' (a tensor's address, a float's value)."""
+    pytest.importorskip("cutlass")
+    from musekern.kernels.qkv_front import abi_for
+    from musekern.ops._bind import take
+    from musekern.runtime.loader import _ParamBlock
+
+    abi = abi_for(v)
+    names = tuple(_ParamBlock(abi.params, abi.tensormaps).names)
+    c = fp8_case()
+    ks = torch.tensor(0.5)
+    call = (c["x"], c["weight"], c["positions"], c["cos_sin_cache"], c["slot_mapping"], c["key_cache"],
+            c["value_cache"], EPS, torch.empty(5, 2176, dtype=torch.bfloat16), ks, 0.25)
+    values = op._fp8_values(*call)
+    by_name = op.launch_args(*call)
+    picked = [values[i] for i in take(v.label, names, op._NAMES_FP8)]
+    assert all(val is by_name[n] or val == by_name[n] for n, val in zip(names, picked, strict=True))
+    assert names[-4:] == ("k_scale_ptr", "k_scale", "v_scale_ptr", "v_scale")
+    assert picked[-4:] == [ks.data_ptr(), 1.0, 0, 0.25]
+
+
 def test_a_parameter_the_op_cannot_bind_names_the_fix():
     from musekern.ops._bind import UnboundParameterError, binder, take
 
@@ -555,7 +580,7 @@ def test_fp8_checked_call_launches_the_fp8_plan_with_the_scales(as_if_cuda, reco
     want = op.launch_args(c["x"], c["weight"], c["positions"], c["cos_sin_cache"], c["slot_mapping"],
                           c["key_cache"], c["value_cache"], EPS, y, ks, vs)
     want["weight"], want["x"] = _map_key(c["weight"]), _map_key(c["x"])
-    got = dict(zip(op._NAMES, rec.calls[0], strict=True))
+    got = dict(zip(op._NAMES_FP8, rec.calls[0], strict=True))
     assert len(rec.calls) == 1 and got == want
     for s, p, v in ((ks, "k_scale_ptr", "k_scale"), (vs, "v_scale_ptr", "v_scale")):
         assert (got[p], got[v]) == ((s.data_ptr(), 1.0) if isinstance(s, torch.Tensor) else (0, s or 1.0))
@@ -570,7 +595,7 @@ def test_fp8_gemm_path_launches_the_fp8_epilogue_with_the_scales(as_if_cuda, rec
     y = op.qkv_front(**c, k_scale=ks, v_scale=2.0)
     want = op.qkv_epilogue.launch_args(y, c["positions"], c["cos_sin_cache"], c["slot_mapping"], c["key_cache"],
                                        c["value_cache"], 1, EPS, ks, 2.0)
-    assert len(rec.calls) == 1 and dict(zip(op.qkv_epilogue._NAMES, rec.calls[0], strict=True)) == want
+    assert len(rec.calls) == 1 and dict(zip(op.qkv_epilogue._NAMES_FP8, rec.calls[0], strict=True)) == want
     assert want["k_scale_ptr"] == ks.data_ptr() and want["v_scale"] == 2.0
 
 

@@ -198,12 +198,12 @@ def _traced_class():
 
         @cute.jit
         def finish(self, st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
-                   v_block_stride, eps, place, warp_idx, tidx):
+                   v_block_stride, eps, place, warp_idx, tidx, scales):
             if cutlass.const_expr(self.k_split > 1):
                 cute.arch.mbarrier_wait(recv_bar, 0)  # what finish waits for first (a second wait returns at once)
             self._stamp(5, tidx == 0)
             base.finish(self, st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
-                        v_block_stride, eps, place, warp_idx, tidx)
+                        v_block_stride, eps, place, warp_idx, tidx, scales)
             self._stamp(6, tidx == 0)
 
     return TracedFront

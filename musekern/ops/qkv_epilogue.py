@@ -111,9 +111,11 @@ def launch_read(key: tuple, y0: int, tc: tuple, eps: float, sc: tuple = NO_SCALE
     the values `checks.fast_token_cache_values` read (`tc`) and the scales' (`sc`: `checks.fast_scales`) into
     caches of bf16 or (`fp8`) e4m3: the checked calls' launch, nothing read twice."""
     n, m, nkv, _ = key
-    # `_VALUES` order; y is contiguous: its row stride is N
-    (_RUNS_FP8 if fp8 else _RUNS)[key]([y0, *tc[:5], m, (n // EPI_HEAD_DIM - 2 * nkv) // 2, nkv, n, *tc[5:], eps,
-                                        *sc])
+    # `_VALUES` order (FP8: `_NAMES_FP8`, the scales last); y is contiguous: its row stride is N
+    if fp8:
+        _RUNS_FP8[key]([y0, *tc[:5], m, (n // EPI_HEAD_DIM - 2 * nkv) // 2, nkv, n, *tc[5:], eps, *sc])
+    else:
+        _RUNS[key]([y0, *tc[:5], m, (n // EPI_HEAD_DIM - 2 * nkv) // 2, nkv, n, *tc[5:], eps])
 
 
 def unsupported(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, k_scale=None,
@@ -150,17 +152,22 @@ _VALUES = {
     "num_q_heads": f"(y.shape[1] // {EPI_HEAD_DIM} - 2 * num_kv_heads) // 2", "num_kv_heads": "num_kv_heads",
     "ld_y": "y.stride(0) if y.shape[0] > 1 else y.shape[1]", "max_pos": "cos_sin_cache.shape[0]",
     "block_size": "key_cache.shape[1]", "num_blocks": "key_cache.shape[0]", "k_block_stride": "key_cache.stride(0)",
-    "v_block_stride": "value_cache.stride(0)", "eps": "float(eps)", **checks.SCALE_VALUES,
+    "v_block_stride": "value_cache.stride(0)", "eps": "float(eps)",
 }
-_NAMES = tuple(_VALUES)
-_all_values = binder("qkv_epilogue", _NAMES, _VALUES, _ARGS, checks.SCALE_ENV)
+_NAMES = tuple(_VALUES)  # the values a bf16 build takes
+_NAMES_FP8 = _NAMES + tuple(checks.SCALE_VALUES)  # an FP8 build's: the same, then the scales'
+_all_values = binder("qkv_epilogue", _NAMES, _VALUES, _ARGS)
+_fp8_values = binder("qkv_epilogue", _NAMES_FP8, {**_VALUES, **checks.SCALE_VALUES}, _ARGS, checks.SCALE_ENV)
 
 
 def launch_args(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, k_scale=None,
                 v_scale=None) -> dict:
-    """The values of every ABI field by name (kernels/qkv_epilogue/abi.py); LoadedKernel.launch packs them."""
-    return dict(zip(_NAMES, _all_values(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
-                                        num_kv_heads, eps, k_scale, v_scale), strict=True))
+    """The values of every ABI field of the build for these caches by name (kernels/qkv_epilogue/abi.py);
+    LoadedKernel.launch packs them."""
+    fp8 = key_cache.dtype != torch.bfloat16
+    return dict(zip(_NAMES_FP8 if fp8 else _NAMES, (_fp8_values if fp8 else _all_values)(
+        y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, k_scale, v_scale),
+        strict=True))
 
 
 @functools.lru_cache(maxsize=None)
@@ -170,7 +177,7 @@ def _loaded(v: QkvEpilogueVariant, device_index: int):
     from ..runtime import get_kernel
 
     kernel = get_kernel(v, device=device_index, on_miss=checks.on_miss())
-    return kernel, take(v.label, kernel.param_names, _NAMES)
+    return kernel, take(v.label, kernel.param_names, _NAMES if v.kv_cache_dtype == KV_BF16 else _NAMES_FP8)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -197,10 +204,11 @@ def launch(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, nu
         return y
     dev = y.get_device()
     dev = dev if dev >= 0 else torch.cuda.current_device()
-    plans = _RUNS if key_cache.dtype == torch.bfloat16 else _RUNS_FP8
+    fp8 = key_cache.dtype != torch.bfloat16 if variant is None else variant.kv_cache_dtype != KV_BF16
+    plans = _RUNS_FP8 if fp8 else _RUNS
     run = plans[(n, m, num_kv_heads, dev)] if variant is None else _launcher(variant, m, n, num_kv_heads, dev)
-    run(_all_values(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, k_scale,
-                    v_scale))
+    run((_fp8_values if fp8 else _all_values)(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
+                                              num_kv_heads, eps, k_scale, v_scale))
     return y
 
 

@@ -139,7 +139,10 @@ def _fast(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_ca
             torch.mm(x, weight.t(), out=out)
         qkv_epilogue.launch_read(key, y0, tc, eps, sc, fp8)
     else:
-        run([(w0, n, HIDDEN, HIDDEN), (x0, m, HIDDEN, HIDDEN), m, w0, y0, *tc, eps, *sc])  # `_VALUES` order
+        values = [(w0, n, HIDDEN, HIDDEN), (x0, m, HIDDEN, HIDDEN), m, w0, y0, *tc, eps]  # `_VALUES` order
+        if fp8:
+            values += sc  # `_NAMES_FP8`: then the scales
+        run(values)
     return out
 
 
@@ -199,17 +202,21 @@ _VALUES = {
     "slot_mapping": "slot_mapping.data_ptr()", "key_cache": "key_cache.data_ptr()",
     "value_cache": "value_cache.data_ptr()", "max_pos": "cos_sin_cache.shape[0]", "block_size": "key_cache.shape[1]",
     "num_blocks": "key_cache.shape[0]", "k_block_stride": "key_cache.stride(0)",
-    "v_block_stride": "value_cache.stride(0)", "eps": "float(eps)", **checks.SCALE_VALUES,  # (FP8 builds only)
+    "v_block_stride": "value_cache.stride(0)", "eps": "float(eps)",
 }
-_NAMES = tuple(_VALUES)
-_all_values = binder("qkv_front", _NAMES, _VALUES, _ARGS, checks.SCALE_ENV)
+_NAMES = tuple(_VALUES)  # the values a bf16 build may take
+_NAMES_FP8 = _NAMES + tuple(checks.SCALE_VALUES)  # an FP8 build's: the same, then the scales'
+_all_values = binder("qkv_front", _NAMES, _VALUES, _ARGS)
+_fp8_values = binder("qkv_front", _NAMES_FP8, {**_VALUES, **checks.SCALE_VALUES}, _ARGS, checks.SCALE_ENV)
 
 
 def launch_args(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out, k_scale=None,
                 v_scale=None) -> dict:
-    """Every value a qkv_front build may take, by ABI name: the `args` of LoadedKernel.launch."""
-    return dict(zip(_NAMES, _all_values(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
-                                        eps, out, k_scale, v_scale), strict=True))
+    """Every value a qkv_front build for these caches may take, by ABI name: the `args` of LoadedKernel.launch."""
+    fp8 = key_cache.dtype != torch.bfloat16
+    return dict(zip(_NAMES_FP8 if fp8 else _NAMES, (_fp8_values if fp8 else _all_values)(
+        x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out, k_scale, v_scale),
+        strict=True))
 
 
 @functools.lru_cache(maxsize=None)
@@ -220,7 +227,8 @@ def _front_plan(n: int, m: int, num_kv_heads: int, device_index: int, kv: str = 
     v = _variant(n, m, num_kv_heads, device_index, kv)
     kernel = get_kernel(v, device=device_index, on_miss=checks.on_miss())
     grid = launch_grid(v)
-    return kernel, grid, kernel.launcher(grid, take=take(v.label, kernel.param_names, _NAMES))
+    return kernel, grid, kernel.launcher(grid, take=take(v.label, kernel.param_names,
+                                                         _NAMES if kv == KV_BF16 else _NAMES_FP8))
 
 
 def _resolve(n: int, m: int, num_kv_heads: int, device_index: int, kv: str = KV_BF16):
@@ -243,9 +251,10 @@ def launch_front(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, v
     """No checks: the fused front for this call (its M must be one a front build serves), into `out`."""
     dev = x.get_device()
     dev = dev if dev >= 0 else torch.cuda.current_device()
-    run = _front_plan(weight.shape[0], x.shape[0], num_kv_heads, dev, _kv(key_cache))[2]
-    run(_all_values(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out, k_scale,
-                    v_scale))
+    kv = _kv(key_cache)
+    run = _front_plan(weight.shape[0], x.shape[0], num_kv_heads, dev, kv)[2]
+    run((_all_values if kv == KV_BF16 else _fp8_values)(x, weight, positions, cos_sin_cache, slot_mapping, key_cache,
+                                                         value_cache, eps, out, k_scale, v_scale))
     return out
 
 
@@ -266,12 +275,13 @@ def launch(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_c
         out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     dev = x.get_device()
     key = (n, m, num_kv_heads, dev if dev >= 0 else torch.cuda.current_device())
-    run = (_RUNS if key_cache.dtype == torch.bfloat16 else _RUNS_FP8)[key]
+    bf16 = key_cache.dtype == torch.bfloat16
+    run = (_RUNS if bf16 else _RUNS_FP8)[key]
     if run is _GEMM:
         return launch_gemm_epilogue(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
                                     num_kv_heads, eps, out, k_scale, v_scale)
-    run(_all_values(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out, k_scale,
-                    v_scale))
+    run((_all_values if bf16 else _fp8_values)(x, weight, positions, cos_sin_cache, slot_mapping, key_cache,
+                                               value_cache, eps, out, k_scale, v_scale))
     return out
 
 

@@ -20,10 +20,10 @@ from engine_scenario import EPS, SENTINEL, Scheduler, load_example, run_schedule
 from kv_layouts import SENTINEL_BYTE, paged_caches
 
 from musekern.config import load_config
+from musekern.kernels.qkv_epilogue.variant import QkvEpilogueVariant, all_builds
 from musekern.ops import qkv_epilogue as epi_ops
 from musekern.ops import qkv_front as ops
 from musekern.reference import e4m3_rows, qkv_front_reference, rope_cos_sin_table
-from musekern.variants.qkv_epilogue import QkvEpilogueVariant, all_builds
 
 pytestmark = pytest.mark.gpu
 

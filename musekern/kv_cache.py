@@ -8,8 +8,6 @@ planning commands' `--kv-cache-dtype` take CHOICES; `resolve` maps them to a bui
 """
 from __future__ import annotations
 
-from .store.abi import pointer, scalar
-
 BF16 = "bf16"
 FP8_E4M3 = "fp8_e4m3"
 KV_CACHE_DTYPES = (BF16, FP8_E4M3)  # what a build writes
@@ -20,14 +18,13 @@ E5M2_REASON = ("fp8_e5m2 KV caches are not served: musekern writes e4m3 (--kv-ca
                "cache vLLM's FlashAttention backends read)")
 
 
-def scale_params() -> list:
-    """The four launch parameters an FP8 build of qkv_front or qkv_epilogue takes after its bf16 ones (their abi.py;
-    ops/checks.py SCALE_VALUES computes them from a call): a scale tensor's address (0 for a float or none, the kernel
-    then takes the value) and the value."""
-    return [pointer("k_scale_ptr", "float32 k_scale on the device, read at launch; 0: take k_scale"),
-            scalar("k_scale", "f32", "the key cache's scale where k_scale_ptr is 0 (stored = e4m3(k / k_scale))"),
-            pointer("v_scale_ptr", "float32 v_scale on the device, read at launch; 0: take v_scale"),
-            scalar("v_scale", "f32", "the value cache's scale where v_scale_ptr is 0")]
+# The four launch parameters an FP8 build of qkv_front or qkv_epilogue takes after its bf16 ones, as (name, "ptr" or
+# a scalar type, doc): a scale tensor's address (0 for a float or none: the kernel then takes the value), and the
+# value. Their abi.py declare them (`scale_param`), ops/checks.py SCALE_VALUES computes them from a call.
+SCALE_PARAMS = (("k_scale_ptr", "ptr", "float32 k_scale on the device, read at launch; 0: take k_scale"),
+                ("k_scale", "f32", "the key cache's scale where k_scale_ptr is 0 (stored = e4m3(k / k_scale))"),
+                ("v_scale_ptr", "ptr", "float32 v_scale on the device, read at launch; 0: take v_scale"),
+                ("v_scale", "f32", "the value cache's scale where v_scale_ptr is 0"))
 
 
 def resolve(value) -> str:

@@ -17,7 +17,7 @@ from musekern.plan import REGISTRY
 
 PKG = Path(__file__).resolve().parent.parent / "musekern"
 # modules that import nothing of musekern (stdlib or the driver bindings only): any layer may stand on them
-LEAVES = {"env", "targets", "model"}
+LEAVES = {"env", "targets", "model", "kv_cache"}
 
 
 def _part(rel: str) -> str:

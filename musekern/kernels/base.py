@@ -9,7 +9,7 @@ A kernel is one folder `musekern/kernels/<name>/`:
                  -> (the @cute.jit function, its compile arguments)
     __init__.py  `KERNEL = KernelSpec(...)`: what `musekern/plan.py`'s registry lists (one line a kernel)
 The variant class names the files whose bytes define what it compiles to (`sources`, relative to its folder: its own
-and, as ../x.py, a module kernels share such as _fp8.py, the FP8 KV cache store): they and
+and, as ../k/x.py, another kernel's file it compiles from, e.g. the FP8 KV cache store): they and
 `COMMON_SOURCES` make the source hash of its cache key (store/keys.py reads them; the store names no kernel).
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_cache import E5M2_REASON
+from ..kv_cache import E5M2_REASON, SCALE_PARAMS
 from ..model import HEAD_DIM as HEAD_COLS
 
 ALIGN = 16  # TMA bases and 16-byte vector loads / stores
@@ -206,8 +206,9 @@ def scale_value(s) -> float:
 
 # The scales' launch values of every build that writes an FP8 cache (kernels' `abi_for`): by ABI name, the
 # expression over the call's `k_scale`, `v_scale` (ops/_bind.py), and the functions those call.
-SCALE_VALUES = {"k_scale_ptr": "scale_ptr(k_scale)", "k_scale": "scale_value(k_scale)",
-                "v_scale_ptr": "scale_ptr(v_scale)", "v_scale": "scale_value(v_scale)"}
+SCALE_VALUES = dict(zip((name for name, _, _ in SCALE_PARAMS), ("scale_ptr(k_scale)", "scale_value(k_scale)",
+                                                                "scale_ptr(v_scale)", "scale_value(v_scale)"),
+                        strict=True))
 SCALE_ENV = {"scale_ptr": scale_ptr, "scale_value": scale_value}
 
 

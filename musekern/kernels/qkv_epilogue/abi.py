@@ -5,7 +5,7 @@ the PTX `.entry` of every build and writes it into the manifest; the op binds it
 """
 from __future__ import annotations
 
-from ...kv_cache import BF16, scale_params
+from ...kv_cache import BF16, SCALE_PARAMS
 from ...store.abi import KernelAbi, LaunchSpec, pointer, scalar
 from .variant import EPI_BLOCK, EPI_GRID_RULE, QkvEpilogueVariant
 
@@ -33,7 +33,8 @@ def abi_for(v: QkvEpilogueVariant) -> KernelAbi:
             scalar("k_block_stride", "i64", "key_cache.stride(0) in elements, a multiple of 8"),
             scalar("v_block_stride", "i64", "value_cache.stride(0) in elements, a multiple of 8"),
             scalar("eps", "f32", "added to the mean of squares"),
-            *(scale_params() if v.kv_cache_dtype != BF16 else ()),  # an FP8 build's entry `kernel_fp8`
+            *(pointer(n, d) if t == "ptr" else scalar(n, t, d) for n, t, d in SCALE_PARAMS
+              if v.kv_cache_dtype != BF16),  # an FP8 build's entry `kernel_fp8`: the scales
         ),
         launch=LaunchSpec(block=(EPI_BLOCK, 1, 1), cluster=(1, 1, 1), dynamic_smem_bytes=0, pdl=True,
                           grid=EPI_GRID_RULE),

@@ -9,7 +9,7 @@ Given y = bf16(x @ W^T) [M, N] (columns q | k | v | gate, 64 a head: nq, nkv, nk
               slot // block_size, offset slot % block_size, unless slot < 0 or slot >= num_blocks * block_size;
   v and gate heads of y are not written (the gate is not even read).
 An FP8 build (variant kv_cache_dtype "fp8_e4m3") stores e4m3(k / k_scale) and e4m3(v / v_scale) bytes instead,
-8 bytes a lane (musekern/kernels/_fp8.py), the scales read once per thread after griddepcontrol.wait.
+8 bytes a lane (musekern/kernels/qkv_front/fp8.py), the scales read once per thread after griddepcontrol.wait.
 That is musekern.reference.fused_qknorm_rope_kv_insert (two tokens with the same valid slot in one call leave
 that slot holding, per 16-byte piece, one of their values: undefined, as in the reference).
 
@@ -53,7 +53,7 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.cutlass_dsl import dsl_user_op
 
 from ...store.keys import variant_tag
-from .. import _fp8
+from ..qkv_front import fp8 as _fp8
 from .variant import (
     EPI_BLOCK,
     EPI_HEAD_DIM,
@@ -121,7 +121,7 @@ class QkvEpilogueKernel:
                  block_size: Int32, num_blocks: Int32, k_block_stride: Int64, v_block_stride: Int64, eps: Float32,
                  stream: cuda.CUstream, *scales):
         """The launch CuTe would do (the loader reproduces it from the manifest and variants' launch_grid). An FP8
-        build takes the four scale arguments (kv_cache.scale_params) after the stream."""
+        build takes the four scale arguments (kv_cache.SCALE_PARAMS) after the stream."""
         total = m * ((nq + 2 * nkv + (self.vpt - 1)) // self.vpt * EPI_LANES)  # units
         per_cta = EPI_BLOCK * self.v.rounds  # units of one CTA
         grid_x = (total + (per_cta - 1)) // per_cta

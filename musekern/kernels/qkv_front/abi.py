@@ -5,7 +5,7 @@ PTX `.entry` of every build and writes it into the manifest; the op binds its la
 """
 from __future__ import annotations
 
-from ...kv_cache import BF16, scale_params
+from ...kv_cache import BF16, SCALE_PARAMS
 from ...store.abi import KernelAbi, LaunchSpec, TensorMapSpec, coord_tensor, pointer, scalar, tensormap
 from .variant import HEAD_COLS, THREADS, QkvFrontVariant, cluster_size, smem_bytes, x_box_rows
 
@@ -36,7 +36,7 @@ def abi_for(v: QkvFrontVariant) -> KernelAbi:
         scalar("k_block_stride", "i64", "key_cache.stride(0) in elements"),
         scalar("v_block_stride", "i64", "value_cache.stride(0) in elements"),
         scalar("eps", "f32"),
-        *(scale_params() if v.kv_cache_dtype != BF16 else ()),  # an FP8 build's entry `kernel_fp8`
+        *(pointer(n, d) if t == "ptr" else scalar(n, t, d) for n, t, d in SCALE_PARAMS if v.kv_cache_dtype != BF16),
     ]
     return KernelAbi(
         params=tuple(params),

@@ -42,8 +42,8 @@ cos|sin and before any global store; griddepcontrol.launch_dependents right afte
 load that many k-tiles before the last), or never ("exit": a CTA counts as triggered when it exits).
 
 FP8 builds (variant kv_cache_dtype "fp8_e4m3", entry `kernel_fp8`: four more parameters, the scales) store the k / v
-cache rows as e4m3(value / scale) bytes, half the bf16 stores' width (musekern/kernels/_fp8.py); the owner's consumer
-threads of a k or v head read their scale once, after griddepcontrol.wait. y and everything else are the bf16 build's.
+cache rows as e4m3(value / scale) bytes, half the bf16 stores' width (fp8.py); the owner's consumer threads of a k or
+v head read their scale once, after griddepcontrol.wait. y and everything else are the bf16 build's.
 
 Out-of-range positions (p < 0 or p >= max_pos) are clamped to [0, max_pos - 1] for the cos|sin
 read (the reference does the same). Slots < 0 or >= num_blocks * block_size write nothing.
@@ -60,7 +60,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.utils import hopper_helpers as sm90_utils
 
 from ...store.keys import variant_tag
-from .. import _fp8
+from . import fp8 as _fp8
 from .mma import BAR_AUX, BAR_PARTIALS, BAR_RED, CONSUMER_THREADS, CtaPlace, FrontConsumers
 from .octets import OCTET_MIN_OWNED, FrontOctetEpilogue
 from .variant import (
@@ -196,7 +196,7 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
         assert self.Smem.size_in_bytes() == self.smem, (self.Smem.size_in_bytes(), self.smem)
         args = (tma_w, mW_tma, tma_x, mX_tma, w_ptr, y_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, max_pos,
                 block_size, num_blocks, k_block_stride, v_block_stride, eps, tiled_mma, sW_layout, sX_layout)
-        if cutlass.const_expr(self.fp8):  # the scales (kv_cache.scale_params) after the bf16 build's parameters
+        if cutlass.const_expr(self.fp8):  # the scales (kv_cache.SCALE_PARAMS) after the bf16 build's parameters
             self.kernel_fp8(*args, *scales).launch(grid=list(launch_grid(self.v)), block=[THREADS, 1, 1],
                                                    cluster=[self.cluster, 1, 1], smem=self.smem, stream=stream,
                                                    use_pdl=True)

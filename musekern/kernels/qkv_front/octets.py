@@ -13,7 +13,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from .. import _fp8
+from . import fp8 as _fp8
 from .variant import CONSUMER_WARPS, HEAD_COLS
 
 OCT = 8  # columns a lane (16 bytes of bf16), lanes a token
@@ -96,7 +96,7 @@ class FrontOctetEpilogue:
                         blk = slot // Int64(block_size)
                     vec = (slot - blk * Int64(block_size)) * Int64(self.nkv * (HEAD_COLS // OCT)) \
                         + Int64(kv_head * (HEAD_COLS // OCT) + q)
-                    if cutlass.const_expr(self.fp8):  # 8 e4m3 bytes of o / kv_scale (musekern/kernels/_fp8.py)
+                    if cutlass.const_expr(self.fp8):  # 8 e4m3 bytes of o / kv_scale (fp8.py)
                         addr = mV[blk, vec, None].iterator.toint()
                         if is_k:
                             addr = mK[blk, vec, None].iterator.toint()

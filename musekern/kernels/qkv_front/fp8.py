@@ -1,4 +1,5 @@
-"""The FP8 (e4m3) KV cache store of qkv_front and qkv_epilogue (CuTe DSL; sm_89 and later, built for sm_90a).
+"""The FP8 (e4m3) KV cache store of qkv_front and qkv_epilogue (which imports it from here), in CuTe DSL (sm_89+,
+built for sm_90a).
 
 byte = e4m3 round-to-nearest-even, saturated to +-448 (PTX `cvt.rn.satfinite.e4m3x2.f32`: `.satfinite` maps
 larger values and infinities to +-448, NaN to 0x7F) of float(k_bf16) / k_scale, a true division (`div.rn.f32`, what
@@ -6,7 +7,7 @@ the DSL emits for `/` on Float32; tests/test_kernels_qkv_*.py check the PTX for 
 bytes (musekern/kv_cache.py, musekern.reference.e4m3_rows). The stores are half the bf16 path's width: 2 bytes for a
 lane's RoPE pair, 8 for a lane's 16-byte bf16 vector.
 
-Scales reach a build as two launch values each (musekern/kv_cache.py `scale_params`): a pointer (0 when the call gave
+Scales reach a build as two launch values each (musekern/kv_cache.py SCALE_PARAMS): a pointer (0 when the call gave
 a float or nothing) and a value; `kv_scale` reads the pointer's float on the device when it is not 0 (after
 griddepcontrol.wait, like every input: a CUDA graph replay reads the scale's value then).
 """

@@ -98,7 +98,7 @@ def register_ops():
 def prepare(n: int, rows=16, num_kv_heads: int | None = None, qk_norm_head_dims=(),
             dtype=torch.bfloat16, device=None, kv_cache_dtype: str = "auto") -> list:
     """Load every kernel the ops take for weight rows N and M in `rows`, and time cuBLAS's algorithms for the M the
-    GEMM path takes (up to 512: `ops.gemm.tune`, 0.06-0.5 s an M, one checked launch an M the cache's tuning record
+    GEMM path takes (up to 512: `gemm.tune.tune`, 0.06-0.5 s an M, one checked launch an M the cache's tuning record
     holds), before a CUDA graph is captured.
 
     `rows`: an int (every M in 1..rows) or an iterable of M values, as `ops.qkv_front.prepare` takes them;

@@ -9,7 +9,7 @@ float, or a one-element float32 tensor the kernel reads on the device: a CUDA gr
 On the GPU each call takes one of two paths, by the planner's measured rule for (N, M, this GPU)
 (`kernels.qkv_front.rules.front_serves`):
 - the fused front: one CuTe DSL launch (split-K GEMM, norm, RoPE, y store, K/V insert);
-- cuBLAS's GEMM into y (`ops.gemm.mm`: the algorithm `prepare` measured fastest for the shape, else `torch.mm`) +
+- cuBLAS's GEMM into y (`gemm.tune.mm`: the algorithm `prepare` measured fastest for the shape, else `torch.mm`) +
   the fused epilogue (musekern.ops.qkv_epilogue), for every other M.
 Either way: no host sync, nothing allocated but y (none with `out=`), capturable in a CUDA graph once `prepare`
 has loaded the builds the M values need. `qkv_front_auto` is the same on CUDA tensors and the plain-torch
@@ -333,7 +333,7 @@ def qkv_front_auto(x, weight, positions, cos_sin_cache, slot_mapping, key_cache,
 
 def prepare(N: int, rows=16, num_kv_heads: int | None = None, device=None, kv_cache_dtype: str = "auto") -> list:
     """Load every build the calls with weight rows N and M in `rows` take, fused front or GEMM + epilogue, and
-    measure cuBLAS's algorithms for the GEMM path's M values up to `gemm.TUNE_MAX_ROWS` (`ops.gemm.tune`:
+    measure cuBLAS's algorithms for the GEMM path's M values up to `gemm.TUNE_MAX_ROWS` (`gemm.tune.tune`:
     0.06-0.5 s an M, or one checked launch where the cache's tuning record holds it; scratch weights of two layers
     or more while it runs): after this, those calls capture in a CUDA graph and the GEMM path runs the algorithm
     measured fastest.

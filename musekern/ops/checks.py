@@ -145,6 +145,10 @@ def kv_reason(key_cache, value_cache, num_kv_heads: int) -> str | None:
                 f"must have one dtype")
     if tuple(key_cache.shape) != tuple(value_cache.shape):
         return f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} differ in shape"
+    if key_cache.data_ptr() == value_cache.data_ptr():
+        # what inductor hands the op for `kv.view(float8).unbind(0)` of one uint8 cache inside a compiled region
+        return ("key_cache and value_cache are the same memory (one data_ptr): k and v would overwrite each other; "
+                "pass two caches (with torch.compile, view an FP8 cache as float8 outside the compiled region)")
     return None
 
 
@@ -270,7 +274,8 @@ def fast_token_cache_values(m: int, dev: int, nkv: int, positions, slot_mapping,
             _LAYOUTS.clear()
         _LAYOUTS[key] = lay
     c0, k0, v0 = cos_sin_cache.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr()
-    if (c0 | k0 | v0) % ALIGN or (a1 and ((a0 < k0 + lay[5] and k0 < a1) or (a0 < v0 + lay[6] and v0 < a1))):
+    if (c0 | k0 | v0) % ALIGN or k0 == v0 or (a1 and ((a0 < k0 + lay[5] and k0 < a1)
+                                                      or (a0 < v0 + lay[6] and v0 < a1))):
         return None
     if not (positions.get_device() == slot_mapping.get_device() == cos_sin_cache.get_device() == key_cache.get_device()
             == value_cache.get_device() == dev):

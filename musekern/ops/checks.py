@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_cache import E5M2_REASON, SCALE_PARAMS
+from ..kv_cache import BF16 as KV_BF16
+from ..kv_cache import E5M2_REASON, FP8_E4M3, SCALE_PARAMS
 from ..model import HEAD_DIM as HEAD_COLS
 
 ALIGN = 16  # TMA bases and 16-byte vector loads / stores
@@ -150,6 +151,12 @@ def kv_reason(key_cache, value_cache, num_kv_heads: int) -> str | None:
         return ("key_cache and value_cache are the same memory (one data_ptr): k and v would overwrite each other; "
                 "pass two caches (with torch.compile, view an FP8 cache as float8 outside the compiled region)")
     return None
+
+
+def kv_dtype(key_cache) -> str:
+    """The build dtype (kv_cache.BF16 or FP8_E4M3) of an accepted call's caches: which builds and launch values it
+    takes. (The checked call's fast path tests the dtype it already read instead.)"""
+    return KV_BF16 if key_cache.dtype == torch.bfloat16 else FP8_E4M3
 
 
 def scale_reason(name: str, s) -> str | None:

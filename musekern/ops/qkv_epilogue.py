@@ -164,7 +164,7 @@ def launch_args(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cach
                 v_scale=None) -> dict:
     """The values of every ABI field of the build for these caches by name (kernels/qkv_epilogue/abi.py);
     LoadedKernel.launch packs them."""
-    fp8 = key_cache.dtype != torch.bfloat16
+    fp8 = checks.kv_dtype(key_cache) != KV_BF16
     return dict(zip(_NAMES_FP8 if fp8 else _NAMES, (_fp8_values if fp8 else _all_values)(
         y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, k_scale, v_scale),
         strict=True))
@@ -204,7 +204,7 @@ def launch(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, nu
         return y
     dev = y.get_device()
     dev = dev if dev >= 0 else torch.cuda.current_device()
-    fp8 = key_cache.dtype != torch.bfloat16 if variant is None else variant.kv_cache_dtype != KV_BF16
+    fp8 = (checks.kv_dtype(key_cache) if variant is None else variant.kv_cache_dtype) != KV_BF16
     plans = _RUNS_FP8 if fp8 else _RUNS
     run = plans[(n, m, num_kv_heads, dev)] if variant is None else _launcher(variant, m, n, num_kv_heads, dev)
     run((_fp8_values if fp8 else _all_values)(y, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,

@@ -213,7 +213,7 @@ _fp8_values = binder("qkv_front", _NAMES_FP8, {**_VALUES, **checks.SCALE_VALUES}
 def launch_args(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out, k_scale=None,
                 v_scale=None) -> dict:
     """Every value a qkv_front build for these caches may take, by ABI name: the `args` of LoadedKernel.launch."""
-    fp8 = key_cache.dtype != torch.bfloat16
+    fp8 = checks.kv_dtype(key_cache) != KV_BF16
     return dict(zip(_NAMES_FP8 if fp8 else _NAMES, (_fp8_values if fp8 else _all_values)(
         x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, eps, out, k_scale, v_scale),
         strict=True))
@@ -241,17 +241,12 @@ _RUNS = Plans(_resolve)  # (N, M, num_kv_heads, device) -> the front's launcher,
 _RUNS_FP8 = Plans(lambda n, m, nkv, dev: _resolve(n, m, nkv, dev, FP8_E4M3))  # the same, FP8 caches
 
 
-def _kv(key_cache) -> str:
-    """The build dtype of the caches of an (accepted) call."""
-    return KV_BF16 if key_cache.dtype == torch.bfloat16 else FP8_E4M3
-
-
 def launch_front(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
                  out, k_scale=None, v_scale=None) -> torch.Tensor:
     """No checks: the fused front for this call (its M must be one a front build serves), into `out`."""
     dev = x.get_device()
     dev = dev if dev >= 0 else torch.cuda.current_device()
-    kv = _kv(key_cache)
+    kv = checks.kv_dtype(key_cache)
     run = _front_plan(weight.shape[0], x.shape[0], num_kv_heads, dev, kv)[2]
     run((_all_values if kv == KV_BF16 else _fp8_values)(x, weight, positions, cos_sin_cache, slot_mapping, key_cache,
                                                          value_cache, eps, out, k_scale, v_scale))
@@ -275,7 +270,7 @@ def launch(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_c
         out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     dev = x.get_device()
     key = (n, m, num_kv_heads, dev if dev >= 0 else torch.cuda.current_device())
-    bf16 = key_cache.dtype == torch.bfloat16
+    bf16 = checks.kv_dtype(key_cache) == KV_BF16
     run = (_RUNS if bf16 else _RUNS_FP8)[key]
     if run is _GEMM:
         return launch_gemm_epilogue(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
@@ -306,17 +301,9 @@ def qkv_front(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, valu
 def op_call(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
             k_scale=None, v_scale=None) -> torch.Tensor:
     """`qkv_front` in the custom op's argument order (ops/library.py: the dispatcher passes the scales where
-    `qkv_front` takes `out`), as cheap: the same two steps, no extra call."""
-    y = _fast(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, None,
-              False, k_scale, v_scale)
-    if y is not None:
-        return y
-    reason = _reason(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
+    `qkv_front` takes `out`)."""
+    return qkv_front(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,
                      None, k_scale, v_scale)
-    if reason is not None:
-        checks.raise_for("qkv_front", reason)
-    return launch(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps, None,
-                  k_scale, v_scale)
 
 
 def qkv_front_auto(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads, eps,

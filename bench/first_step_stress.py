@@ -114,8 +114,13 @@ def child(args) -> dict:
             kc, vc = caches()
             self.register_buffer("kc", kc)
             self.register_buffer("vc", vc)
+            if args.engine_layer:  # the weight and the table as an engine holds them: the module's own state
+                self.w = torch.nn.Parameter(W.clone(), requires_grad=False)
+                self.register_buffer("cs", cos_sin.clone())
 
         def forward(self, x, pos, slots):
+            if args.engine_layer:  # inductor kernels right before the op's PDL launch (both exact: x2, +1)
+                return op(x * 2.0, self.w, pos + 1, self.cs, slots, self.kc, self.vc, NKV, 1e-5)
             return op(x, W, pos, cos_sin, slots, self.kc, self.vc, NKV, 1e-5)
 
     trials = []
@@ -139,7 +144,8 @@ def child(args) -> dict:
                    "vc_equal": torch.equal(layer.vc, twin.vc)}
             if not rec["y_equal"]:
                 kc, vc = caches()
-                ref = qkv_front_reference(x, W, pos, cos_sin, slots, kc, vc, NKV, 1e-5).float()
+                xr, pr = (x * 2.0, pos + 1) if args.engine_layer else (x, pos)
+                ref = qkv_front_reference(xr, W, pr, cos_sin, slots, kc, vc, NKV, 1e-5).float()
                 diff = (y.float() - y2.float()).abs()
                 rec.update(max_abs_diff=float(diff.max()), tokens=diff.amax(1).nonzero().flatten().tolist(),
                            heads=diff.view(args.m, -1, D).amax((0, 2)).nonzero().flatten().tolist(),
@@ -163,7 +169,8 @@ def driver(args) -> int:
     from bench.harness.report import git_state
 
     flags = [f for f, on in (("--no-pdl", args.no_pdl), ("--sync-launch", args.sync_launch), ("--cold", args.cold),
-                             ("--twin-first", args.twin_first)) if on]
+                             ("--twin-first", args.twin_first),
+                             ("--engine-layer", args.engine_layer)) if on]
     running, results, started = [], [], time.time()
     seeds = list(range(args.first_seed, args.first_seed + args.procs))
     while seeds or running:
@@ -229,6 +236,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3, help="steps of each compiled module (the first: warm-up)")
     ap.add_argument("--cold", action="store_true", help="no op call before the first trial's first step")
     ap.add_argument("--twin-first", action="store_true", help="the eager twin before the compiled layer in trial 0")
+    ap.add_argument("--engine-layer", action="store_true",
+                    help="the layer holds its weight and cos|sin table, and inductor kernels feed the op's x and "
+                         "positions (x * 2, positions + 1: exact, so the eager twin stays bit-comparable)")
     ap.add_argument("--no-pdl", action="store_true")
     ap.add_argument("--sync-launch", action="store_true")
     ap.add_argument("--fresh-inductor-cache", action="store_true")

@@ -16,6 +16,9 @@ The `musekern` block (top level): `tensor_parallel_sizes`, `max_decode_tokens`, 
 `kv_cache_dtype` (vLLM's: "auto" / "bf16" = a bf16 KV cache, "fp8" / "fp8_e4m3" = e4m3 with per-tensor
 scales; musekern/kv_cache.py). A config that names no TP sizes plans TP 1 and says so in
 `ModelConfig.warnings`; `with_tensor_parallel` applies `--tp`, `with_kv_cache_dtype` `--kv-cache-dtype`.
+
+`quantization_config` (top level, else text_config's) names the checkpoint's weight format (`weight_format`:
+musekern/weights/formats.py; BF16 where there is none); `with_weight_format` applies an override.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from .model import FRONT_MAX_TOKENS
 from .model import HEAD_DIM as QKV_FRONT_HEAD_DIM
 from .model import HIDDEN as QKV_FRONT_HIDDEN
 from .targets import OTHER_DEVICES, TARGETS, supported_targets, unsupported_reason
+from .weights import formats as weight_formats
 
 DEFAULT_CONFIG_NAME = "muse_spark.json"
 
@@ -80,6 +84,7 @@ class ModelConfig:
     tp_source: str = "config"  # where tensor_parallel_sizes came from: "config", "--tp", or "default"
     key_warnings: tuple[str, ...] = ()  # head-like keys the config has and musekern does not read
     kv_cache_dtype: str = kv_cache.BF16  # the KV cache the builds write (kv_cache.KV_CACHE_DTYPES)
+    weight_format: weight_formats.WeightFormat = weight_formats.BF16  # how the checkpoint stores q|k|v|gate
 
     def shard(self, tp: int) -> ShardShape:
         nq = self.num_attention_heads // tp
@@ -325,12 +330,13 @@ def parse_config(data, source: str = "<config>") -> ModelConfig:
             raise ConfigError(src, "musekern.targets",
                               f"unknown target {_show(t)}; supported targets: {supported_targets()}")
     kv = _kv_cache_dtype(src, "musekern.kv_cache_dtype", m["kv_cache_dtype"])
+    wf = _weight_format(src, data, fields, prefix)
     return ModelConfig(
         source=src, hidden_size=vals["hidden_size"], num_attention_heads=nq, num_key_value_heads=nkv, head_dim=hd,
         attn_output_gate=gate, rms_norm_eps=eps, rope_theta=theta,
         max_position_embeddings=vals["max_position_embeddings"], tensor_parallel_sizes=tps,
         max_decode_tokens=mdt, targets=tuple(t.strip().lower() for t in targets), dtype=SERVING_DTYPE,
-        checkpoint_dtype=ckpt_dtype, tp_source=tp_source, kv_cache_dtype=kv,
+        checkpoint_dtype=ckpt_dtype, tp_source=tp_source, kv_cache_dtype=kv, weight_format=wf,
         key_warnings=_key_warnings(src, _unread_keys(data, fields, prefix)))
 
 
@@ -339,6 +345,21 @@ def _kv_cache_dtype(src: str, key: str, value) -> str:
         return kv_cache.resolve(value)
     except ValueError as e:
         raise ConfigError(src, key, str(e)) from None
+
+
+def _weight_format(src: str, data: dict, fields: dict, prefix: str) -> weight_formats.WeightFormat:
+    """The `quantization_config` at the top level, else in text_config (two that differ are an error), parsed by
+    weights/formats.py; its UnsupportedWeightFormat becomes a ConfigError naming the same key."""
+    top, nested = data.get("quantization_config"), fields.get("quantization_config") if prefix else None
+    if top is not None and nested is not None and top != nested:
+        raise ConfigError(src, prefix + "quantization_config", "differs from the top-level quantization_config: "
+                                                               "remove one or make them agree")
+    qc, pre = (top, "") if top is not None else (nested, prefix)
+    layers = fields.get("num_hidden_layers")
+    try:
+        return weight_formats.parse_quantization_config(qc, src, num_layers=layers if _is_int(layers) else None)
+    except weight_formats.UnsupportedWeightFormat as e:
+        raise ConfigError(src, pre + e.key if e.key else None, e.reason) from None
 
 
 def _checkpoint_dtype(src: str, data: dict, fields: dict, prefix: str) -> str:
@@ -367,6 +388,13 @@ def with_kv_cache_dtype(model: ModelConfig, value: str) -> ModelConfig:
     """`model` planned for this KV cache dtype (the CLI's --kv-cache-dtype: auto, bf16, fp8, fp8_e4m3; ValueError
     with the reason otherwise)."""
     return replace(model, kv_cache_dtype=kv_cache.resolve(value))
+
+
+def with_weight_format(model: ModelConfig, value: str) -> ModelConfig:
+    """`model` with this weight format instead of its config's (an override: weights.formats.OVERRIDE_CHOICES;
+    "auto" keeps the config's; ValueError with the choices otherwise)."""
+    wf = weight_formats.parse_override(value)
+    return model if wf is None else replace(model, weight_format=wf)
 
 
 MAX_CONFIG_BYTES = 1 << 20  # a published config.json is 1-20 KB; the largest label maps stay under 1 MiB

@@ -387,3 +387,73 @@ def test_fp8_plan_is_the_bf16_plan_with_the_cache_dtype():
     want = {v if v.kernel == "qk_norm" else replace(v, kv_cache_dtype="fp8_e4m3") for v in bf16}
     assert set(fp8) == want and len(fp8) == len(bf16)
     assert all("kv_cache_dtype=fp8_e4m3" in v.label for v in fp8 if v.kernel != "qk_norm")
+
+
+# The checkpoint's weight format (issue 30) from quantization_config, at the top level or in text_config (as
+# multimodal FP8 releases save it); bf16 configs are unchanged (BF16, the same plan).
+DS_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+
+
+@pytest.mark.parametrize("where", ["top", "text_config", "both"])
+def test_weight_format_from_quantization_config(where):
+    from musekern.weights.formats import BF16
+
+    assert load_config().weight_format == BF16 and parse_config(BASE).weight_format == BF16
+    data = json.loads(json.dumps(BASE))
+    if where != "top":
+        data["text_config"] = {k: data.pop(k) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                                        "head_dim", "attn_output_gate")}
+        data["text_config"]["quantization_config"] = DS_FP8
+    if where != "text_config":
+        data["quantization_config"] = DS_FP8
+    f = parse_config(data).weight_format
+    assert (f.dtype, f.granularity, f.block, f.source) == ("fp8_e4m3", "block", (128, 128), "fp8 (block 128x128)")
+
+
+@pytest.mark.parametrize("patch,key,reason", [
+    ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quantization_config.quant_method",
+     "'awq' is not read; supported: bf16"),
+    ({"quantization_config": {**DS_FP8, "weight_block_size": [64, 64]}}, "quantization_config.weight_block_size",
+     "only [128, 128]"),
+    ({"text_config": {**BASE, "quantization_config": {**DS_FP8, "fmt": "e5m2"}}}, "text_config.quantization_config.fmt",
+     "only e4m3"),
+    ({"quantization_config": DS_FP8, "text_config": {**BASE, "quantization_config": {"quant_method": "fbgemm_fp8"}}},
+     "text_config.quantization_config", "differs from the top-level"),
+    ({"num_hidden_layers": 4,
+      "quantization_config": {**DS_FP8, "modules_to_not_convert": ["model.layers.2.self_attn"]}},
+     "quantization_config.modules_to_not_convert", "mixes bf16 and fp8 layers"),
+])
+def test_weight_format_refused_names_file_key_reason(tmp_path, patch, key, reason):
+    p = write(tmp_path, {**BASE, **patch})
+    with pytest.raises(ConfigError) as ei:
+        load_config(p)
+    e = ei.value
+    assert e.source == str(p) and e.key == key and reason in e.reason and "\n" not in str(e), str(e)
+
+
+def test_weight_format_attention_kept_bf16_reads_num_hidden_layers():
+    from musekern.weights.formats import BF16
+
+    skip = [f"model.layers.{i}.self_attn.{p}_proj" for i in range(4) for p in "qkvo"]
+    data = {**BASE, "num_hidden_layers": 4, "quantization_config": {"quant_method": "fbgemm_fp8",
+                                                                    "modules_to_not_convert": skip}}
+    f = parse_config(data).weight_format
+    assert f == BF16 and "modules_to_not_convert" in f.note
+
+
+def test_with_weight_format_overrides_and_the_bf16_plan_is_unchanged():
+    from musekern.config import with_weight_format
+    from musekern.weights.formats import BF16
+
+    model = load_config()
+    assert with_weight_format(model, "auto") is model and with_weight_format(model, "bf16").weight_format == BF16
+    fp8 = with_weight_format(model, "fp8-channel")
+    assert (fp8.weight_format.dtype, fp8.weight_format.granularity) == ("fp8_e4m3", "channel")
+    qc = parse_config({**BASE, "quantization_config": DS_FP8})
+    assert with_weight_format(qc, "auto").weight_format.granularity == "block"
+    assert with_weight_format(qc, "bf16").weight_format == BF16
+    with pytest.raises(ValueError, match="choose one of auto, bf16, fp8-block"):
+        with_weight_format(model, "int4")
+    h200 = [get_target("h200")]  # a bf16 front plans what it planned before the field existed
+    assert [e.variant for e in plan_model(model, h200)] == [e.variant for e in plan_model(
+        with_weight_format(qc, "bf16"), h200)]

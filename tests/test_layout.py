@@ -113,8 +113,11 @@ def test_no_import_circle_inside_ops():
     # the kernels: their ABI record format and their key's label spelling are the store's
     ("kernels", {"store"} | LEAVES),
     ("plan", {"kernels", "config", "store"} | LEAVES),
-    # a --model file is read through the store's bounded, typed reader (store/fs.read_regular, manifest.parse_json)
-    ("config", {"store"} | LEAVES),
+    # a --model file is read through the store's bounded, typed reader (store/fs.read_regular, manifest.parse_json);
+    # its quantization_config by weights/formats.py
+    ("config", {"store", "weights"} | LEAVES),
+    # the FP8 weight formats and the packer (issue 30): pure, on the leaves only (the shape constants, E4M3_MAX)
+    ("weights", LEAVES),
 ])
 def test_each_part_imports_only_what_it_stands_on(part, allowed):
     got = _graph().get(part, set())
@@ -162,3 +165,13 @@ def test_every_kernel_is_one_registered_folder():
 def test_no_package_folder_is_named_build():
     """Python's usual .gitignore pattern `build/` and tools that treat build/ as output would skip it."""
     assert not any(p.name == "build" for p in PKG.rglob("*") if p.is_dir())
+
+
+def test_the_weight_formats_import_no_torch():
+    """config.py reads the weight format on every command (no torch there); only weights/pack.py handles tensors."""
+    for f in (PKG / "weights").glob("*.py"):
+        mods = {a.name.split(".")[0] for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.Import)
+                for a in n.names} | {n.module.split(".")[0] for n in ast.walk(ast.parse(f.read_text()))
+                                     if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+        assert "torch" not in mods or f.name == "pack.py", f.name
+        assert not mods & {"cutlass", "cuda"}, f.name

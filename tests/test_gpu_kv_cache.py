@@ -167,6 +167,38 @@ def test_fp8_epilogue_every_build(weights, v, tp, m):
     run_both(weights[tp], s.num_kv_heads, x, pos, cs, slots, nb, bs, "flashinfer", torch.uint8, "tensor1", call)
 
 
+# The stores' division (kernels/qkv_front/fp8.py: one reciprocal a thread, then a clamp and two FMAs a value) against
+# the true division, on the hardware: the v head of a TP8 call carries y's raw values, so 1024 rows hold all 65536
+# bf16 bit patterns (NaNs, infinities, subnormals, -0 included), stored with scales across the whole positive fp32
+# range (both sides of the 2^-64 / 2^64 rescaling bounds, a subnormal, the largest float), as floats and as a tensor.
+# A NaN's byte is compared as a NaN (vLLM's cvt stores 0x7F whatever its sign; torch's cast keeps the sign).
+@pytest.mark.parametrize("scale", [0.0371, 1.0, 2.0 ** -64, 2.0 ** 64, 2.0 ** -70, 2.0 ** 70, 3e-42, 1e-30, 1e30,
+                                   3.4e38, "tensor:2**-70"])
+def test_fp8_every_bf16_value_at_every_scale_range(scale):
+    s = SHARDS[8]
+    nq = (s.n // D - 2 * s.num_kv_heads) // 2
+    m, v0 = 1024, (nq + s.num_kv_heads) * D  # 1024 rows x 64 v columns = every bf16 pattern once
+    g = torch.Generator(device="cuda").manual_seed(5)
+    y = torch.randn(m, s.n, device="cuda", generator=g).to(torch.bfloat16)
+    pats = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(m, D)
+    y[:, v0:v0 + D] = pats.to("cuda")
+    sf = 2.0 ** -70 if scale == "tensor:2**-70" else scale
+    arg = torch.tensor(sf, device="cuda") if isinstance(scale, str) else sf
+    pos = torch.randint(0, 4096, (m,), device="cuda", generator=g)
+    slots = torch.randperm(m, device="cuda", generator=g)
+    k8, v8, _ = paged_caches(m // 16, 16, 1, "vllm", device="cuda", dtype=torch.uint8)
+    epi_ops.qkv_epilogue(y, pos, rope_cos_sin_table(4096, 1e6, "cuda"), slots, k8, v8, 1, EPS, k_scale=1.0,
+                         v_scale=arg)
+    got = v8.reshape(m, D).cpu()[slots.cpu()]  # row t of the call sits at slot slots[t]
+    want = e4m3_rows(pats, sf).view(torch.uint8)
+    nan = pats.float().isnan()
+    assert bool(((got[nan] & 0x7F) == 0x7F).all()), "a NaN was not stored as an e4m3 NaN"
+    bad = ((got != want) & ~nan).nonzero()
+    assert bad.numel() == 0, (f"scale {sf!r}: {bad.shape[0]} bytes differ, first at value "
+                              f"{float(pats[tuple(bad[0])])!r}: got {int(got[tuple(bad[0])]):#x}, "
+                              f"want {int(want[tuple(bad[0])]):#x}")
+
+
 # A CUDA graph captured once reads the scale tensors' values at every replay: the scales change between replays (as
 # calc_kv_scales sets them once), the caches are re-poisoned, and the bytes follow the new scales. Fused front (M = 8,
 # 16) and GEMM + epilogue (M = 100).

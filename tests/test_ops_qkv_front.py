@@ -532,6 +532,8 @@ REJECT_FP8 = {
     "v_scale negative": (dict(v_scale=-0.5), "v_scale must be a finite float > 0"),
     "v_scale inf": (dict(v_scale=float("inf")), "v_scale must be a finite float > 0"),
     "k_scale nan": (dict(k_scale=float("nan")), "k_scale must be a finite float > 0"),
+    "k_scale below float32": (dict(k_scale=1e-46), "k_scale must be a float32 scale"),  # 0 as a float32
+    "v_scale above float32": (dict(v_scale=1e39), "v_scale must be a float32 scale"),  # inf as a float32
 }
 
 

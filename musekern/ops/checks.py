@@ -18,6 +18,7 @@ VEC = 8  # bf16 elements per 16 bytes: the caches' block strides are multiples o
 INT32_MAX = 2**31 - 1
 # the fast paths' dtype and eps tests, as module constants (a global read each, no attribute lookup on torch)
 BF16, I64, F32, INF = torch.bfloat16, torch.int64, torch.float32, float("inf")
+F32_TINY, F32_MAX = 2.0 ** -149, 3.4028234663852886e38  # the positive float32 range a float scale must lie in
 # An FP8 KV cache (kv_cache.FP8_E4M3): float8_e4m3fn, or uint8 holding e4m3 bytes (how vLLM allocates FP8 caches)
 FP8_CACHES = (torch.float8_e4m3fn, torch.uint8)
 CACHE_DTYPES = (BF16, *FP8_CACHES)
@@ -174,6 +175,8 @@ def scale_reason(name: str, s) -> str | None:
         return f"{name} must be a float or a one-element float32 tensor, got {type(s).__name__}"
     if not 0 < s < INF:
         return f"{name} must be a finite float > 0, got {s!r}"
+    if not F32_TINY <= s <= F32_MAX:
+        return f"{name} must be a float32 scale ({F32_TINY!r} .. {F32_MAX!r}: the kernels' scale type), got {s!r}"
     return None
 
 
@@ -195,7 +198,7 @@ def fast_scales(k_scale, v_scale, dev: int) -> tuple | None:
         if s is None:
             out += (0, 1.0)
         elif type(s) is float:
-            if not 0.0 < s < INF:
+            if not F32_TINY <= s <= F32_MAX:
                 return None
             out += (0, s)
         elif s.dtype is F32 and s.numel() == 1 and s.get_device() == dev:

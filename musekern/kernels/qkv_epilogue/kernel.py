@@ -56,6 +56,7 @@ from ...store.keys import variant_tag
 from ..qkv_front import fp8 as _fp8
 from .variant import (
     EPI_BLOCK,
+    EPI_CTAS_PER_SM,
     EPI_HEAD_DIM,
     EPI_LANES,
     EPI_VEC_ELEMS,
@@ -129,7 +130,9 @@ class QkvEpilogueKernel:
                 k_block_stride, v_block_stride, eps)
         if cutlass.const_expr(self.fp8):
             self.kernel_fp8(*args, *scales).launch(grid=[grid_x, 1, 1], block=[EPI_BLOCK, 1, 1], smem=0,
-                                                   stream=stream, use_pdl=True)
+                                                   stream=stream, use_pdl=True, max_number_threads=[EPI_BLOCK, 1, 1],
+                                                   min_blocks_per_mp=EPI_CTAS_PER_SM[(self.vpt, self.v.rounds)],
+                                                   preferred_smem_carveout=0)
         else:
             self.kernel(*args).launch(grid=[grid_x, 1, 1], block=[EPI_BLOCK, 1, 1], smem=0, stream=stream,
                                       use_pdl=True)
@@ -159,9 +162,6 @@ class QkvEpilogueKernel:
         bidx = cute.arch.block_idx()[0]
         cute.arch.griddepcontrol_wait()  # before any global read: y is the previous grid's output
         cute.arch.griddepcontrol_launch_dependents()
-        kv_scales = None
-        if cutlass.const_expr(self.fp8):  # (k_scale, v_scale): read once per thread
-            kv_scales = (_fp8.kv_scale(scales[0], scales[1]), _fp8.kv_scale(scales[2], scales[3]))
 
         heads = nq + 2 * nkv  # q, k, v heads of a row (the gate heads are never touched)
         row_units = (heads + (self.vpt - 1)) // self.vpt * EPI_LANES  # units per row
@@ -189,9 +189,12 @@ class QkvEpilogueKernel:
         t = _Tensors(mY, mCS, mPos, mSlot, mK, mV, y_copy, cs_copy)
         for k in cutlass.range_constexpr(1, self.v.rounds):
             self._prefetch(t, w + k * stride, total, row_units, heads)
+        kv = None  # an FP8 build: (k_scale, v_scale), read once per thread (predicated loads: nothing waits on them)
+        if cutlass.const_expr(self.fp8):
+            kv = (_fp8.kv_scale(scales[0], scales[1]), _fp8.kv_scale(scales[2], scales[3]))
         for k in cutlass.range_constexpr(self.v.rounds):
             unit = self._load(t, w + k * stride, total, row_units, heads)
-            self._finish(t, unit, heads, nq, nkv, max_pos, block_size, num_blocks, eps, kv_scales)
+            self._finish(t, unit, heads, nq, nkv, max_pos, block_size, num_blocks, eps, kv)
 
     @cute.jit
     def _coords(self, w, total, row_units):
@@ -229,7 +232,7 @@ class QkvEpilogueKernel:
         return _Unit(live, r, j, h0, pos, slot, frags)
 
     @cute.jit
-    def _finish(self, t, unit, heads, nq, nkv, max_pos, block_size, num_blocks, eps, kv_scales):
+    def _finish(self, t, unit, heads, nq, nkv, max_pos, block_size, num_blocks, eps, kv):
         """The unit's cos|sin loads (lane j's four pairs from the clamped position's row, shared by its heads),
         then per head 1 / rms, RoPE and the 16-byte stores (y for q, k heads; the caches for a valid slot: 8 bytes
         of e4m3 in an FP8 build)."""
@@ -254,14 +257,16 @@ class QkvEpilogueKernel:
             if cached and h >= nq:
                 if h < nq + nkv:
                     if cutlass.const_expr(self.fp8):
+                        # the divisor at each store (a reciprocal, a few instructions): held from the top, its
+                        # four values a scale cost the builds a CTA an SM
                         _fp8.store_octet(t.k[blk, slot_vec0 + (h - nq) * EPI_LANES, None].iterator.toint(), o,
-                                         kv_scales[0])
+                                         _fp8.divisor(kv[0]))
                     else:
                         cute.copy(t.y_copy, o, t.k[blk, slot_vec0 + (h - nq) * EPI_LANES, None])
                 elif h < heads:
                     if cutlass.const_expr(self.fp8):
                         _fp8.store_octet(t.v[blk, slot_vec0 + (h - nq - nkv) * EPI_LANES, None].iterator.toint(),
-                                         frags[u], kv_scales[1])
+                                         frags[u], _fp8.divisor(kv[1]))
                     else:
                         cute.copy(t.y_copy, frags[u], t.v[blk, slot_vec0 + (h - nq - nkv) * EPI_LANES, None])
 

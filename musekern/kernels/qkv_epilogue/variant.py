@@ -27,7 +27,7 @@ from ..base import VariantMixin
 EPI_HEAD_DIM = HEAD_DIM  # columns per head (Muse Spark); 32 RoPE pairs
 EPI_VEC_ELEMS = 8  # bf16 elements per 16-byte vector: 4 RoPE pairs
 EPI_LANES = EPI_HEAD_DIM // EPI_VEC_ELEMS  # lanes (vectors) per head
-EPI_BLOCK = 256  # threads per CTA (compiled with .reqntid)
+EPI_BLOCK = 256  # threads per CTA (compiled with .reqntid; an FP8 build with .maxntid and .minnctapersm)
 # Vectors (heads) per thread: all its y loads are issued before any is used, so a thread has 16 B x vpt of y in
 # flight; the cos|sin, position and slot loads are shared by its heads.
 EPI_VPT_CHOICES = (1, 2, 4, 8)
@@ -41,11 +41,10 @@ EPI_ROUNDS_CHOICES = (1, 2)  # 4 rounds of two vectors measured slower than 2 ev
 # so with one round an SM has 32 / 40 / 48 / 64 KiB of y loads in flight (2048 / 1280 / 768 / 512 threads x 16 B x
 # vecs_per_thread).
 EPI_CTAS_PER_SM = {(1, 1): 8, (2, 1): 5, (4, 1): 3, (8, 1): 2, (1, 2): 5, (2, 2): 4, (4, 2): 2, (8, 2): 1}
-# The FP8-cache builds (kv_cache_dtype "fp8_e4m3"): ptxas gives them 32 / 59 / 79 / 127 registers with one round, 40 /
-# 64 / 101 / 127 with two, so (2, 1), the rule's build from 128 * EPI_BLOCK vectors up to EPI_ROUNDS_VECTORS, holds
-# 4 CTAs (32 KiB of y loads in flight an SM, bf16: 40) and (1, 2) / (8, 2) one more than bf16; 50 registers even
-# with the divisions' reciprocal hoisted, so the true division (vLLM's bytes) stays. Its speed: the lead's H200 run.
-EPI_CTAS_PER_SM_FP8 = {**EPI_CTAS_PER_SM, (2, 1): 4, (1, 2): 6, (8, 2): 2}
+# The FP8-cache builds (kv_cache_dtype "fp8_e4m3") are compiled with .minnctapersm of the same count (ptxas left
+# alone gives (2, 1) 57 registers and (2, 2) 69: 4 and 3 CTAs an SM, and with PDL two launches of 288 CTAs, TP8 M =
+# 1024, no longer fit the GPU together); bounded, they take the bf16 builds' 32 / 48 / 77 / 122 and 48 / 64 / 111 /
+# 164 registers with no local memory (tests/test_kernels_qkv_epilogue.py)
 # The rule (measured, bench/NOTES.md "qkv_epilogue"), by the 16-byte vectors of the input (M * H * 8):
 #   <= EPI_SMALL_VECTORS: one vector, one round: as fast as any on small inputs and up to 0.16 us faster on some
 #   (TP4 M <= 64), where a call costs 1.2-1.3 us;
@@ -89,8 +88,7 @@ class QkvEpilogueVariant(VariantMixin):
     @property
     def ctas_per_sm(self) -> int:
         """CTAs of this build one SM holds (register bound)."""
-        table = EPI_CTAS_PER_SM if self.kv_cache_dtype == BF16 else EPI_CTAS_PER_SM_FP8
-        return table[(self.vecs_per_thread, self.rounds)]
+        return EPI_CTAS_PER_SM[(self.vecs_per_thread, self.rounds)]
 
 
 def all_builds(kv_cache_dtype: str = BF16) -> tuple[QkvEpilogueVariant, ...]:

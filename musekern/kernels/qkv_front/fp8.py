@@ -7,6 +7,17 @@ the DSL emits for `/` on Float32; tests/test_kernels_qkv_*.py check the PTX for 
 bytes (musekern/kv_cache.py, musekern.reference.e4m3_rows). The stores are half the bf16 path's width: 2 bytes for a
 lane's RoPE pair, 8 for a lane's 16-byte bf16 vector.
 
+The division without the division: `div.rn.f32` is a branchy sequence ptxas cannot interleave (a k/v lane's eight
+in a row measured the FP8 epilogue 1.1-1.7x the bf16 one's time, bench/kv_fp8_bench.py --sweep). A thread instead
+takes once (`divisor`) p = 2^-64 where scale > 2^64, 2^100 where scale < 2^-64, else 1 (powers of two: exact), s' =
+scale * p, r = 1 / s' (`reciprocal`: rcp.rn's fast path) and b = 512 s'; each value x is then x' = x * p clamped to +-b (NaN kept:
+`min.NaN`; any |x / scale| >= 448 saturates anyway), q = x' r, q' = fma(fma(-q, s', x'), r, q) (Markstein's
+correction: the correctly rounded quotient when r is, with no over- or underflow) with x's sign (a zero's). Its e4m3
+byte is x / scale's for every bf16 x and every positive finite scale: bench/probes/fp8_division.c checks all 65536
+bf16 values against each of 40000 scales (every exponent from -149 to 127 with the mantissas 1, 1.5, 1.11..1, and
+random ones): 0 mismatches (tests/test_kernels_qkv_front.py runs it with fewer scales where a C compiler is).
+A device scale that is not positive and finite stores unspecified bytes (vLLM's division would store its own).
+
 Scales reach a build as two launch values each (musekern/kv_cache.py SCALE_PARAMS): a pointer (0 when the call gave
 a float or nothing) and a value; `kv_scale` reads the pointer's float on the device when it is not 0 (after
 griddepcontrol.wait, like every input: a CUDA graph replay reads the scale's value then).
@@ -34,13 +45,16 @@ def cache_ptr(addr: int):
     return make_ptr(CACHE_DTYPE, addr, cute.AddressSpace.gmem, assumed_align=16)
 
 
-@cute.jit
-def kv_scale(ptr: cute.Pointer, value: Float32) -> Float32:
-    """The scale: *ptr where ptr is not 0, else `value`."""
-    s = value
-    if ptr.toint() != Int64(0):
-        s = cute.make_tensor(ptr, cute.make_layout(1))[0]
-    return s
+@dsl_user_op
+def kv_scale(ptr: cute.Pointer, value: Float32, *, loc=None, ip=None) -> Float32:
+    """The scale: *ptr where ptr is not 0, else `value`. One predicated load, no branch (a branch around it kept the
+    loads after it waiting: the second scale's load issued only once the first had arrived); a side effect, so it
+    stays where it is put (after griddepcontrol.wait: a graph replay reads the scale's value then)."""
+    args = [ptr.toint().ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)]
+    r = llvm.inline_asm(Float32.mlir_type, args,
+                        "{\n.reg .pred p;\nsetp.ne.u64 p, $1, 0;\nmov.b32 $0, $2;\n@p ld.global.f32 $0, [$1];\n}",
+                        "=f,l,f", has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return Float32(r)
 
 
 @dsl_user_op
@@ -80,16 +94,58 @@ def store_b64(addr: Int64, lo: Int32, hi: Int32, *, loc=None, ip=None):
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
-@cute.jit
-def store_pair(addr: Int64, a: Float32, b: Float32, scale: Float32):
-    """A lane's RoPE pair (bf16 values as float) to the cache: 2 bytes."""
-    store_b16(addr, e4m3x2(a / scale, b / scale))
+BIG, SMALL = 2.0 ** 64, 2.0 ** -64  # scales above / below are brought in range by p (see the top)
+CLAMP = 512.0  # x * p is clamped to +-CLAMP * s': |quotient| <= 512, never an overflow; any >= 448 saturates
 
 
 @cute.jit
-def store_octet(addr: Int64, v, scale: Float32):
-    """A lane's 8 values (a bf16 register tensor) to the cache: 8 bytes."""
+def divisor(scale: Float32):
+    """(s', 1 / s', p) of a scale: what a thread's cache stores divide by (see the top)."""
+    p = Float32(1.0)
+    if scale > Float32(BIG):
+        p = Float32(1.0 / BIG)
+    if scale < Float32(SMALL):
+        p = Float32(2.0 ** 100)
+    s = scale * p
+    return (s, reciprocal(s), p)
+
+
+@dsl_user_op
+def reciprocal(s: Float32, *, loc=None, ip=None) -> Float32:
+    """1 / s correctly rounded for s in [2^-64, 2^64]: rcp.rn.f32's own fast path (MUFU.RCP, then one FMA
+    correction), which ptxas takes for every s whose exponent is far from both ends; without its slow-path branch
+    and call (a call site pins registers: the FP8 epilogue builds held fewer CTAs an SM)."""
+    r = llvm.inline_asm(Float32.mlir_type, [Float32(s).ir_value(loc=loc, ip=ip)],
+                        "{\n.reg .f32 r, e;\nrcp.approx.ftz.f32 r, $1;\nfma.rn.f32 e, $1, r, 0fBF800000;\n"
+                        "neg.f32 e, e;\nfma.rn.f32 $0, r, e, r;\n}",
+                        "=f,f", has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return Float32(r)
+
+
+@dsl_user_op
+def quotient(x: Float32, d: tuple, *, loc=None, ip=None) -> Float32:
+    """x / scale, correctly rounded where it matters to e4m3 (`d`: the scale's `divisor`; see the top). The clamp
+    bound CLAMP * s' is formed here (two instructions) rather than held: registers are what the builds lack."""
+    s, r, p = (Float32(v).ir_value(loc=loc, ip=ip) for v in d)
+    q = llvm.inline_asm(Float32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip), r, s, p],
+                        "{\n.reg .f32 xc, q, nq, e, b, nb;\nmul.rn.f32 b, $3, 0f44000000;\nneg.f32 nb, b;\n"
+                        "mul.rn.f32 xc, $1, $4;\nmin.NaN.f32 xc, xc, b;\nmax.NaN.f32 xc, xc, nb;\n"
+                        "mul.rn.f32 q, xc, $2;\nneg.f32 nq, q;\nfma.rn.f32 e, nq, $3, xc;\n"
+                        "fma.rn.f32 q, e, $2, q;\ncopysign.f32 $0, xc, q;\n}",
+                        "=f,f,f,f,f", has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return Float32(q)
+
+
+@cute.jit
+def store_pair(addr: Int64, a: Float32, b: Float32, d):
+    """A lane's RoPE pair (bf16 values as float) to the cache: 2 bytes (`d`: the thread's `divisor`)."""
+    store_b16(addr, e4m3x2(quotient(a, d), quotient(b, d)))
+
+
+@cute.jit
+def store_octet(addr: Int64, v, d):
+    """A lane's 8 values (a bf16 register tensor) to the cache: 8 bytes (`d`: the thread's `divisor`)."""
     f = []
     for i in cutlass.range_constexpr(8):
-        f.append(Float32(v[i]) / scale)
+        f.append(quotient(Float32(v[i]), d))
     store_b64(addr, e4m3x4(f[0], f[1], f[2], f[3]), e4m3x4(f[4], f[5], f[6], f[7]))

@@ -408,6 +408,7 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
                 kv_scale = _fp8.kv_scale(scales[0], scales[1])
             if is_v:
                 kv_scale = _fp8.kv_scale(scales[2], scales[3])
+            kv_scale = _fp8.divisor(kv_scale)  # (scale, 1 / scale, ...): once a thread
         if cutlass.const_expr(self.v.warp_split == "wg" and self.owned >= OCTET_MIN_OWNED):
             # eight lanes a token, 16-byte vectors, where every warp takes a group of four tokens
             # (kernels/qkv_front/octets.py)

@@ -109,7 +109,8 @@ def front_pair(tp: int, n: int, nkv: int, eps: float, theta: float, m: int, weig
 
 def epilogue_pair(tp: int, n: int, nkv: int, eps: float, theta: float, m: int, samples: int, sweep: bool) -> dict:
     """The rule's build of each cache dtype (`epi_bf16`, `epi_fp8`); with `sweep` also every build of both
-    (`bf16_<vpt>x<rounds>`, `fp8_...`) and the FP8 rule's build with float scales (`fp8_float_scales`)."""
+    (`bf16_<vpt>x<rounds>`, `fp8_...`) and the FP8 rule's build with float scales (`fp8_float_scales`) and with scales
+    of 1.0 (`fp8_unit_scales`: vLLM's default, a power of two: no quotient, kernels/qkv_front/fp8.py)."""
     g = torch.Generator(device="cuda").manual_seed(7 * m + tp)
     cos_sin = rope_cos_sin_table(MAX_POS, theta, "cuda")
     pos = torch.randint(0, MAX_POS, (m,), device="cuda", generator=g)
@@ -139,6 +140,7 @@ def epilogue_pair(tp: int, n: int, nkv: int, eps: float, theta: float, m: int, s
                 graph(f"{kind}_{b.vecs_per_thread}x{b.rounds}", _scales(fp8), kc, vc, slots, b)
             if fp8:
                 graph("fp8_float_scales", {"k_scale": 0.0125, "v_scale": 0.02}, kc, vc, slots)
+                graph("fp8_unit_scales", {"k_scale": 1.0, "v_scale": 1.0}, kc, vc, slots)  # fp8.py's power-of-two path
     t = time_graphs(graphs, samples)
     row["us"] = {k: round(v["us"], 4) for k, v in t.items()}
     row["fp8_over_bf16"] = round(row["us"]["epi_fp8"] / row["us"]["epi_bf16"], 4)

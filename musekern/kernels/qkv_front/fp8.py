@@ -16,6 +16,8 @@ correction: the correctly rounded quotient when r is, with no over- or underflow
 byte is x / scale's for every bf16 x and every positive finite scale: bench/probes/fp8_division.c checks all 65536
 bf16 values against each of 40000 scales (every exponent from -149 to 127 with the mantissas 1, 1.5, 1.11..1, and
 random ones): 0 mismatches (tests/test_kernels_qkv_front.py runs it with fewer scales where a C compiler is).
+A power-of-two scale (1.0, vLLM's default, or ue8m0 ones) takes x * p * r instead: both products exact but for an
+over- or underflow, where the byte saturates or is +-0 either way (the probe checks this path too).
 A device scale that is not positive and finite stores unspecified bytes (vLLM's division would store its own).
 
 Scales reach a build as two launch values each (musekern/kv_cache.py SCALE_PARAMS): a pointer (0 when the call gave
@@ -107,7 +109,17 @@ def divisor(scale: Float32):
     if scale < Float32(SMALL):
         p = Float32(2.0 ** 100)
     s = scale * p
-    return (s, reciprocal(s), p)
+    return (s, reciprocal(s), p, power_of_two(s))
+
+
+@dsl_user_op
+def power_of_two(s: Float32, *, loc=None, ip=None) -> Int32:
+    """1 where the normal float s is a power of two (a zero mantissa), else 0."""
+    r = llvm.inline_asm(Int32.mlir_type, [Float32(s).ir_value(loc=loc, ip=ip)],
+                        "{\n.reg .b32 b;\n.reg .pred z;\nmov.b32 b, $1;\nand.b32 b, b, 0x7FFFFF;\n"
+                        "setp.eq.u32 z, b, 0;\nselp.u32 $0, 1, 0, z;\n}",
+                        "=r,f", has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return Int32(r)
 
 
 @dsl_user_op
@@ -126,7 +138,7 @@ def reciprocal(s: Float32, *, loc=None, ip=None) -> Float32:
 def quotient(x: Float32, d: tuple, *, loc=None, ip=None) -> Float32:
     """x / scale, correctly rounded where it matters to e4m3 (`d`: the scale's `divisor`; see the top). The clamp
     bound CLAMP * s' is formed here (two instructions) rather than held: registers are what the builds lack."""
-    s, r, p = (Float32(v).ir_value(loc=loc, ip=ip) for v in d)
+    s, r, p = (Float32(v).ir_value(loc=loc, ip=ip) for v in d[:3])
     q = llvm.inline_asm(Float32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip), r, s, p],
                         "{\n.reg .f32 xc, q, nq, e, b, nb;\nmul.rn.f32 b, $3, 0f44000000;\nneg.f32 nb, b;\n"
                         "mul.rn.f32 xc, $1, $4;\nmin.NaN.f32 xc, xc, b;\nmax.NaN.f32 xc, xc, nb;\n"
@@ -139,13 +151,18 @@ def quotient(x: Float32, d: tuple, *, loc=None, ip=None) -> Float32:
 @cute.jit
 def store_pair(addr: Int64, a: Float32, b: Float32, d):
     """A lane's RoPE pair (bf16 values as float) to the cache: 2 bytes (`d`: the thread's `divisor`)."""
-    store_b16(addr, e4m3x2(quotient(a, d), quotient(b, d)))
+    if d[3] != Int32(0):  # a power-of-two scale (1.0, vLLM's default): x * p * r is the quotient
+        store_b16(addr, e4m3x2(a * d[2] * d[1], b * d[2] * d[1]))
+    else:
+        store_b16(addr, e4m3x2(quotient(a, d), quotient(b, d)))
 
 
 @cute.jit
 def store_octet(addr: Int64, v, d):
     """A lane's 8 values (a bf16 register tensor) to the cache: 8 bytes (`d`: the thread's `divisor`)."""
-    f = []
-    for i in cutlass.range_constexpr(8):
-        f.append(quotient(Float32(v[i]), d))
-    store_b64(addr, e4m3x4(f[0], f[1], f[2], f[3]), e4m3x4(f[4], f[5], f[6], f[7]))
+    if d[3] != Int32(0):  # a power-of-two scale (1.0, vLLM's default): x * p * r is the quotient
+        g = [Float32(v[i]) * d[2] * d[1] for i in range(8)]
+        store_b64(addr, e4m3x4(g[0], g[1], g[2], g[3]), e4m3x4(g[4], g[5], g[6], g[7]))
+    else:
+        f = [quotient(Float32(v[i]), d) for i in range(8)]
+        store_b64(addr, e4m3x4(f[0], f[1], f[2], f[3]), e4m3x4(f[4], f[5], f[6], f[7]))

@@ -2,16 +2,15 @@
 built for sm_90a).
 
 byte = e4m3 round-to-nearest-even, saturated to +-448 (PTX `cvt.rn.satfinite.e4m3x2.f32`: `.satfinite` maps
-larger values and infinities to +-448, NaN to 0x7F) of float(k_bf16) / k_scale, a true division (`div.rn.f32`, what
-the DSL emits for `/` on Float32; tests/test_kernels_qkv_*.py check the PTX for both): vLLM's reshape_and_cache_flash
-bytes (musekern/kv_cache.py, musekern.reference.e4m3_rows). The stores are half the bf16 path's width: 2 bytes for a
-lane's RoPE pair, 8 for a lane's 16-byte bf16 vector.
+larger values and infinities to +-448, NaN to 0x7F) of float(k_bf16) / k_scale, the true division's quotient (below):
+vLLM's reshape_and_cache_flash bytes (musekern/kv_cache.py, musekern.reference.e4m3_rows). The stores are half the
+bf16 path's width: 2 bytes for a lane's RoPE pair, 8 for a lane's 16-byte bf16 vector.
 
 The division without the division: `div.rn.f32` is a branchy sequence ptxas cannot interleave (a k/v lane's eight
 in a row measured the FP8 epilogue 1.1-1.7x the bf16 one's time, bench/kv_fp8_bench.py --sweep). A thread instead
-takes once (`divisor`) p = 2^-64 where scale > 2^64, 2^100 where scale < 2^-64, else 1 (powers of two: exact), s' =
-scale * p, r = 1 / s' (`reciprocal`: rcp.rn's fast path) and b = 512 s'; each value x is then x' = x * p clamped to +-b (NaN kept:
-`min.NaN`; any |x / scale| >= 448 saturates anyway), q = x' r, q' = fma(fma(-q, s', x'), r, q) (Markstein's
+takes once (`divisor`) p = 2^-64 where scale > 2^64, 2^100 where scale < 2^-64, else 1 (powers of two: exact),
+s' = scale * p and r = 1 / s' (`reciprocal`: rcp.rn's fast path); each value x is then x' = x * p clamped to +-512 s'
+(NaN kept: `min.NaN`; any |x / scale| >= 448 saturates anyway), q = x' r, q' = fma(fma(-q, s', x'), r, q) (Markstein's
 correction: the correctly rounded quotient when r is, with no over- or underflow) with x's sign (a zero's). Its e4m3
 byte is x / scale's for every bf16 x and every positive finite scale: bench/probes/fp8_division.c checks all 65536
 bf16 values against each of 40000 scales (every exponent from -149 to 127 with the mantissas 1, 1.5, 1.11..1, and
@@ -26,7 +25,6 @@ griddepcontrol.wait, like every input: a CUDA graph replay reads the scale's val
 """
 # (no `from __future__ import annotations`: @cute.jit reads real annotation objects)
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int16, Int32, Int64, Uint8
 from cutlass._mlir.dialects import llvm

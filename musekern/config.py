@@ -97,12 +97,16 @@ class ModelConfig:
     @property
     def warnings(self) -> tuple[str, ...]:
         """What every command that plans says on stderr and in its --json output."""
+        out = self.key_warnings
+        if self.weight_format.fp8:
+            out += (f"{self.source}: quantization_config announces FP8 weights ({self.weight_format.source}); the "
+                    f"kernels are built for bf16 weights (no FP8-weight build exists yet): serve the q|k|v|gate shard "
+                    f"dequantized to bf16 (musekern.weights.pack.dequantize)",)
         if self.tp_source == "default":
-            return self.key_warnings + (
-                f"{self.source} names no tensor-parallel sizes (musekern.tensor_parallel_sizes): planning TP 1 only, "
-                f"so a server sharded TP 2/4/8 would miss its kernels; pass --tp with the sizes you serve, e.g. "
-                f"--tp 1,2,4,8",)
-        return self.key_warnings
+            out += (f"{self.source} names no tensor-parallel sizes (musekern.tensor_parallel_sizes): planning TP 1 "
+                    f"only, so a server sharded TP 2/4/8 would miss its kernels; pass --tp with the sizes you serve, "
+                    f"e.g. --tp 1,2,4,8",)
+        return out
 
 
 # key -> (type check, description) for the top-level fields

@@ -505,6 +505,19 @@ def test_plan_kv_cache_dtype(run, tmp_path):
     assert back["rows"] == bf16["rows"]
 
 
+# an FP8 checkpoint (DeepSeek-style quantization_config) plans today's bf16 builds, says so on stderr and in --json
+def test_plan_fp8_weights_config(run, tmp_path):
+    cfg = json.load(open(os.path.join(os.path.dirname(DATA), "..", "musekern", "data", "muse_spark.json")))
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    p = tmp_path / "fp8w.json"
+    p.write_text(json.dumps(cfg))
+    r = run("plan", "--model", str(p), "--target", "h200", "--json")
+    doc = json.loads(r.stdout)
+    assert doc["weight_format"] == "fp8-block" and any("FP8 weights" in w for w in doc["warnings"])
+    assert doc["rows"] == json.loads(run("plan", "--target", "h200", "--json").stdout)["rows"]
+    assert "FP8 weights" in r.stderr and json.loads(run("plan", "--json").stdout)["weight_format"] == "bf16"
+
+
 @pytest.mark.parametrize("cmd", ["plan", "prepare", "doctor", "explain", "export"])
 def test_kv_cache_dtype_e5m2_is_refused(run, cmd):
     extra = {"explain": ["qk_norm[dtype=bfloat16,has_scale=False,head_dim=64]"], "export": ["-o", "x.tar"]}

@@ -394,6 +394,15 @@ def test_fp8_plan_is_the_bf16_plan_with_the_cache_dtype():
 DS_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 
 
+# an FP8 checkpoint still plans the bf16 builds (no FP8-weight build exists yet): every planning command says so, in
+# one line that names the dequantizing helper; a bf16 config says nothing
+def test_fp8_weights_warn_until_fp8_builds_exist():
+    m = parse_config({**BASE, "quantization_config": DS_FP8}, "cfg.json")
+    w = [x for x in m.warnings if "FP8 weights" in x]
+    assert len(w) == 1 and "fp8 (block 128x128)" in w[0] and "musekern.weights.pack.dequantize" in w[0]
+    assert "\n" not in w[0] and not any("FP8 weights" in x for x in parse_config(BASE).warnings)
+
+
 @pytest.mark.parametrize("where", ["top", "text_config", "both"])
 def test_weight_format_from_quantization_config(where):
     from musekern.weights.formats import BF16

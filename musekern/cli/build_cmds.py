@@ -68,7 +68,7 @@ def model_json(model) -> dict:
     from, dtypes, and the warnings (also said on stderr)."""
     return {"model": model.source, "tp": list(model.tensor_parallel_sizes), "tp_source": model.tp_source,
             "dtype": model.dtype, "checkpoint_dtype": model.checkpoint_dtype, "kv_cache_dtype": model.kv_cache_dtype,
-            "warnings": list(model.warnings)}
+            "weight_format": model.weight_format.name, "warnings": list(model.warnings)}
 
 
 @click.command("plan")

@@ -130,3 +130,62 @@ def qkv_front_reference(x: torch.Tensor, weight: torch.Tensor, positions: torch.
         out.copy_(y)
         return out
     return y
+
+
+# ---------------------------------------------------------------- FP8 weights (issue 30): the accuracy bound's two ends
+# A kernel on an FP8 checkpoint is held to: its y's error against fp8_gemm_fp64 (the exact product with the dequantized
+# weight) no larger than vllm_fp8_gemm's (vLLM's Hopper path on the same inputs). Both take the canonical layout of
+# musekern.weights.pack (PackedWeight: e4m3 [N, 8192] + fp32 multipliers).
+FP8_MIN_SCALE = 1.0 / (E4M3_MAX * 512.0)  # vLLM's min_scaling_factor of a per-token x scale (csrc utils.cuh)
+FP8_GROUP_EPS = 1e-10  # vLLM's floor on a 128-group's amax (per_token_group_quant_fp8)
+FP8_K_GROUP = 128  # columns of one x group / weight block in K
+
+
+def fp8_gemm_fp64(x: torch.Tensor, packed) -> torch.Tensor:
+    """float64 [M, N]: x @ dequant(W)^T exactly (x bf16 or float; the products and sums in fp64)."""
+    from .weights.pack import dequantize
+
+    return x.double() @ dequantize(packed).double().t()
+
+
+def quantize_x_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's dynamic per-token x quantization (dynamic_per_token_scaled_fp8_quant): s = max(amax / 448,
+    FP8_MIN_SCALE) per row, q = e4m3(clamp(x / s, +-448)) (a true division, round to nearest even).
+    Returns (q [M, K], s [M, 1])."""
+    xf = x.float()
+    s = torch.clamp(xf.abs().amax(dim=-1, keepdim=True) / E4M3_MAX, min=FP8_MIN_SCALE)
+    return (xf / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s
+
+
+def quantize_x_per_group(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's per-token-group x quantization of block checkpoints (per_token_group_quant_fp8, groups of 128
+    columns): s = max(amax, FP8_GROUP_EPS) / 448 per (row, group), rounded up to a power of two with ue8m0;
+    q = e4m3(clamp(x / s)). Returns (q [M, K], s [M, K / 128])."""
+    xf = x.float()
+    m, k = xf.shape
+    g = xf.reshape(m, k // FP8_K_GROUP, FP8_K_GROUP)
+    s = torch.clamp(g.abs().amax(dim=-1), min=FP8_GROUP_EPS) / E4M3_MAX
+    if ue8m0:
+        s = torch.exp2(torch.ceil(torch.log2(s)))
+    q = (g / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(m, k)
+    return q, s
+
+
+def vllm_fp8_gemm(x: torch.Tensor, packed) -> torch.Tensor:
+    """float32 [M, N]: what vLLM's Hopper W8A8 path computes before its bf16 cast, in exact arithmetic (fp64 sums,
+    one fp32 rounding at the end: the hardware's fast accumulation may only add error). Per-channel and per-tensor
+    weights: x per token, y = (q_x @ q_w^T) * s_x[m] * s_w[n] (cutlass_scaled_mm's ScaledEpilogue). Block weights: x
+    per 128-group (ue8m0 where the weights are), each 128-K block's product scaled by s_x[m, kb] * s_w[n, kb]
+    (w8a8_block_fp8_matmul); the canonical layout's [N / 64, 64] block scales are the checkpoint's 128-row ones.
+    Per-tensor checkpoints: the per-row scales as packed (vLLM first requantizes a fused q|k|v to the largest shard
+    scale, one more rounding: this bound is the stricter one)."""
+    w = packed.weight.double()
+    if packed.fmt.granularity == "block":
+        q, s = quantize_x_per_group(x, packed.fmt.ue8m0)
+        m, n, kb = q.shape[0], packed.n, q.shape[1] // FP8_K_GROUP
+        parts = torch.einsum("mkc,nkc->mnk", q.double().reshape(m, kb, FP8_K_GROUP),
+                             w.reshape(n, kb, FP8_K_GROUP))
+        sw = packed.weight_scale.double().repeat_interleave(HEAD_DIM, 0)  # [N, K / 128]
+        return (parts * s.double()[:, None, :] * sw[None, :, :]).sum(-1).float()
+    q, s = quantize_x_per_token(x)
+    return ((q.double() @ w.t()) * s.double() * packed.weight_scale.double()[None, :]).float()

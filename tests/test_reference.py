@@ -12,11 +12,16 @@ from kv_layouts import FP8_CACHES, SENTINEL_BYTE, paged_caches  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from musekern.reference import (  # noqa: E402
+    FP8_MIN_SCALE,
     e4m3_rows,
+    fp8_gemm_fp64,
     fused_qknorm_rope_kv_insert,
     insert_cache_rows,
     qkv_front_reference,
+    quantize_x_per_group,
+    quantize_x_per_token,
     rope_cos_sin_table,
+    vllm_fp8_gemm,
 )
 
 D = 64
@@ -260,3 +265,83 @@ def test_qkv_front_reference_passes_the_scales():
         for slot in (0, 5, 7):
             assert torch.equal(flat8[slot], quantized_fp64(flat16[slot], s))
         assert bool((flat8[[1, 2, 3, 4, 6]] == SENTINEL_BYTE).all())
+
+
+# ---------------------------------------------------------------- FP8 weights: the accuracy bound's two ends
+def _packed(fmt_name: str, n: int = 128, seed: int = 0):
+    """A synthetic checkpoint of one rank (1 q, 1 k, 1 v, 1 gate head: N = 256), packed."""
+    from musekern.weights.formats import parse_override
+    from musekern.weights.pack import pack_rank, quantize_reference
+
+    fmt = parse_override(fmt_name)
+    g = torch.Generator().manual_seed(seed)
+    parts = {p: quantize_reference(torch.randn(64, 8192, generator=g) * 0.02, fmt) for p in ("q", "k", "v", "gate")}
+    return pack_rank(fmt, parts, num_q_heads=1, num_kv_heads=1, tp=1, rank=0, gate=True)
+
+
+def test_quantize_x_per_token_is_vllms():
+    """s = max(amax / 448, 1 / (448 * 512)) a row (a zero row takes the floor), the bytes e4m3 of x / s (saturated)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 8192, generator=g).to(torch.bfloat16)
+    x[2] = 0
+    x[3, 5] = 1e4  # one large value: the row's scale follows it, small values go to e4m3 subnormals or zero
+    q, s = quantize_x_per_token(x)
+    amax = x.double().abs().amax(-1)
+    want_s = torch.clamp(amax / 448.0, min=1.0 / (448.0 * 512.0)).float()
+    assert torch.equal(s.reshape(-1), want_s) and float(s[2]) == float(torch.tensor(FP8_MIN_SCALE))
+    want = torch.stack([e4m3_fp64((x[r].double() / float(s[r])).float()) for r in range(4)])
+    assert torch.equal(q.view(torch.uint8), want)
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_quantize_x_per_group_is_vllms(ue8m0):
+    """128-column groups: s = max(amax, 1e-10) / 448 (a power of two at or above it with ue8m0), e4m3 of x / s."""
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(3, 8192, generator=g) * torch.logspace(-3, 2, 8192)).to(torch.bfloat16)
+    q, s = quantize_x_per_group(x, ue8m0)
+    assert s.shape == (3, 64)
+    grp = x.double().reshape(3, 64, 128)
+    want_s = torch.clamp(grp.abs().amax(-1), min=1e-10).float() / 448.0
+    if ue8m0:
+        assert bool((torch.frexp(s)[0] == 0.5).all()) and bool((s >= want_s).all()) and bool((s < 2 * want_s).all())
+    else:
+        assert torch.equal(s, want_s)
+    want = e4m3_fp64((grp / s.double()[..., None]).float()).reshape(3, 8192)
+    assert torch.equal(q.view(torch.uint8), want)
+
+
+# vLLM's W8A8 path against the exact product, on every canonical granularity: its error is the x rounding's (a few
+# e4m3 steps of 2^-4 relative a term, averaging out over K), far above fp32 summation noise, and the exact product
+# itself is what dequantize-then-multiply gives; so a kernel that keeps x in bf16 sits well inside the bound
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-block-ue8m0", "fp8-channel", "fp8-tensor"])
+def test_vllm_fp8_gemm_against_the_exact_product(fmt):
+    from musekern.weights.pack import dequantize
+
+    p = _packed(fmt)
+    x = torch.randn(5, 8192, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    exact = fp8_gemm_fp64(x, p)
+    assert exact.dtype == torch.float64 and exact.shape == (5, 256)
+    assert torch.allclose(exact, x.double() @ dequantize(p).double().t(), rtol=0, atol=0)
+    vllm = vllm_fp8_gemm(x, p).double()
+    err = (vllm - exact).abs().max() / exact.abs().max()
+    assert 1e-4 < err < 0.05, err  # the x rounding shows, and stays a rounding
+    w16 = (x.float() @ dequantize(p).to(torch.bfloat16).float().t()).double()  # W8A16-like: x kept in bf16
+    assert (w16 - exact).abs().max() < (vllm - exact).abs().max()
+
+
+def test_vllm_fp8_gemm_block_scales_apply_per_block():
+    """A block format's y is the sum over K blocks of each block's product times its two scales: doubling one
+    weight block's scale doubles only that block's share of the columns it covers."""
+    p = _packed("fp8-block")
+    x = torch.randn(2, 8192, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    base = vllm_fp8_gemm(x, p).double()
+    s2 = p.weight_scale.clone()
+    s2[1, 3] *= 2  # rows 64..127 (the k head), K block 3
+    p2 = type(p)(p.weight, s2, p.fmt, p.n)
+    diff = vllm_fp8_gemm(x, p2).double() - base
+    q, s = quantize_x_per_group(x)
+    blk = q.double()[:, 384:512] @ p.weight.double()[64:128, 384:512].t() * s.double()[:, 3:4]
+    blk = blk * float(p.weight_scale[1, 3])
+    ulp = 2.0 ** -23 * float(base.abs().max())  # the results are fp32: each rounded once
+    assert float((diff[:, 64:128] - blk).abs().max()) <= 2 * ulp
+    assert float(diff[:, :64].abs().max()) == 0 and float(diff[:, 128:].abs().max()) == 0

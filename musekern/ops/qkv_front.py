@@ -12,8 +12,11 @@ On the GPU each call takes one of two paths, by the planner's measured rule for 
 - cuBLAS's GEMM into y (`gemm.tune.mm`: the algorithm `prepare` measured fastest for the shape, else `torch.mm`) +
   the fused epilogue (musekern.ops.qkv_epilogue), for every other M.
 Either way: no host sync, nothing allocated but y (none with `out=`), capturable in a CUDA graph once `prepare`
-has loaded the builds the M values need. `qkv_front_auto` is the same on CUDA tensors and the plain-torch
-reference on CPU tensors. Importing this module never imports cutlass.
+has loaded the builds the M values need. One contract PDL adds: the fused front streams `weight` before it waits for
+the kernel launched just before it on the stream (x, positions, slots, the caches and scales only after), so the
+kernel that writes `weight` (a load, a refit) must not be that one, nor be followed only by PDL-launched kernels
+(musekern's own) up to the front: one plain launch between them (any torch op) orders it. `qkv_front_auto` is the
+same on CUDA tensors and the plain-torch reference on CPU tensors. Importing this module never imports cutlass.
 """
 from __future__ import annotations
 

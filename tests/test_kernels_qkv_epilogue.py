@@ -216,7 +216,7 @@ def test_sass(v, tmp_path):
     usage = nvdump.resources(ck.cubin, tmp_path)
     if usage is None:
         pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
-    # bounded to 48 registers (.minnctapersm 5), (2, 1) keeps two values on the stack (an STL/LDL pair each, L1)
+    # bounded to 48 registers (.minnctapersm 5), (2, 1) keeps a value or two on the stack (an STL/LDL pair each, L1)
     stack = 8 if (v.vecs_per_thread, v.rounds) == (2, 1) else 0
     assert usage["LOCAL"] == 0 and usage["STACK"] <= stack, f"local memory (spills or stack arrays): {usage}"
     regs = (usage["REG"] + 7) // 8 * 8
@@ -290,7 +290,7 @@ def test_fp8_sass(v, tmp_path):
     usage = nvdump.resources(ck.cubin, tmp_path)
     if usage is None:
         pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
-    # bounded to 48 registers (.minnctapersm 5), (2, 1) keeps two values on the stack (an STL/LDL pair each, L1)
+    # bounded to 48 registers (.minnctapersm 5), (2, 1) keeps a value or two on the stack (an STL/LDL pair each, L1)
     stack = 8 if (v.vecs_per_thread, v.rounds) == (2, 1) else 0
     assert usage["LOCAL"] == 0 and usage["STACK"] <= stack, f"local memory (spills or stack arrays): {usage}"
     regs = (usage["REG"] + 7) // 8 * 8  # the occupancy variant.py records (EPI_CTAS_PER_SM, as .minnctapersm)
@@ -300,7 +300,7 @@ def test_fp8_sass(v, tmp_path):
     assert len(re.findall(r"\bSTG\.E\.64\b", s)) == 4 * vpt * rounds
     assert len(re.findall(r"\bSTG\.E\.128\b", s)) == vpt * rounds
     assert len(re.findall(r"\bF2FP\.SATFINITE\.E4M3\.F32\.PACK_AB_MERGE_C\b", s)) == 16 * vpt * rounds
-    assert len(re.findall(r"\bSTL\b", s)) == (2 if stack else 0)
+    assert len(re.findall(r"\bSTL\b", s)) <= (2 if stack else 0)
 
 
 def test_fp8_sm100a_compiles():

@@ -38,7 +38,6 @@ from musekern.reference import rope_cos_sin_table
 LAYERS, BLOCK, MAX_POS = 8, 16, 4096
 FRONT_TARGET, EPI_TARGET = 1.02, 1.03
 ROTATE_BYTES = 96 << 20  # the epilogue's y buffers: past the 60 MB L2
-SLOTS = "random"  # --slots: the epilogue's slot mapping (a diagnostic: random is the engine's case)
 
 
 def _caches(nkv: int, slots: int, fp8: bool, g) -> tuple:
@@ -107,7 +106,8 @@ def front_pair(tp: int, n: int, nkv: int, eps: float, theta: float, m: int, weig
     return row
 
 
-def epilogue_pair(tp: int, n: int, nkv: int, eps: float, theta: float, m: int, samples: int, sweep: bool) -> dict:
+def epilogue_pair(tp: int, n: int, nkv: int, eps: float, theta: float, m: int, samples: int, sweep: bool,
+                  slots_mode: str = "random") -> dict:
     """The rule's build of each cache dtype (`epi_bf16`, `epi_fp8`); with `sweep` also every build of both
     (`bf16_<vpt>x<rounds>`, `fp8_...`) and the FP8 rule's build with float scales (`fp8_float_scales`) and with scales
     of 1.0 (`fp8_unit_scales`: vLLM's default, a power of two: no quotient, kernels/qkv_front/fp8.py)."""
@@ -129,9 +129,9 @@ def epilogue_pair(tp: int, n: int, nkv: int, eps: float, theta: float, m: int, s
         fp8 = kind == "fp8"
         kc, vc, cap = _caches(nkv, m, fp8, g)
         slots = torch.randperm(cap, device="cuda", generator=g)[:m]
-        if SLOTS == "sorted":
+        if slots_mode == "sorted":  # --slots: a diagnostic (random is the engine's case)
             slots = slots.sort().values
-        elif SLOTS == "none":
+        elif slots_mode == "none":
             slots = torch.full_like(slots, -1)
         epi.prepare(n, [m], nkv, kv_cache_dtype=kind)
         graph(f"epi_{kind}", _scales(fp8), kc, vc, slots)
@@ -185,8 +185,6 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("kv_fp8_bench: needs a CUDA GPU; run it on the GPU machine with the cache carried", file=sys.stderr)
         return 2
-    global SLOTS
-    SLOTS = a.slots
     model = load_config()
     torch.zeros(1, device="cuda")  # torch's context current before the predecessor's module loads into it
     pred = PredKernel()
@@ -206,7 +204,8 @@ def main() -> int:
             log(f"{time.time() - t0:6.1f}s front TP{tp} M={m}: {r['fp8_over_bf16']} y_equal={r['y_equal']}")
         del weights
         for m in (int(v) for v in a.epi_ms.split(",")):
-            r = epilogue_pair(tp, s.n, s.num_kv_heads, model.rms_norm_eps, model.rope_theta, m, a.samples, a.sweep)
+            r = epilogue_pair(tp, s.n, s.num_kv_heads, model.rms_norm_eps, model.rope_theta, m, a.samples, a.sweep,
+                              a.slots)
             doc["epilogue"].append(r)
             log(f"{time.time() - t0:6.1f}s epilogue TP{tp} M={m}: {r['fp8_over_bf16']}")
         torch.cuda.empty_cache()

@@ -210,15 +210,20 @@ def test_builds_are_distinct_kernels():
     assert len({_compile(v).cubin for v in ALL}) == len(ALL)
 
 
-@pytest.mark.parametrize("v", ALL, ids=lambda v: v.label)
-def test_sass(v, tmp_path):
-    ck = _compile(v)
+def _resources(ck, tmp_path, stack: int = 0) -> dict:
+    """cuobjdump's resource usage of a build (skips without cuobjdump): no local memory, at most `stack` bytes of
+    stack."""
     usage = nvdump.resources(ck.cubin, tmp_path)
     if usage is None:
         pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
-    # bounded to 48 registers (.minnctapersm 5), (2, 1) keeps a value or two on the stack (an STL/LDL pair each, L1)
-    stack = 8 if (v.vecs_per_thread, v.rounds) == (2, 1) else 0
     assert usage["LOCAL"] == 0 and usage["STACK"] <= stack, f"local memory (spills or stack arrays): {usage}"
+    return usage
+
+
+@pytest.mark.parametrize("v", ALL, ids=lambda v: v.label)
+def test_sass(v, tmp_path):
+    ck = _compile(v)
+    usage = _resources(ck, tmp_path)
     regs = (usage["REG"] + 7) // 8 * 8
     assert EPI_CTAS_PER_SM[(v.vecs_per_thread, v.rounds)] * EPI_BLOCK * regs <= 65536, f"{regs} registers"
     sass = nvdump.dump(ck.cubin, tmp_path, "-sass")
@@ -287,12 +292,9 @@ def test_fp8_compile_sm90a(v):
 @pytest.mark.parametrize("v", ALL_FP8, ids=lambda v: v.label)
 def test_fp8_sass(v, tmp_path):
     ck = _compile(v)
-    usage = nvdump.resources(ck.cubin, tmp_path)
-    if usage is None:
-        pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     # bounded to 48 registers (.minnctapersm 5), (2, 1) keeps a value or two on the stack (an STL/LDL pair each, L1)
     stack = 8 if (v.vecs_per_thread, v.rounds) == (2, 1) else 0
-    assert usage["LOCAL"] == 0 and usage["STACK"] <= stack, f"local memory (spills or stack arrays): {usage}"
+    usage = _resources(ck, tmp_path, stack)
     regs = (usage["REG"] + 7) // 8 * 8  # the occupancy variant.py records (EPI_CTAS_PER_SM, as .minnctapersm)
     assert v.ctas_per_sm * EPI_BLOCK * regs <= 65536 < (v.ctas_per_sm + 1) * EPI_BLOCK * regs, f"{regs} registers"
     s = nvdump.dump(ck.cubin, tmp_path, "-sass").stdout

@@ -160,8 +160,9 @@ def test_valid_cpu_call_only_lacks_a_gpu():
     assert op.kv_cache_layout_ok(c["key_cache"], c["value_cache"], 1)
 
 
-def _mut(**changes):
-    c = make_case()
+def _mut(case=None, **changes):
+    """A call's arguments (`case()`, default make_case) with `changes` applied (a value, or a function of the case)."""
+    c = (case or make_case)()
     for k, f in changes.items():
         c[k] = f(c) if callable(f) else f
     return c
@@ -508,13 +509,6 @@ def fp8_case(m=5, layout="vllm", dtype=torch.uint8, **kw):
     return c
 
 
-def _mut8(**changes):
-    c = fp8_case()
-    for k, f in changes.items():
-        c[k] = f(c) if callable(f) else f
-    return c
-
-
 # one line each: a cache dtype not served (e5m2 says so), caches of two dtypes, each wrong scale
 REJECT_FP8 = {
     "e5m2 cache": (dict(key_cache=lambda c: c["key_cache"].view(torch.float8_e5m2),
@@ -540,7 +534,7 @@ REJECT_FP8 = {
 @pytest.mark.parametrize("name", sorted(REJECT_FP8))
 def test_fp8_unsupported_rejects(name):
     changes, reason = REJECT_FP8[name]
-    c = _mut8(**changes)
+    c = _mut(fp8_case, **changes)
     r = op.unsupported(**c)
     assert r is not None and reason in r and "\n" not in r, r
     with pytest.raises((TypeError, ValueError), match="qkv_front"):

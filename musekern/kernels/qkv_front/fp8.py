@@ -25,6 +25,8 @@ griddepcontrol.wait, like every input: a CUDA graph replay reads the scale's val
 """
 # (no `from __future__ import annotations`: @cute.jit reads real annotation objects)
 
+import struct
+
 import cutlass.cute as cute
 from cutlass import Float32, Int16, Int32, Int64, Uint8
 from cutlass._mlir.dialects import llvm
@@ -96,6 +98,7 @@ def store_b64(addr: Int64, lo: Int32, hi: Int32, *, loc=None, ip=None):
 
 BIG, SMALL = 2.0 ** 64, 2.0 ** -64  # scales above / below are brought in range by p (see the top)
 CLAMP = 512.0  # x * p is clamped to +-CLAMP * s': |quotient| <= 512, never an overflow; any >= 448 saturates
+_CLAMP_PTX = "0f" + struct.pack(">f", CLAMP).hex().upper()  # its PTX float literal (0f44000000)
 
 
 @cute.jit
@@ -138,7 +141,7 @@ def quotient(x: Float32, d: tuple, *, loc=None, ip=None) -> Float32:
     bound CLAMP * s' is formed here (two instructions) rather than held: registers are what the builds lack."""
     s, r, p = (Float32(v).ir_value(loc=loc, ip=ip) for v in d[:3])
     q = llvm.inline_asm(Float32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip), r, s, p],
-                        "{\n.reg .f32 xc, q, nq, e, b, nb;\nmul.rn.f32 b, $3, 0f44000000;\nneg.f32 nb, b;\n"
+                        "{\n.reg .f32 xc, q, nq, e, b, nb;\nmul.rn.f32 b, $3, " + _CLAMP_PTX + ";\nneg.f32 nb, b;\n"
                         "mul.rn.f32 xc, $1, $4;\nmin.NaN.f32 xc, xc, b;\nmax.NaN.f32 xc, xc, nb;\n"
                         "mul.rn.f32 q, xc, $2;\nneg.f32 nq, q;\nfma.rn.f32 e, nq, $3, xc;\n"
                         "fma.rn.f32 q, e, $2, q;\ncopysign.f32 $0, xc, q;\n}",

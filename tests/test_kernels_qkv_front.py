@@ -454,3 +454,103 @@ def test_fp8_sm100a_compiles(kmod):
     v = next(v for v in PLANNED_FP8 if v.warp_split != "wg")
     ck, _ = _compile(kmod, v, "sm_100a")
     assert ".target sm_100a" in ck.ptx and "cvt.rn.satfinite.e4m3x2.f32" in ck.ptx
+
+
+# ---------------------------------------------------------------- e4m3 weights (issue 30, kernels/qkv_front/w8.py)
+def _w8_plan():
+    """Every e4m3-weight build the h200 rules give M = 1..16 on the bundled model's shards, both scale kinds, and one
+    with an FP8 KV cache too (the two fields are independent)."""
+    from musekern.config import load_config
+
+    model = load_config()
+    out = []
+    for tp in (8, 4, 2, 1):
+        s = model.shard(tp)
+        for scale in ("channel", "block"):
+            out += qkv_front_variants(s.n, s.num_kv_heads, get_target("h200"), 16, "bf16", "fp8_e4m3", scale)
+    return out + [dataclasses.replace(out[0], kv_cache_dtype=FP8)]
+
+
+PLANNED_W8 = _w8_plan()
+
+
+# the grid: every planned e4m3 build (mma.sync "rows" and "k", 1 and 2 tiles, S = 1 and 2, both scale kinds)
+@pytest.mark.parametrize("v", PLANNED_W8, ids=lambda v: v.label)
+def test_w8_abi_is_the_bf16_abi_with_the_scales_in_the_weight_slot(kmod, v):
+    bf = kmod.abi_for(dataclasses.replace(v, weight_dtype="bf16", weight_scale="none"))
+    abi = kmod.abi_for(v)
+    assert [p.name for p in abi.params] == [("weight_scale" if p.name == "weight_ptr" else p.name) for p in bf.params]
+    assert [(p.kind, p.size) for p in abi.params] == [(p.kind, p.size) for p in bf.params]
+    w, wb = abi.tensormaps[0], bf.tensormaps[0]
+    assert (w.param, w.tensor, w.dtype, w.box) == ("tma_w", "weight", "u8", (128, HEAD_COLS)) and wb.dtype == "bf16"
+    assert abi.tensormaps[1:] == bf.tensormaps[1:]
+    assert abi.launch.dynamic_smem_bytes == smem_bytes(v)
+
+
+def test_w8_variant_rules():
+    h200 = get_target("h200")
+    with pytest.raises(ValueError, match="weight_scale of a fp8_e4m3 weight"):
+        QkvFrontVariant(2176, 1, 1, 4, 2, 0, weight_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="weight_scale of a bf16 weight"):
+        QkvFrontVariant(2176, 1, 1, 4, 2, 0, weight_scale="block")
+    with pytest.raises(ValueError, match="mma.sync build"):
+        QkvFrontVariant(2176, 1, 4, 4, 2, 0, warp_split="wg", weight_dtype="fp8_e4m3", weight_scale="channel")
+    from musekern.kernels.qkv_front.rules import front_serves, variant
+
+    assert front_serves(2176, 16, h200, "fp8_e4m3") and not front_serves(2176, 17, h200, "fp8_e4m3")
+    with pytest.raises(ValueError, match="serve M = 1..16"):
+        variant(2176, 17, 1, h200, weight_dtype="fp8_e4m3", weight_scale="block")
+    # up to the same W bytes in flight: up to twice the stages of half the size, as shared memory allows
+    for v in PLANNED_W8:
+        bf = variant(v.n, max(1, 8 * v.tiles - 1), v.num_kv_heads, h200)
+        assert bf.stages < v.stages <= 2 * bf.stages
+        assert (v.k_split, v.tiles, v.warp_split, v.trigger) == (bf.k_split, bf.tiles, bf.warp_split, bf.trigger)
+
+
+# each build: the ABI is the PTX .entry's; W arrives as one 128-byte-wide box a stage (8 KiB + x in expect_tx); every
+# weight of a stage is loaded once per CTA as 16-bit words and converted by cvt.rn.f16x2.e4m3x2 (4 per m16 x k16 block
+# a lane: 8 k16 steps x TT-independent, 4 m16 blocks a k-tile's 2 k16 steps with "k"), no A ldmatrix; the MMAs are the
+# bf16 build's; block scales: one fp32 load per k-tile before its barrier wait
+@pytest.mark.slow
+@pytest.mark.parametrize("v", PLANNED_W8, ids=lambda v: v.label)
+def test_w8_compile_ptx(kmod, v):
+    from musekern.store.abi import check_abi_against_ptx
+
+    ck, _ = _compile(kmod, v)
+    check_abi_against_ptx(ck.abi, ck.ptx, ck.symbol)
+    ptx = ck.ptx
+    bf, _ = _compile(kmod, dataclasses.replace(v, weight_dtype="bf16", weight_scale="none",
+                                               stages=min(v.stages, 4)))
+    tt = padded_tokens(v)
+    stage_tx = W_STAGE_BYTES // 2 + tt * K_TILE * 2
+    assert re.search(rf"mov\.b32\s+%r\d+, {stage_tx};\s*\n\s*mbarrier\.arrive\.expect_tx", ptx)
+    mma = r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32"
+    assert _count(mma, ptx) == _count(mma, bf.ptx)
+    blocks = 8 if v.warp_split == "rows" else 2 * 4  # m16 x k16 blocks a lane converts per k-tile
+    per_tile = 4 * blocks
+    loop_copies = 2 if v.warp_split == "k" else 1  # "k": the two register sets' loads are written out twice
+    assert _count(r"cvt\.rn\.f16x2\.e4m3x2", ptx) == per_tile * (loop_copies + (1 if v.warp_split == "k" else 0))
+    assert _count(r"ld\.shared\.b16", ptx) == _count(r"cvt\.rn\.f16x2\.e4m3x2", ptx)
+    x_ldm = r"ldmatrix\.sync\.aligned\.m8n8\.x[24]\.shared\.b16"
+    assert _count(x_ldm, ptx) < _count(x_ldm, bf.ptx)  # x only
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("v", [v for v in PLANNED_W8 if v.n in (2176, 17408)], ids=lambda v: v.label)
+def test_w8_sass(kmod, v, tmp_path):
+    import nvdump
+
+    from musekern.kernels.qkv_front.rules import one_wave_at_two_per_sm
+
+    ck, _ = _compile(kmod, v)
+    usage = nvdump.resources(ck.cubin, tmp_path)
+    if usage is None:
+        pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"local memory: {usage}"
+    if one_wave_at_two_per_sm(v.n, v.k_split, get_target("h200")):  # planned for two CTAs per SM
+        assert CTAS_PER_SM * THREADS * ((usage["REG"] + 7) // 8 * 8) <= SM90_REGS_PER_SM
+    s = nvdump.dump(ck.cubin, tmp_path, "-sass").stdout
+    # the exact conversion (research/fp8.md section 4): 4 SASS a pair
+    assert "F2FP.F16.E4M3.UNPACK_B" in s and "F2FP.BF16.F32.PACK_AB" in s and "HADD2.F32" in s
+    assert "HMMA.16816.F32.BF16" in s and "UTMALDG" in s
+    assert not re.search(r"\b(STL|LDL)\b", s)

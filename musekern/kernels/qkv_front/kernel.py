@@ -45,6 +45,10 @@ FP8 builds (variant kv_cache_dtype "fp8_e4m3", entry `kernel_fp8`: four more par
 cache rows as e4m3(value / scale) bytes, half the bf16 stores' width (fp8.py); the owner's consumer threads of a k or
 v head read their scale once, after griddepcontrol.wait. y and everything else are the bf16 build's.
 
+e4m3-weight builds (variant weight_dtype "fp8_e4m3", w8.py): the ring streams e4m3 W (8 KiB a stage), the consumers
+dequantize it into the bf16 MMA's A registers, and the fp32 multipliers (the `weight_scale` launch value, in the bf16
+builds' unread weight_ptr slot) scale the partials (per row) or each k-tile's sum (per 64 x 128 block).
+
 Out-of-range positions (p < 0 or p >= max_pos) are clamped to [0, max_pos - 1] for the cos|sin
 read (the reference does the same). Slots < 0 or >= num_blocks * block_size write nothing.
 """
@@ -54,6 +58,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import Float8E4M3FN
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 from cutlass.cute.runtime import make_ptr
 from cutlass.memory import SmemAllocator
@@ -61,6 +66,7 @@ from cutlass.utils import hopper_helpers as sm90_utils
 
 from ...store.keys import variant_tag
 from . import fp8 as _fp8
+from . import w8
 from .mma import BAR_AUX, BAR_PARTIALS, BAR_RED, CONSUMER_THREADS, CtaPlace, FrontConsumers
 from .octets import OCTET_MIN_OWNED, FrontOctetEpilogue
 from .variant import (
@@ -72,12 +78,12 @@ from .variant import (
     MAX_OWNED_TOKENS,
     THREADS,
     TOKEN_TILE,
-    W_STAGE_BYTES,
     QkvFrontVariant,
     launch_grid,
     owned_tokens,
     padded_tokens,
     smem_bytes,
+    w_stage_bytes,
 )
 
 PRODUCER_WARP = CONSUMER_WARPS  # warp 4
@@ -86,11 +92,12 @@ AUX_WARP = CONSUMER_WARPS + 1  # warp 5
 
 def ring_tma(mW, mX, stages: int, tt: int, x_mcast: bool = False):
     """The ring's swizzled shared-memory layouts and the W / x TMA atoms (traced inside a @cute.jit): one
-    stage = W (64 rows x 128 k) and x (tt rows x 128 k), each two 64-column boxes with 128B swizzle; with
-    `x_mcast` each CTA of a head pair loads half of the x rows and multicasts them to both.
+    stage = W (64 rows x 128 k) and x (tt rows x 128 k), each two 64-column boxes with 128B swizzle (an e4m3 W:
+    one 128-column box); with `x_mcast` each CTA of a head pair loads half of the x rows and multicasts them to both.
     Shared with bench/probes/skeleton_probe.py, whose ring must be this one."""
     atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
-    sW_layout = cute.tile_to_shape(atom, (HEAD_COLS, K_TILE, stages), order=(0, 1, 2))
+    w_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, mW.element_type)
+    sW_layout = cute.tile_to_shape(w_atom, (HEAD_COLS, K_TILE, stages), order=(0, 1, 2))
     sX_layout = cute.tile_to_shape(atom, (tt, K_TILE, stages), order=(0, 1, 2))
     tma_w, mW_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW,
                                                 cute.slice_(sW_layout, (None, None, 0)), (HEAD_COLS, K_TILE))
@@ -105,7 +112,7 @@ def ring_tma(mW, mX, stages: int, tt: int, x_mcast: bool = False):
     return sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma
 
 
-def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool):
+def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool, w_type=BFloat16):
     if recv_in_ring:
         @cute.struct
         class SmemRingRecv:  # the receive buffer is the W ring's first tt x 64 fp32 (`QkvFrontKernel.recv`)
@@ -121,7 +128,7 @@ def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool):
     @cute.struct
     class Smem:
         # ring first: offset 0 of the 1024-aligned dynamic smem, what the 128B swizzle expects
-        sW: cute.struct.Align[cute.struct.MemRange[BFloat16, HEAD_COLS * K_TILE * stages], 1024]
+        sW: cute.struct.Align[cute.struct.MemRange[w_type, HEAD_COLS * K_TILE * stages], 1024]
         sX: cute.struct.Align[cute.struct.MemRange[BFloat16, tt * K_TILE * stages], 1024]
         full: cute.struct.MemRange[Int64, stages]  # TMA -> consumers: count 1 + W and x bytes
         empty: cute.struct.MemRange[Int64, stages]  # consumers -> producer: count 4 x pair (one lane a warp)
@@ -162,14 +169,17 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
         assert self.tt % self.k_split == 0 and self.owned % CONSUMER_WARPS == 0 and self.owned <= MAX_OWNED_TOKENS
         self.ntiles = K_TILES // self.k_split  # k-tiles per CTA
         assert self.stages <= self.ntiles
-        self.stage_tx = W_STAGE_BYTES + self.tt * K_TILE * 2  # bytes landing per stage
+        self.w8 = v.weight_dtype != "bf16"  # e4m3 weights (w8.py)
+        self.block_scales = v.weight_scale == "block"
+        self.stage_tx = w_stage_bytes(v.weight_dtype) + self.tt * K_TILE * 2  # bytes landing per stage
         # the wgmma builds store their own tokens' partials with plain stores: st.async carries only the other S - 1
         # ranks' (bench/NOTES.md "The partials' exchange")
         self.local_partials = v.warp_split == "wg" and self.k_split > 1
         # bytes an owner gets by st.async
         self.recv_tx = (self.k_split - self.local_partials) * self.owned * HEAD_COLS * 4
-        self.Smem = make_smem_struct(self.stages, self.tt, self.owned, v.recv_in_ring)
-        assert not v.recv_in_ring or self.tt * HEAD_COLS * 4 <= self.stages * W_STAGE_BYTES
+        self.Smem = make_smem_struct(self.stages, self.tt, self.owned, v.recv_in_ring,
+                                     Float8E4M3FN if self.w8 else BFloat16)
+        assert not v.recv_in_ring or self.tt * HEAD_COLS * 4 <= self.stages * w_stage_bytes(v.weight_dtype)
         self.smem = smem_bytes(v)
         self.fp8 = v.kv_cache_dtype != "bf16"  # e4m3 caches: `kernel_fp8`
 
@@ -178,8 +188,11 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
     def __call__(self, w_ptr: cute.Pointer, x_ptr: cute.Pointer, y_ptr: cute.Pointer, pos_ptr: cute.Pointer,
                  cs_ptr: cute.Pointer, slot_ptr: cute.Pointer, kc_ptr: cute.Pointer, vc_ptr: cute.Pointer,
                  M: Int32, max_pos: Int32, block_size: Int32, num_blocks: Int32, k_block_stride: Int64,
-                 v_block_stride: Int64, eps: Float32, stream: cuda.CUstream, *scales):
+                 v_block_stride: Int64, eps: Float32, stream: cuda.CUstream, *tail):
+        # tail: e4m3 weights: the weight_scale pointer (in the kernel's w_ptr slot); FP8 caches: the four scales
         mW = cute.make_tensor(w_ptr, cute.make_layout((self.n, HIDDEN), stride=(HIDDEN, 1)))
+        scales = tail[1:] if cutlass.const_expr(self.w8) else tail
+        w_slot = tail[0] if cutlass.const_expr(self.w8) else w_ptr
         if cutlass.const_expr(self.v.fixed_rows):
             mX = cute.make_tensor(x_ptr, cute.make_layout((self.v.fixed_rows, HIDDEN), stride=(HIDDEN, 1)))
         else:
@@ -194,7 +207,7 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
             # one warp's MMA: sliced by lane; the 64 rows are 4 m16 repeats, the TT tokens 1 or 2 n8 atoms
             tiled_mma = cute.make_tiled_mma(mma_op, (1, 1, 1), permutation_mnk=(16, self.tt, 16))
         assert self.Smem.size_in_bytes() == self.smem, (self.Smem.size_in_bytes(), self.smem)
-        args = (tma_w, mW_tma, tma_x, mX_tma, w_ptr, y_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, max_pos,
+        args = (tma_w, mW_tma, tma_x, mX_tma, w_slot, y_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, max_pos,
                 block_size, num_blocks, k_block_stride, v_block_stride, eps, tiled_mma, sW_layout, sX_layout)
         if cutlass.const_expr(self.fp8):  # the scales (kv_cache.SCALE_PARAMS) after the bf16 build's parameters
             self.kernel_fp8(*args, *scales).launch(grid=list(launch_grid(self.v)), block=[THREADS, 1, 1],
@@ -287,11 +300,13 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
                 self.ring_idle()
                 self.send(wg_mma, acc, st, recv_bar, tidx, place)
             elif cutlass.const_expr(self.v.warp_split == "rows"):
-                acc = self.consumer(tiled_mma, sW, sX, full, empty, tidx, place)
-                self.send(tiled_mma, acc, st, recv_bar, tidx, place)
+                wq = self.w8_state(st, w_ptr, tiled_mma, tidx, place)
+                acc = self.consumer(tiled_mma, sW, sX, full, empty, tidx, place, wq)
+                self.send(tiled_mma, acc, st, recv_bar, tidx, place, wq)
             else:
-                acc = self.consumer_k(tiled_mma, sW, sX, full, empty, warp_idx, tidx % 32, place)
-                self.reduce_send(tiled_mma, acc, st, recv_bar, warp_idx, tidx, place)
+                wq = self.w8_state(st, w_ptr, tiled_mma, tidx, place)
+                acc = self.consumer_k(tiled_mma, sW, sX, full, empty, warp_idx, tidx % 32, place, wq)
+                self.reduce_send(tiled_mma, acc, st, recv_bar, warp_idx, tidx, place, wq)
             self.finish(st, recv_bar, y_ptr, kc_ptr, vc_ptr, M, block_size, num_blocks, k_block_stride,
                         v_block_stride, eps, place, warp_idx, tidx, scales)
         if cutlass.const_expr(self.cluster > 1):
@@ -543,8 +558,11 @@ def compile_args(v: QkvFrontVariant) -> tuple:
     i64 = make_ptr(Int64, 1 << 20, cute.AddressSpace.gmem, assumed_align=8)
     fp8 = v.kv_cache_dtype != "bf16"
     kv = _fp8.cache_ptr(1 << 20) if fp8 else bf
-    return (bf, bf, bf, i64, f32, i64, kv, kv, Int32(max(v.fixed_rows, 1)), Int32(1), Int32(16), Int32(1),
+    w8_args = v.weight_dtype != "bf16"
+    w = make_ptr(Float8E4M3FN, 1 << 20, cute.AddressSpace.gmem, assumed_align=16) if w8_args else bf
+    return (w, bf, bf, i64, f32, i64, kv, kv, Int32(max(v.fixed_rows, 1)), Int32(1), Int32(16), Int32(1),
             Int64(1 << 20), Int64(1 << 20), Float32(1e-5), cuda.CUstream(0),
+            *((make_ptr(Float32, 1 << 20, cute.AddressSpace.gmem, assumed_align=16),) if w8_args else ()),
             *(_fp8.compile_scale_args(1 << 20) if fp8 else ()))
 
 

@@ -15,6 +15,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
+from . import w8
 from .variant import CONSUMER_WARPS, HEAD_COLS, RED_STRIDE, WARP_K
 
 CONSUMER_THREADS = 32 * CONSUMER_WARPS
@@ -39,6 +40,15 @@ def operand_copies(tiled_mma, tt: int, idx):
     return cp_a, cp_b, cp_a.get_slice(idx), cp_b.get_slice(idx)
 
 
+class W8State(NamedTuple):
+    """An e4m3-weight build's consumer state (w8.py): the ring as 16-bit words, the canonical multipliers, and the
+    per-row ones this thread's partials take ("channel": a register tensor like the accumulator ("rows") or one value
+    ("k"); None with block scales)."""
+    w16: object
+    scales: object
+    row_scales: object
+
+
 class CtaPlace(NamedTuple):
     """Where a CTA stands (device values, fixed for the launch): its head, its k-split rank r (0..S-1), its member m
     of a head pair (0 without x_mcast; its cluster rank is r + S m) and that pair's other CTA of rank r (x_mcast)."""
@@ -51,18 +61,48 @@ class CtaPlace(NamedTuple):
 class FrontConsumers:
     """The consumer warps' roles of `QkvFrontKernel` (mixin)."""
 
+    def w8_state(self, st, scale_ptr, tiled_mma, tidx, place):
+        """The e4m3-weight consumers' `W8State` (None in a bf16 build); the row scales are loaded here, before the
+        first k-tile (weights: no griddepcontrol.wait needed)."""
+        if not self.w8:
+            return None
+        scales = w8.scale_tensor(scale_ptr, self.n, self.block_scales)
+        rows = None
+        if not self.block_scales:
+            if self.v.warp_split == "rows":
+                tCcC = tiled_mma.get_slice(tidx).partition_C(
+                    cute.make_identity_tensor((16 * CONSUMER_WARPS, self.tt)))
+                rows = cute.make_rmem_tensor(cute.size(tCcC), Float32)
+                for i in range(cute.size(tCcC)):  # (traced inline: a plain loop unrolls)
+                    m, n = tCcC[i]
+                    rows[i] = scales[place.head * HEAD_COLS + m]
+            else:  # reduce_send: thread tidx sums and sends column tidx % 64 of every token
+                rows = scales[place.head * HEAD_COLS + tidx % HEAD_COLS]
+        return W8State(w8.ring_halves(st.sW.data_ptr(), self.stages), scales, rows)
+
     @cute.jit
-    def consumer(self, tiled_mma, sW, sX, full, empty, tidx, place):
+    def _tile_scale(self, wq, i, place):
+        """Block scales: the multiplier of the i-th k-tile this CTA streams (1.0 otherwise)."""
+        sc = Float32(1.0)
+        if cutlass.const_expr(self.block_scales):
+            rot = (place.head - place.head % self.pair) % self.ntiles
+            sc = wq.scales[place.head * 64 + self._k_tile(i, place.rank, rot)]
+        return sc
+
+    @cute.jit
+    def consumer(self, tiled_mma, sW, sX, full, empty, tidx, place, wq=None):
         thr_mma = tiled_mma.get_slice(tidx)
-        tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sW[None, None, 0]))
         tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sX[None, None, 0]))
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((16 * CONSUMER_WARPS, self.tt)), Float32)
         acc.fill(0.0)
         cp_a, cp_b, thr_a, thr_b = operand_copies(tiled_mma, self.tt, tidx)
-        tAsW = thr_a.partition_S(sW)  # (CPY, 1, 8 k-steps, stages)
-        tArA = thr_a.retile(tCrA)
         tBsX = thr_b.partition_S(sX)  # (CPY, TT/8 or 1, 8 k-steps, stages)
         tBrB = thr_b.retile(tCrB)
+        if cutlass.const_expr(self.w8):
+            return self._consumer_w8(tiled_mma, thr_mma, acc, cp_b, tBsX, tBrB, tCrB, full, empty, tidx, place, wq)
+        tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sW[None, None, 0]))
+        tAsW = thr_a.partition_S(sW)  # (CPY, 1, 8 k-steps, stages)
+        tArA = thr_a.retile(tCrA)
         ksteps = cute.size(tAsW, mode=[2])
         for i in cutlass.range(self.ntiles, unroll=1):
             s = i % self.stages
@@ -82,6 +122,35 @@ class FrontConsumers:
                     cute.gemm(tiled_mma, acc, tCrA[None, None, kk], tCrB[None, None, kk], acc)
             cute.arch.sync_warp()  # every lane's ldmatrix of stage s is done
             self.release(empty + s, place)
+        return acc
+
+    @cute.jit
+    def _consumer_w8(self, tiled_mma, thr_mma, acc, cp_b, tBsX, tBrB, tCrB, full, empty, tidx, place, wq):
+        """`consumer` of an e4m3 W ring (1 or 2 token tiles): warp w's A registers dequantized from rows 16w.., a
+        k-tile's eight k16 steps into `part` (block scales: promoted into acc with the k-tile's multiplier)."""
+        tCrA = thr_mma.make_fragment_A(thr_mma.partition_shape_A((16 * CONSUMER_WARPS, 128)))
+        a32 = cute.recast_tensor(tCrA, Int32)
+        lane = tidx % 32
+        g = lane // 4
+        base = w8.lane_base(16 * (tidx // 32), lane)
+        part = acc
+        if cutlass.const_expr(self.block_scales):
+            part = cute.make_rmem_tensor(acc.layout, Float32)
+            part.fill(0.0)
+        ksteps = cute.size(tCrA, mode=[2])
+        for i in cutlass.range(self.ntiles, unroll=1):
+            s = i % self.stages
+            sc = self._tile_scale(wq, i, place)
+            cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
+            for kk in cutlass.range_constexpr(ksteps):
+                w8.load_a(wq.w16, a32[None, 0, kk], s, base, g, kk)
+                cute.copy(cp_b, tBsX[None, None, kk, s], tBrB[None, None, kk])
+            cute.arch.sync_warp()  # every lane's loads of stage s are done (in registers)
+            self.release(empty + s, place)
+            for kk in cutlass.range_constexpr(ksteps):
+                cute.gemm(tiled_mma, part, tCrA[None, None, kk], tCrB[None, None, kk], part)
+            if cutlass.const_expr(self.block_scales):
+                w8.promote(acc, part, sc)
         return acc
 
     @cute.jit
@@ -109,7 +178,7 @@ class FrontConsumers:
         return acc
 
     @cute.jit
-    def consumer_k(self, tiled_mma, sW, sX, full, empty, warp_idx, lane, place):
+    def consumer_k(self, tiled_mma, sW, sX, full, empty, warp_idx, lane, place, wq=None):
         """warp_split "k": this warp's two k16 steps (columns 32w..32w+31) of every stage, all 64 rows.
 
         Per stage a warp loads 4 A tiles and 1 B tile per k16 step (x is read once per CTA, not once per
@@ -117,16 +186,20 @@ class FrontConsumers:
         two register sets: the MMAs of stage i-1 are issued after the loads of stage i, so ldmatrix latency
         overlaps 4 x tiles independent MMA chains (without it ptxas serialises ldmatrix -> mma)."""
         thr_mma = tiled_mma.get_slice(lane)
-        mine_w = cute.local_tile(sW[None, None, 0], (HEAD_COLS, WARP_K), (0, 0))  # shapes of one warp's slice
-        mine_x = cute.local_tile(sX[None, None, 0], (self.tt, WARP_K), (0, 0))
+        mine_x = cute.local_tile(sX[None, None, 0], (self.tt, WARP_K), (0, 0))  # shapes of one warp's slice
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((HEAD_COLS, self.tt)), Float32)
         acc.fill(0.0)
         cp_a, cp_b, thr_a, thr_b = operand_copies(tiled_mma, self.tt, lane)
-        tAsW = thr_a.partition_S(sW)  # (CPY, 4 m16, 8 k16, stages)
         tBsX = thr_b.partition_S(sX)  # (CPY, 1, 8 k16, stages)
         # two register sets (even / odd k-tiles): (MMA, 4 m16, 2 k16) and (MMA, 1, 2 k16) each
-        rA = [thr_mma.make_fragment_A(thr_mma.partition_A(mine_w)) for _ in range(2)]
         rB = [thr_mma.make_fragment_B(thr_mma.partition_B(mine_x)) for _ in range(2)]
+        if cutlass.const_expr(self.w8):
+            rA = [thr_mma.make_fragment_A(thr_mma.partition_shape_A((HEAD_COLS, WARP_K))) for _ in range(2)]
+            return self._consumer_k_w8(tiled_mma, acc, rA, rB, cp_b, thr_b, tBsX, full, empty, warp_idx, lane,
+                                       place, wq)
+        mine_w = cute.local_tile(sW[None, None, 0], (HEAD_COLS, WARP_K), (0, 0))
+        tAsW = thr_a.partition_S(sW)  # (CPY, 4 m16, 8 k16, stages)
+        rA = [thr_mma.make_fragment_A(thr_mma.partition_A(mine_w)) for _ in range(2)]
         if cutlass.const_expr(self.v.tiles > 2):
             # 4 tiles: 64 accumulators a thread leave no room for a second register set (two CTAs per SM)
             for i in cutlass.range(self.ntiles, unroll=1):
@@ -143,6 +216,50 @@ class FrontConsumers:
                                      place)
                 self._mma_k(tiled_mma, acc, rA[1], rB[1])
         return acc
+
+    @cute.jit
+    def _consumer_k_w8(self, tiled_mma, acc, rA, rB, cp_b, thr_b, tBsX, full, empty, warp_idx, lane, place, wq):
+        """`consumer_k` of an e4m3 W ring (1 or 2 token tiles), pipelined the same way over two register sets; with
+        block scales each k-tile's two k16 steps go to `part`, promoted into acc with that k-tile's multiplier."""
+        g = lane // 4
+        bases = [w8.lane_base(16 * mi, lane) for mi in range(HEAD_COLS // 16)]
+        part = acc
+        if cutlass.const_expr(self.block_scales):
+            part = cute.make_rmem_tensor(acc.layout, Float32)
+            part.fill(0.0)
+        sc0 = self._load_k_w8(cp_b, thr_b, tBsX, rA[0], rB[0], full, empty, warp_idx, Int32(0), place, wq, bases, g)
+        sc1 = sc0
+        for p in cutlass.range(self.ntiles // 2, unroll=1):
+            i = 2 * p + 1
+            sc1 = self._load_k_w8(cp_b, thr_b, tBsX, rA[1], rB[1], full, empty, warp_idx, i, place, wq, bases, g)
+            self._mma_k(tiled_mma, part, rA[0], rB[0])
+            if cutlass.const_expr(self.block_scales):
+                w8.promote(acc, part, sc0)
+            if i + 1 < self.ntiles:
+                sc0 = self._load_k_w8(cp_b, thr_b, tBsX, rA[0], rB[0], full, empty, warp_idx, i + 1, place, wq,
+                                      bases, g)
+            self._mma_k(tiled_mma, part, rA[1], rB[1])
+            if cutlass.const_expr(self.block_scales):
+                w8.promote(acc, part, sc1)
+        return acc
+
+    @cute.jit
+    def _load_k_w8(self, cp_b, thr_b, tBsX, rA, rB, full, empty, warp_idx, i, place, wq, bases, g):
+        """`_load_k` from an e4m3 ring: this warp's 4 m16 x 2 k16 A blocks dequantized; returns k-tile i's block
+        multiplier (1.0 with channel scales)."""
+        s = i % self.stages
+        sc = self._tile_scale(wq, i, place)
+        cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
+        a32 = cute.recast_tensor(rA, Int32)
+        tBrB = thr_b.retile(rB)
+        for j in cutlass.range_constexpr(WARP_K // 16):
+            kk = warp_idx * (WARP_K // 16) + j
+            for mi in cutlass.range_constexpr(HEAD_COLS // 16):
+                w8.load_a(wq.w16, a32[None, mi, j], s, bases[mi], g, kk)
+            cute.copy(cp_b, tBsX[None, None, kk, s], tBrB[None, None, j])
+        cute.arch.sync_warp()  # every lane's loads of stage s are done
+        self.release(empty + s, place)
+        return sc
 
     @cute.jit
     def _load_k(self, cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA, rB, full, empty, warp_idx, i, place):
@@ -173,7 +290,7 @@ class FrontConsumers:
             cute.gemm(tiled_mma, acc, rA[None, None, j], rB[None, None, j], acc)
 
     @cute.jit
-    def reduce_send(self, tiled_mma, acc, st, recv_bar, warp_idx, tidx, place):
+    def reduce_send(self, tiled_mma, acc, st, recv_bar, warp_idx, tidx, place, wq=None):
         """warp_split "k": sum the 4 warps' partials in warp order 0..3 (in the idle W ring), then each of the
         128 consumer threads sends TT/2 of the CTA's 64 x TT sums to their owners (as `send` does)."""
         red = cute.make_tensor(cute.recast_ptr(st.sW.data_ptr(), dtype=Float32),
@@ -194,10 +311,12 @@ class FrontConsumers:
             total = red[n * RED_STRIDE + m]
             for w in cutlass.range_constexpr(1, CONSUMER_WARPS):  # fixed warp order: deterministic
                 total = total + red[(w * self.tt + n) * RED_STRIDE + m]
+            if cutlass.const_expr(self.w8 and not self.block_scales):
+                total = total * wq.row_scales  # column tidx % 64's multiplier (w8_state)
             self._deliver(recv, recv_bar, place, n, m, total)
 
     @cute.jit
-    def send(self, tiled_mma, acc, st, recv_bar, tidx, place):
+    def send(self, tiled_mma, acc, st, recv_bar, tidx, place, wq=None):
         """warp_split "rows" and "wg": every accumulator element is a whole partial of (column m, token n) (no
         cross-warp sum): deliver it."""
         thr_mma = tiled_mma.get_slice(tidx)
@@ -205,7 +324,10 @@ class FrontConsumers:
         recv = self.recv(st)
         for i in cutlass.range_constexpr(cute.size(acc)):
             m, n = tCcC[i]
-            self._deliver(recv, recv_bar, place, n, m, acc[i])
+            if cutlass.const_expr(self.w8 and not self.block_scales):
+                self._deliver(recv, recv_bar, place, n, m, acc[i] * wq.row_scales[i])
+            else:
+                self._deliver(recv, recv_bar, place, n, m, acc[i])
 
     @cute.jit
     def _deliver(self, recv, recv_bar, place, n, m, value):

@@ -121,6 +121,39 @@ def check(n: int, nkv: int, kind: str, m: int, v, eps: float, theta: float) -> d
     return row
 
 
+def exact(n: int, nkv: int, m: int, v, eps: float, theta: float) -> dict:
+    """Every finite e4m3 byte through the build's conversion: the gate heads' rows (y's raw columns) hold byte
+    (row * m + t) % 256 at column k_t (NaN bytes 0x7f / 0xff -> 0), x token t is one-hot at k_t, channel scales 1:
+    y[t, gate row] must be the byte's exact value (one nonzero product; bf16 holds every e4m3 value)."""
+    g = torch.Generator(device="cuda").manual_seed(11 * n + m)
+    k = get_kernel(v, device=0)
+    heads = n // 64
+    nq = (heads - 2 * nkv) // 2
+    gate0 = (nq + 2 * nkv) * 64
+    rows = n - gate0
+    ks = torch.randperm(HIDDEN, device="cuda", generator=g)[:m]
+    b = torch.zeros(n, HIDDEN, dtype=torch.uint8, device="cuda")
+    val = ((torch.arange(rows, device="cuda")[:, None] * m + torch.arange(m, device="cuda")[None, :]) % 256)
+    val = torch.where((val & 0x7F) == 0x7F, 0, val).to(torch.uint8)
+    b[gate0:, ks] = val
+    w = b.view(torch.float8_e4m3fn)
+    x = torch.zeros(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    x[torch.arange(m, device="cuda"), ks] = 1.0
+    sc = torch.ones(n, device="cuda")
+    cs = rope_cos_sin_table(MAX_POS, theta, "cuda")
+    pos = torch.zeros(m, dtype=torch.int64, device="cuda")
+    kc, vc, _ = _caches(nkv, m, g)
+    slots = torch.full((m,), -1, dtype=torch.int64, device="cuda")
+    y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    k.launch(launch_grid(v), values(x, w, sc, pos, cs, slots, kc, vc, eps, y))
+    torch.cuda.synchronize()
+    want = val.view(torch.float8_e4m3fn).float().T.to(torch.bfloat16)  # [m, rows]
+    got = y[:, gate0:]
+    bad = int((got.view(torch.int16) != want.view(torch.int16)).sum())
+    return {"N": n, "tp": TP_OF[n], "M": m, "build": v.label, "bytes": int(torch.unique(val).numel()),
+            "mismatches": bad, "ok": bad == 0}
+
+
 def timing(n: int, nkv: int, m: int, table: dict, eps: float, theta: float, pred, samples: int) -> dict:
     g = torch.Generator(device="cuda").manual_seed(1000 * m + n)
     bf = torch.bfloat16
@@ -179,13 +212,14 @@ def timing(n: int, nkv: int, m: int, table: dict, eps: float, theta: float, pred
 
 
 def table_text(doc: dict) -> str:
-    lines = ["check: shard scale M  y_err (torch) kv_err  ok"]
+    lines = [f"exact (every e4m3 byte): {sum(r['mismatches'] for r in doc['exact'])} mismatches in "
+             f"{len(doc['exact'])} builds", "check: shard scale M  y_err (torch) kv_err  ok"]
     for r in doc["check"]:
         lines.append(f"  TP{r['tp']} {r['scale']:7s} {r['M']:2d}  {r['y_err']:.4f} ({r['torch_y_err']:.4f}) "
                      f"{r['kv_err']:.4f}  {r['ok']}")
     lines.append("time (us): TP M | bf16 chain | fp8 ch/blk chain | ratio ch/blk | after-norm ratio ch/blk | "
                  "scaled_mm | floor8")
-    for r in doc["time"]:
+    for r in doc["timing"]:
         u, q = r["us"], r["ratio"]
         lines.append(f"  TP{r['tp']} {r['M']:2d} | {u['chain_bf16']:.2f} | {u['chain_fp8_channel']:.2f} / "
                      f"{u['chain_fp8_block']:.2f} | {q['chain_channel']:.3f} / {q['chain_block']:.3f} | "
@@ -212,9 +246,13 @@ def main() -> int:
     table = builds()
     doc = dict(report.commit_info(), device=torch.cuda.get_device_name(), torch=torch.__version__,
                time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), layers=LAYERS, samples=a.samples,
-               copy_TBps=copy_bandwidth(), check=[], time=[])
+               copy_TBps=copy_bandwidth(), exact=[], check=[], timing=[])
     eps, theta = model.rms_norm_eps, model.rope_theta
     for n, nkv in SHARDS:
+        for m in (1, 8, 16):
+            r = exact(n, nkv, m, table[(n, "fp8_e4m3", "channel", m)], eps, theta)
+            doc["exact"].append(r)
+            log(f"exact TP{r['tp']} M={m}: {r['bytes']} bytes, {r['mismatches']} mismatches")
         for kind in SCALES:
             for m in (int(s) for s in a.check_ms.split(",")):
                 r = check(n, nkv, kind, m, table[(n, "fp8_e4m3", kind, m)], eps, theta)
@@ -224,10 +262,10 @@ def main() -> int:
     for n, nkv in () if a.no_time else SHARDS:
         for m in (int(s) for s in a.ms.split(",")):
             r = timing(n, nkv, m, table, eps, theta, pred, a.samples)
-            doc["time"].append(r)
+            doc["timing"].append(r)
             log(f"{time.time() - t0:6.1f}s time TP{r['tp']} M={m}: {r['us']}")
         torch.cuda.empty_cache()
-    doc["ok"] = all(r["ok"] for r in doc["check"])
+    doc["ok"] = all(r["ok"] for r in doc["check"] + doc["exact"])
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
     print(table_text(doc))

@@ -508,9 +508,9 @@ def test_w8_variant_rules():
 
 
 # each build: the ABI is the PTX .entry's; W arrives as one 128-byte-wide box a stage (8 KiB + x in expect_tx); every
-# weight of a stage is loaded once per CTA as 16-bit words and converted by cvt.rn.f16x2.e4m3x2 (4 per m16 x k16 block
-# a lane: 8 k16 steps x TT-independent, 4 m16 blocks a k-tile's 2 k16 steps with "k"), no A ldmatrix; the MMAs are the
-# bf16 build's; block scales: one fp32 load per k-tile before its barrier wait
+# weight of a stage is loaded once per CTA as 16-bit words (4 per m16 x k16 block a lane: 8 blocks a k-tile with
+# "rows", 4 m16 x 2 k16 with "k") and converted by w8.bf16x4 (a prmt and 2 bf16x2 multiplies per 2 words), no A
+# ldmatrix; the MMAs are the bf16 build's
 @pytest.mark.slow
 @pytest.mark.parametrize("v", PLANNED_W8, ids=lambda v: v.label)
 def test_w8_compile_ptx(kmod, v):
@@ -529,8 +529,10 @@ def test_w8_compile_ptx(kmod, v):
     blocks = 8 if v.warp_split == "rows" else 2 * 4  # m16 x k16 blocks a lane converts per k-tile
     per_tile = 4 * blocks
     loop_copies = 2 if v.warp_split == "k" else 1  # "k": the two register sets' loads are written out twice
-    assert _count(r"cvt\.rn\.f16x2\.e4m3x2", ptx) == per_tile * (loop_copies + (1 if v.warp_split == "k" else 0))
-    assert _count(r"ld\.shared\.b16", ptx) == _count(r"cvt\.rn\.f16x2\.e4m3x2", ptx)
+    loads = _count(r"ld\.shared\.[bs]16", ptx)
+    assert loads == per_tile * (loop_copies + (1 if v.warp_split == "k" else 0))
+    assert _count(r"mul\.rn\.bf16x2", ptx) == loads and 2 * _count(r"prmt\.b32\s+q", ptx) == loads
+    assert "cvt.rn.f16x2.e4m3x2" not in ptx
     x_ldm = r"ldmatrix\.sync\.aligned\.m8n8\.x[24]\.shared\.b16"
     assert _count(x_ldm, ptx) < _count(x_ldm, bf.ptx)  # x only
 
@@ -550,7 +552,7 @@ def test_w8_sass(kmod, v, tmp_path):
     if one_wave_at_two_per_sm(v.n, v.k_split, get_target("h200")):  # planned for two CTAs per SM
         assert CTAS_PER_SM * THREADS * ((usage["REG"] + 7) // 8 * 8) <= SM90_REGS_PER_SM
     s = nvdump.dump(ck.cubin, tmp_path, "-sass").stdout
-    # the exact conversion (research/fp8.md section 4): 4 SASS a pair
-    assert "F2FP.F16.E4M3.UNPACK_B" in s and "F2FP.BF16.F32.PACK_AB" in s and "HADD2.F32" in s
+    # the bit route (w8.bf16x4): integer operations and bf16x2 multiplies, no conversion instruction
+    assert "HMUL2.BF16_V2" in s and "PRMT" in s and "F2FP.F16.E4M3" not in s
     assert "HMMA.16816.F32.BF16" in s and "UTMALDG" in s
     assert not re.search(r"\b(STL|LDL)\b", s)

@@ -13,7 +13,8 @@ time: per shard and M in --ms, 8 layers of weights rotated past the L2, CUDA-gra
   Targets (issue 30): e4m3 / bf16 <= 0.60 at TP8 M = 1, 8, 16; e4m3 faster than _scaled_mm at TP8 and TP4; TP1
   M <= 16 at >= 90 % of copy bandwidth.
 
-Usage (GPU machine, cache carried):  source bench/device_env.sh && python3 bench/w8_bench.py --out $DEST/h200-w8-bench.json
+Usage (GPU machine, cache carried):
+  source bench/device_env.sh && python3 bench/w8_bench.py --out $DEST/h200-w8-bench.json
 Table last on stdout, progress on stderr.
 """
 from __future__ import annotations

@@ -3,7 +3,6 @@ the planned h200 builds of M = 1..16 with bf16 weights and with e4m3 ones (chann
 (`musekern prepare --variant` takes them)."""
 from __future__ import annotations
 
-from musekern.kernels.qkv_front.rules import qkv_front_variants
 from musekern.targets import get_target
 
 SHARDS = ((2176, 1), (4352, 2), (8704, 4), (17408, 8))  # TP8, TP4, TP2, TP1

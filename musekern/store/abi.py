@@ -64,10 +64,6 @@ class Param:
                 raise ValueError(f"param {self.name!r}: field {f.name!r} overruns {self.size} bytes")
 
 
-# element types a tensor map may describe (runtime/tensormap.py encodes each): "u8" = e4m3 bytes
-TENSORMAP_DTYPES = ("bf16", "f16", "f32", "u8")
-
-
 @dataclass(frozen=True)
 class TensorMapSpec:
     """How the loader encodes the CUtensorMap of one TMA parameter with cuTensorMapEncodeTiled.
@@ -78,7 +74,7 @@ class TensorMapSpec:
     """
     param: str
     tensor: str
-    dtype: str  # TENSORMAP_DTYPES
+    dtype: str  # "bf16" | "f16" | "f32"
     box: tuple[int, int]
     swizzle: str = "128B"  # "none" | "32B" | "64B" | "128B"
     l2_promotion: str = "128B"  # "none" | "64B" | "128B" | "256B"

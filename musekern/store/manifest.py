@@ -33,7 +33,7 @@ import math
 import re
 
 from . import variant_abi
-from .abi import ABI_VERSION, FIELD_TYPES, TENSORMAP_DTYPES, KernelAbi, cubin_arch
+from .abi import ABI_VERSION, FIELD_TYPES, KernelAbi, cubin_arch
 from .keys import KeyParts, canonical_json, is_key, sha256_hex
 from .signing import SIGNATURES, signature_problems
 
@@ -52,7 +52,8 @@ _STRING_RE = re.compile(rb'"(?:[^"\\]|\\.)*"')
 _BRACKET_RE = re.compile(rb"[\[\]{}]")
 _KINDS = ("scalar", "pointer", "struct", "tensormap")
 _ALIGNS = (1, 2, 4, 8, 16, 32, 64, 128)
-_TENSORMAP = {"dtype": TENSORMAP_DTYPES, "swizzle": ("none", "32B", "64B", "128B"),
+_TENSORMAP = {"dtype": ("bf16", "f16", "f32", "u8"),  # u8: e4m3 bytes (runtime/tensormap.py encodes each)
+              "swizzle": ("none", "32B", "64B", "128B"),
               "l2_promotion": ("none", "64B", "128B", "256B"), "oob_fill": ("none", "nan"), "interleave": ("none",)}
 MAX_PARAM_SPACE = 32764  # bytes of kernel parameters CUDA accepts (12.1 and later)
 

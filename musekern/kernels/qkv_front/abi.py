@@ -15,8 +15,8 @@ BOX_COLS = 64  # a 128B-swizzle TMA box is 64 bf16 columns wide
 def abi_for(v: QkvFrontVariant) -> KernelAbi:
     """The launch ABI (pure: no compile). Order = the kernel's argument order (NOTES.md §3)."""
     fp8_w = v.weight_dtype != "bf16"
-    params = [tensormap("tma_w", f"CUtensorMap of weight {'e4m3 (u8) [N, 8192], box 128x64' if fp8_w else 'bf16 [N, 8192], box 64x64'}, "
-                                 "128B swizzle")]
+    w = "e4m3 (u8) [N, 8192], box 128x64" if fp8_w else "bf16 [N, 8192], box 64x64"
+    params = [tensormap("tma_w", f"CUtensorMap of weight {w}, 128B swizzle")]
     # mW_tma: fully static shape (N, 8192) -> no parameter
     xb = x_box_rows(v)
     params.append(tensormap("tma_x", f"CUtensorMap of x bf16 [M, 8192], box 64x{xb}, 128B swizzle (rows >= M: 0)"))

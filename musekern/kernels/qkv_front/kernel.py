@@ -57,8 +57,7 @@ read (the reference does the same). Slots < 0 or >= num_blocks * block_size writ
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
-from cutlass import Float8E4M3FN
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 from cutlass.cute.runtime import make_ptr
 from cutlass.memory import SmemAllocator
@@ -66,7 +65,6 @@ from cutlass.utils import hopper_helpers as sm90_utils
 
 from ...store.keys import variant_tag
 from . import fp8 as _fp8
-from . import w8
 from .mma import BAR_AUX, BAR_PARTIALS, BAR_RED, CONSUMER_THREADS, CtaPlace, FrontConsumers
 from .octets import OCTET_MIN_OWNED, FrontOctetEpilogue
 from .variant import (

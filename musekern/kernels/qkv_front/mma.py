@@ -66,7 +66,7 @@ class FrontConsumers:
         first k-tile (weights: no griddepcontrol.wait needed)."""
         if not self.w8:
             return None
-        scales = w8.scale_tensor(scale_ptr, self.n, self.block_scales)
+        scales = w8.scale_tensor(scale_ptr, self.n)
         rows = None
         if not self.block_scales:
             if self.v.warp_split == "rows":

@@ -78,9 +78,10 @@ def load_a(w16: cute.Tensor, a32: cute.Tensor, stage, base, g, kstep: cutlass.Co
     a32[1], a32[3] = bf16x4(w16[(off + 8 * ROW_BYTES) // 2], w16[(off + 8 * ROW_BYTES + 8) // 2])
 
 
-def scale_tensor(ptr, n: int, block: bool):
-    """The canonical fp32 multipliers: [N] per row, or [N / 64 heads, 64 k-tiles] flat (head h's k-tile k at 64h + k)."""
-    return cute.make_tensor(ptr, cute.make_layout(n // HEAD_COLS * 64 if block else n))
+def scale_tensor(ptr, n: int):
+    """The canonical fp32 multipliers, N of them either way: [N] per row, or [N / 64 heads, 64 k-tiles] flat (head h's
+    k-tile k at 64 h + k)."""
+    return cute.make_tensor(ptr, cute.make_layout(n))
 
 
 @cute.jit

@@ -18,6 +18,7 @@ _DTYPES = {
     "bf16": (drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2),
     "f16": (drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2),
     "f32": (drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4),
+    "u8": (drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, 1),  # e4m3 bytes
 }
 _SWIZZLE = {"none": "CU_TENSOR_MAP_SWIZZLE_NONE", "32B": "CU_TENSOR_MAP_SWIZZLE_32B",
             "64B": "CU_TENSOR_MAP_SWIZZLE_64B", "128B": "CU_TENSOR_MAP_SWIZZLE_128B"}

@@ -86,6 +86,12 @@ class WeightFormat:
         return self.dtype == "fp8_e4m3"
 
     @property
+    def kernel_scale(self) -> str:
+        """How the kernels apply the canonical scales (pack.py): "none" (bf16), "block" (one per 64 rows x 128 K),
+        "channel" (one per row: per-channel and per-tensor checkpoints pack to it)."""
+        return {"none": "none", "block": "block"}.get(self.granularity, "channel")
+
+    @property
     def name(self) -> str:
         """The override spelling of this format (OVERRIDE_CHOICES): parse_override(f.name) == f."""
         if not self.fp8:

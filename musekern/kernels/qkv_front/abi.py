@@ -14,13 +14,17 @@ BOX_COLS = 64  # a 128B-swizzle TMA box is 64 bf16 columns wide
 
 def abi_for(v: QkvFrontVariant) -> KernelAbi:
     """The launch ABI (pure: no compile). Order = the kernel's argument order (NOTES.md §3)."""
-    params = [tensormap("tma_w", "CUtensorMap of weight bf16 [N, 8192], box 64x64, 128B swizzle")]
+    fp8_w = v.weight_dtype != "bf16"
+    params = [tensormap("tma_w", f"CUtensorMap of weight {'e4m3 (u8) [N, 8192], box 128x64' if fp8_w else 'bf16 [N, 8192], box 64x64'}, "
+                                 "128B swizzle")]
     # mW_tma: fully static shape (N, 8192) -> no parameter
     xb = x_box_rows(v)
     params.append(tensormap("tma_x", f"CUtensorMap of x bf16 [M, 8192], box 64x{xb}, 128B swizzle (rows >= M: 0)"))
     if not v.fixed_rows:
         params.append(coord_tensor("x_coord", ("M",), "TMA coordinate tensor of x: its dynamic row count M"))
     params += [
+        pointer("weight_scale", "float32 dequant multipliers of the e4m3 weight: [N] (channel) or [N / 64, 64] "
+                                "(block: per 64 rows x 128 K)") if fp8_w else
         pointer("weight_ptr", "the weight's base address (read by no code since the L2 prefetch lever left; kept "
                               "so the ABI and the cubins stay as they are)"),
         pointer("y", "bf16 [M, N] output, contiguous"),
@@ -42,5 +46,6 @@ def abi_for(v: QkvFrontVariant) -> KernelAbi:
         params=tuple(params),
         launch=LaunchSpec(block=(THREADS, 1, 1), cluster=(cluster_size(v), 1, 1), dynamic_smem_bytes=smem_bytes(v),
                           pdl=True, grid=f"(heads * S, 1, 1) = ({v.heads} * {v.k_split}, 1, 1)"),
-        tensormaps=(TensorMapSpec("tma_w", "weight", "bf16", (BOX_COLS, HEAD_COLS)),
+        tensormaps=(TensorMapSpec("tma_w", "weight", "u8", (2 * BOX_COLS, HEAD_COLS)) if fp8_w else
+                    TensorMapSpec("tma_w", "weight", "bf16", (BOX_COLS, HEAD_COLS)),
                     TensorMapSpec("tma_x", "x", "bf16", (BOX_COLS, xb))))

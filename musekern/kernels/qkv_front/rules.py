@@ -25,6 +25,7 @@ from .variant import (
     ring_smem_bytes,
     stage_bytes,
     supports_shape,
+    w_stage_bytes,
 )
 
 CTAS_PER_SM = 2  # the shallow ring is sized so that two CTAs share an SM
@@ -106,19 +107,22 @@ def alone_on_sm(n: int, split: int, target: Target) -> bool:
 
 # NOTES "ring_stages": shallow (two CTAs per SM, one wave) where the grid fits; the deepest such ring where a
 # CTA is alone on its SM; else as deep as one CTA per SM allows (one tile) or MAX_RING_STAGES (two tiles).
-def ring_stages(split: int, target: Target, tiles: int = 2, n: int | None = None, recv_in_ring: bool = False) -> int:
+# e4m3 weights (issue 30, to be measured): the same W bytes in flight, so twice the stages of half the size.
+def ring_stages(split: int, target: Target, tiles: int = 2, n: int | None = None, recv_in_ring: bool = False,
+                weight_dtype: str = "bf16") -> int:
     """Ring depth (never changes the result). Without `n` (the seed's signature) the deep rule applies."""
     per_cta_tiles = (K_TILES + split - 1) // split
+    per_bf16 = max(1, w_stage_bytes() // w_stage_bytes(weight_dtype))
     if n is not None and one_wave_at_two_per_sm(n, split, target):
-        top = MAX_RING_STAGES if alone_on_sm(n, split, target) else SHALLOW_RING_STAGES
+        top = per_bf16 * (MAX_RING_STAGES if alone_on_sm(n, split, target) else SHALLOW_RING_STAGES)
         for st in range(top, MIN_RING_STAGES - 1, -1):
-            fits = ring_smem_bytes(st, tiles, split, recv_in_ring) + SMEM_RESERVED_PER_CTA
+            fits = ring_smem_bytes(st, tiles, split, recv_in_ring, weight_dtype) + SMEM_RESERVED_PER_CTA
             if CTAS_PER_SM * fits <= target.smem_per_sm:
                 return min(st, per_cta_tiles)
-    fit = (target.max_smem_optin - SMEM_RESERVE_BYTES) // stage_bytes(tiles)
-    cap = fit if tiles == 1 else MAX_RING_STAGES
+    fit = (target.max_smem_optin - SMEM_RESERVE_BYTES) // stage_bytes(tiles, weight_dtype)
+    cap = fit if tiles == 1 else per_bf16 * MAX_RING_STAGES
     st = max(MIN_RING_STAGES, min(cap, fit, per_cta_tiles))
-    while st > MIN_RING_STAGES and ring_smem_bytes(st, tiles, split) > target.max_smem_optin:
+    while st > MIN_RING_STAGES and ring_smem_bytes(st, tiles, split, False, weight_dtype) > target.max_smem_optin:
         st -= 1  # 8 tiles: more than SMEM_RESERVE_BYTES outside the ring (receive buffer, cos|sin rows)
     return st
 
@@ -151,19 +155,24 @@ def warp_split(n: int, split: int, target: Target, tiles: int) -> str:
     return "rows" if tiles == 1 and pdl_trigger(n, split, target, tiles) == "late" else "k"
 
 
-def variant(n: int, m: int, num_kv_heads: int, target: Target, kv_cache_dtype: str = BF16) -> QkvFrontVariant:
+def variant(n: int, m: int, num_kv_heads: int, target: Target, kv_cache_dtype: str = BF16,
+            weight_dtype: str = "bf16", weight_scale: str = "none") -> QkvFrontVariant:
     """The compiled variant a call with weight rows N and M tokens takes on `target`, writing caches of
-    `kv_cache_dtype` (the same build otherwise: the FP8 store measures no rule of its own)."""
+    `kv_cache_dtype` (the same build otherwise: the FP8 store measures no rule of its own), streaming a weight of
+    `weight_dtype` with `weight_scale` multipliers (e4m3: M <= MAX_TOKENS, `front_serves`)."""
     if not supports_shape(n, num_kv_heads):
         raise ValueError(f"qkv_front does not support N={n} with num_kv_heads={num_kv_heads}")
+    if weight_dtype != "bf16" and not 1 <= m <= MAX_TOKENS:
+        raise ValueError(f"the {weight_dtype} front builds serve M = 1..{MAX_TOKENS}, got M = {m}")
     tiles = token_tiles(m, n, target)
     s = k_split(n, target, tiles)
     split = warp_split(n, s, target, tiles)
     rir = recv_in_ring(n, s, target, tiles, split)
-    stages = ring_stages(s, target, tiles, n, recv_in_ring=rir)
+    stages = ring_stages(s, target, tiles, n, recv_in_ring=rir, weight_dtype=weight_dtype)
     return QkvFrontVariant(n, num_kv_heads, tiles, stages, s, fixed_rows(m), pdl_trigger(n, s, target, tiles),
                            warp_split=split, trigger_ahead=trigger_ahead(n, s, target, tiles, stages),
-                           recv_in_ring=rir, x_mcast=x_mcast(s, tiles, split), kv_cache_dtype=kv_cache_dtype)
+                           recv_in_ring=rir, x_mcast=x_mcast(s, tiles, split), kv_cache_dtype=kv_cache_dtype,
+                           weight_dtype=weight_dtype, weight_scale=weight_scale)
 
 
 # NOTES "x_mcast": the heads of a pair share each x tile (half the x reads from the L2) where x weighs most: 8 tiles
@@ -187,12 +196,15 @@ def recv_in_ring(n: int, split: int, target: Target, tiles: int, warp: str) -> b
 # NOTES "Every M: which path": the front where it measured faster than its alternative, cuBLAS's GEMM + the fused
 # epilogue, else that: above M = 16 where the grid is one wave at two CTAs per SM (TP8, TP4; TP2 up to 48 tokens), not
 # where CTAs run in waves (TP1).
-def front_serves(n: int, m: int, target: Target) -> bool:
+# e4m3 weights: the mma.sync builds only (M <= 16; wgmma has no e4m3 x bf16 form), the FP8 GEMM path above.
+def front_serves(n: int, m: int, target: Target, weight_dtype: str = "bf16") -> bool:
     """Does the fused front take a call with weight rows N and M tokens on `target` (pure)?"""
     if not 1 <= m <= FRONT_MAX_TOKENS:
         return False
     if m <= MAX_TOKENS:
         return True
+    if weight_dtype != "bf16":
+        return False
     if m > SYNC_MAX_TILES * TOKEN_TILE and target.arch not in WGMMA_ARCHES:
         return False  # no wgmma: mma.sync builds stop at 4 tiles
     tiles = token_tiles(m, n, target)
@@ -202,17 +214,18 @@ def front_serves(n: int, m: int, target: Target) -> bool:
 
 
 def served_tokens(n: int, num_kv_heads: int, target: Target, max_tokens: int = MAX_TOKENS,
-                  kv_cache_dtype: str = BF16) -> dict:
+                  kv_cache_dtype: str = BF16, weight_dtype: str = "bf16", weight_scale: str = "none") -> dict:
     """{variant: the M values (ascending) that take it} for the calls M = 1..max_tokens the front serves, the
     variants in the order of their first M."""
     out = {}
     for m in range(1, min(max_tokens, FRONT_MAX_TOKENS) + 1):
-        if front_serves(n, m, target):
-            out.setdefault(variant(n, m, num_kv_heads, target, kv_cache_dtype), []).append(m)
+        if front_serves(n, m, target, weight_dtype):
+            v = variant(n, m, num_kv_heads, target, kv_cache_dtype, weight_dtype, weight_scale)
+            out.setdefault(v, []).append(m)
     return out
 
 
 def qkv_front_variants(n: int, num_kv_heads: int, target: Target, max_tokens: int = MAX_TOKENS,
-                       kv_cache_dtype: str = BF16):
+                       kv_cache_dtype: str = BF16, weight_dtype: str = "bf16", weight_scale: str = "none"):
     """Every distinct variant the calls M = 1..max_tokens take where the front serves them, in a stable order."""
-    return tuple(served_tokens(n, num_kv_heads, target, max_tokens, kv_cache_dtype))
+    return tuple(served_tokens(n, num_kv_heads, target, max_tokens, kv_cache_dtype, weight_dtype, weight_scale))

@@ -28,7 +28,7 @@ TILE_CHOICES = tuple(range(1, FRONT_MAX_TOKENS // TOKEN_TILE + 1))  # 8-token ti
 SYNC_TILE_CHOICES = (1, 2, 4, 8)  # the tiles an mma.sync build ("rows", "k") takes: its x ldmatrix is x2 or x4
 K_TILE = 128  # K columns per ring stage: two 64-wide 128B-swizzled TMA boxes
 K_TILES = HIDDEN // K_TILE
-W_STAGE_BYTES = HEAD_COLS * K_TILE * 2  # 16 KiB of bf16 weights per stage
+W_STAGE_BYTES = HEAD_COLS * K_TILE * 2  # 16 KiB of bf16 weights per stage (8 KiB of e4m3: `w_stage_bytes`)
 X_TILE_STAGE_BYTES = TOKEN_TILE * K_TILE * 2  # 2 KiB of bf16 activations per token tile per stage
 MIN_RING_STAGES = 2
 SPLIT_CHOICES = (1, 2, 4)  # power-of-two clusters that are co-resident (k_split picks 1 or 2; 4 from 5 tiles, even)
@@ -42,6 +42,13 @@ PDL_TRIGGERS = ("early", "late", "exit")
 # warps are one warpgroup issuing wgmma m64nTTk16 from the ring (W as A, x as B, both K-major in the ring's 128B
 # swizzle): the whole k-tile in one accumulator, no reduction.
 WARP_SPLITS = ("rows", "k", "wg")
+# The weight the build streams (`weight_dtype`): bf16, or e4m3 (FP8 checkpoints, musekern/weights/pack.py's canonical
+# layout) dequantized exactly to bf16 in registers for the bf16 MMA (W8A16: x stays bf16, no activation rounding).
+# `weight_scale` says how the fp32 dequant multipliers apply: "channel" one per row (per-tensor checkpoints pack to
+# it), applied to the fp32 partials; "block" one per (head, k-tile) = (64 rows, 128 K columns), applied to each
+# k-tile's fp32 sum before it joins the accumulator.
+WEIGHT_DTYPES = ("bf16", "fp8_e4m3")
+WEIGHT_SCALES = {"bf16": ("none",), "fp8_e4m3": ("channel", "block")}
 
 
 @dataclass(frozen=True)
@@ -76,9 +83,21 @@ class QkvFrontVariant(VariantMixin):
     # The KV cache the build writes (kv_cache.KV_CACHE_DTYPES): "bf16", or "fp8_e4m3" (e4m3 bytes of k_bf16 / k_scale,
     # v_bf16 / v_scale; four more launch values: the scales' addresses and values). Never changes y.
     kv_cache_dtype: str = BF16
+    # WEIGHT_DTYPES / WEIGHT_SCALES: the weight's bytes and its dequant multipliers (one more launch value, in the bf16
+    # builds' unread weight_ptr slot). Changes y (an e4m3 weight is another weight); the e4m3 builds are mma.sync ones.
+    weight_dtype: str = "bf16"
+    weight_scale: str = "none"
 
     def __post_init__(self):
         problems = []
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            problems.append(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}")
+        elif self.weight_scale not in WEIGHT_SCALES[self.weight_dtype]:
+            problems.append(f"weight_scale of a {self.weight_dtype} weight must be one of "
+                            f"{WEIGHT_SCALES[self.weight_dtype]}, got {self.weight_scale!r}")
+        elif self.weight_dtype != "bf16" and self.warp_split == "wg":
+            problems.append("an e4m3 weight needs an mma.sync build (warp_split 'rows' or 'k'): wgmma has no "
+                            "e4m3 x bf16 form")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             problems.append(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not supports_shape(self.n, self.num_kv_heads):
@@ -104,9 +123,10 @@ class QkvFrontVariant(VariantMixin):
         if self.warp_split not in WARP_SPLITS:
             problems.append(f"warp_split must be one of {WARP_SPLITS}, got {self.warp_split!r}")
         elif (self.warp_split == "k" and self.k_split in SPLIT_CHOICES
-              and red_bytes(self.tiles) > self.stages * W_STAGE_BYTES):
+              and red_bytes(self.tiles) > self.stages * w_stage_bytes(self.weight_dtype)):
             problems.append(f"warp_split 'k' with {self.tiles} tiles sums its partials in the W ring: needs "
-                            f">= {-(-red_bytes(self.tiles) // W_STAGE_BYTES)} stages, got {self.stages}")
+                            f">= {-(-red_bytes(self.tiles) // w_stage_bytes(self.weight_dtype))} stages, got "
+                            f"{self.stages}")
         if self.recv_in_ring and self.warp_split != "wg":
             problems.append(f"recv_in_ring needs warp_split 'wg', got {self.warp_split!r}")
         # (a q|k|v|gate layout has an even number of heads, and 2 x S <= 8 is a portable cluster)
@@ -150,7 +170,12 @@ def red_bytes(tiles: int) -> int:
     return CONSUMER_WARPS * tiles * TOKEN_TILE * RED_STRIDE * 4
 
 
-assert red_bytes(2) <= MIN_RING_STAGES * W_STAGE_BYTES  # one or two tiles fit any ring
+assert red_bytes(2) <= MIN_RING_STAGES * W_STAGE_BYTES  # one or two tiles fit any bf16 ring
+
+
+def w_stage_bytes(weight_dtype: str = "bf16") -> int:
+    """Bytes of W one ring stage holds: 64 rows x 128 k of bf16 (16 KiB) or e4m3 (8 KiB)."""
+    return W_STAGE_BYTES // (2 if weight_dtype == "fp8_e4m3" else 1)
 
 
 def launch_grid(v: QkvFrontVariant) -> tuple[int, int, int]:
@@ -178,28 +203,30 @@ def owned_tokens(tiles: int, k_split: int) -> int:
     return tiles * TOKEN_TILE // k_split
 
 
-def stage_bytes(tiles: int) -> int:
-    """Bytes landing in one ring stage: 16 KiB of W and the stage's x."""
-    return W_STAGE_BYTES + tiles * X_TILE_STAGE_BYTES
+def stage_bytes(tiles: int, weight_dtype: str = "bf16") -> int:
+    """Bytes landing in one ring stage: W (`w_stage_bytes`) and the stage's x."""
+    return w_stage_bytes(weight_dtype) + tiles * X_TILE_STAGE_BYTES
 
 
 def smem_bytes(v: QkvFrontVariant) -> int:
     """Dynamic shared memory of one CTA; must equal the kernel's `Smem.size_in_bytes()`."""
-    return ring_smem_bytes(v.stages, v.tiles, v.k_split, v.recv_in_ring)
+    return ring_smem_bytes(v.stages, v.tiles, v.k_split, v.recv_in_ring, v.weight_dtype)
 
 
-def ring_smem_bytes(stages: int, tiles: int, k_split: int, recv_in_ring: bool = False) -> int:
+def ring_smem_bytes(stages: int, tiles: int, k_split: int, recv_in_ring: bool = False,
+                    weight_dtype: str = "bf16") -> int:
     """`smem_bytes` of a variant with this ring depth, tile count, S and receive-buffer place (nothing else changes
     it).
 
-    Layout (the kernel's @cute.struct, in order): W ring (stages x 16 KiB, 1024-aligned for the 128B swizzle),
+    Layout (the kernel's @cute.struct, in order): W ring (stages x 16 KiB, e4m3 8 KiB, 1024-aligned for the 128B
+    swizzle),
     x ring (stages x TT x 256 B, 1024-aligned), full/empty/recv mbarriers (8 B each), a staged
     slot (int64) and cos|sin row (64 fp32) per owned token (TT / S), the owner's receive buffer for the
     S partials (TT x 64 fp32, S x TT/S tokens; none with `recv_in_ring`); padded to the struct's 1024-byte alignment.
     """
     tt = tiles * TOKEN_TILE
     owned = owned_tokens(tiles, k_split)
-    ring = stages * (tt * K_TILE * 2 + W_STAGE_BYTES)
+    ring = stages * (tt * K_TILE * 2 + w_stage_bytes(weight_dtype))
     small = 8 * (2 * stages + 1) + 8 * owned
     small = (small + 15) // 16 * 16 + 4 * owned * 64 + (0 if recv_in_ring else 4 * tt * HEAD_COLS)
     return (ring + small + 1023) // 1024 * 1024

@@ -216,9 +216,13 @@ def fp8_case(layout="vllm", m=5, tp=8, **kw):
 
 
 def test_fp8_schema_takes_optional_scales():
+    """The KV cache's scales (issue 29), then the FP8 weight's (issue 30): optional tensors after eps, in this order
+    (an engine calling the op positionally with the cache scales keeps working)."""
     args = OPS.qkv_front.default._schema.arguments
-    assert [(a.name, str(a.type), a.default_value) for a in args[-2:]] == [("k_scale", "Optional[Tensor]", None),
-                                                                          ("v_scale", "Optional[Tensor]", None)]
+    assert [(a.name, str(a.type), a.default_value) for a in args[-3:]] == [("k_scale", "Optional[Tensor]", None),
+                                                                          ("v_scale", "Optional[Tensor]", None),
+                                                                          ("weight_scale", "Optional[Tensor]", None)]
+    assert [a.name for a in args[:9]][-2:] == ["num_kv_heads", "eps"]
 
 
 # uint8 caches (how vLLM allocates them): opcheck's own schema test multiplies the mutated inputs, which torch's CPU

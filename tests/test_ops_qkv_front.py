@@ -648,7 +648,8 @@ def _e4m3(c):
 # one line each, with the exception class `raise_for` gives it: the pairing of weight and scale, each of the scale's
 # rules (type, dtype, shape of either granularity, contiguity, alignment), the FP8 weight dtypes not served
 REJECT_W8 = {
-    "e4m3 weight without scale": (dict(weight_scale=None), "weight is float8_e4m3fn without its weight_scale", ValueError),
+    "e4m3 weight without scale": (dict(weight_scale=None), "weight is float8_e4m3fn without its weight_scale",
+                                  ValueError),
     "bf16 weight with scale": (dict(weight=lambda c: make_case()["weight"]),
                                "weight_scale goes with a float8_e4m3fn weight only", ValueError),
     "scale a float": (dict(weight_scale=1.0), "weight_scale must be a torch.Tensor", TypeError),

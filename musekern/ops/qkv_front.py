@@ -114,8 +114,9 @@ def _fast(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_ca
     try:
         bf, nkv, kd = BF16, num_kv_heads, key_cache.dtype
         w8 = weight_scale is not None  # an e4m3 weight: the one test a bf16 call adds
-        if not (x.dtype is bf and weight.dtype is (E4M3 if w8 else bf) and value_cache.dtype is kd and (kd is bf or kd in FP8_CACHES)
-                and positions.dtype is I64 and slot_mapping.dtype is I64 and cos_sin_cache.dtype is F32
+        if not (x.dtype is bf and weight.dtype is (E4M3 if w8 else bf) and value_cache.dtype is kd
+                and (kd is bf or kd in FP8_CACHES) and positions.dtype is I64 and slot_mapping.dtype is I64
+                and cos_sin_cache.dtype is F32
                 and type(nkv) is int and type(eps) is float and 0.0 <= eps < INF and x.is_cuda):
             return None
         (m, k), (n, kw) = x.shape, weight.shape

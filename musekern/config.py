@@ -18,7 +18,9 @@ scales; musekern/kv_cache.py). A config that names no TP sizes plans TP 1 and sa
 `ModelConfig.warnings`; `with_tensor_parallel` applies `--tp`, `with_kv_cache_dtype` `--kv-cache-dtype`.
 
 `quantization_config` (top level, else text_config's) names the checkpoint's weight format (`weight_format`:
-musekern/weights/formats.py; BF16 where there is none); `with_weight_format` applies an override.
+musekern/weights/formats.py; BF16 where there is none); `with_weight_format` applies an override (`--weight-format`).
+An FP8 format plans the FP8-weight front builds (M <= 16; the GEMM path above); block scales warn that the GEMM path
+is the slow one.
 """
 from __future__ import annotations
 
@@ -98,10 +100,10 @@ class ModelConfig:
     def warnings(self) -> tuple[str, ...]:
         """What every command that plans says on stderr and in its --json output."""
         out = self.key_warnings
-        if self.weight_format.fp8:
-            out += (f"{self.source}: quantization_config announces FP8 weights ({self.weight_format.source}); the "
-                    f"kernels are built for bf16 weights (no FP8-weight build exists yet): serve the q|k|v|gate shard "
-                    f"dequantized to bf16 (musekern.weights.pack.dequantize)",)
+        if self.weight_format.kernel_scale == "block":  # channel / tensor: W8A8 at every M above the front's, no caveat
+            out += (f"{self.source}: quantization_config announces FP8 weights ({self.weight_format.source}) with "
+                    f"block scales: the fused FP8 front serves M <= 16; above it the GEMM path dequantizes the weight "
+                    f"to a bf16 copy on every call (correct, slow: a blockwise FP8 GEMM is not built yet)",)
         if self.tp_source == "default":
             out += (f"{self.source} names no tensor-parallel sizes (musekern.tensor_parallel_sizes): planning TP 1 "
                     f"only, so a server sharded TP 2/4/8 would miss its kernels; pass --tp with the sizes you serve, "

@@ -121,9 +121,22 @@ def insert_cache_rows(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: tor
 def qkv_front_reference(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
                         cos_sin_cache: torch.Tensor, slot_mapping: torch.Tensor, key_cache: torch.Tensor,
                         value_cache: torch.Tensor, num_kv_heads: int, eps: float,
-                        out: torch.Tensor | None = None, k_scale=None, v_scale=None) -> torch.Tensor:
-    """y = fused_qknorm_rope_kv_insert(bf16(x @ weight^T)) with an fp32-accumulated GEMM (CPU or GPU)."""
-    y_gemm = (x.float() @ weight.float().t()).to(torch.bfloat16)
+                        out: torch.Tensor | None = None, k_scale=None, v_scale=None,
+                        weight_scale=None) -> torch.Tensor:
+    """y = fused_qknorm_rope_kv_insert(bf16(x @ W^T)) with an fp32-accumulated GEMM (CPU or GPU). W is `weight`
+    (bf16), or an FP8 one (issue 30): float8_e4m3fn `weight` with its `weight_scale` in the canonical layout
+    (musekern.weights.pack: float32 [N] per row or [N // 64, 64] per 64 rows x 128 K), W = its fp32 dequantization
+    (`pack.dequantize_tensors`): x is not quantized, the exact product's reference."""
+    if (weight.dtype == torch.float8_e4m3fn) != (weight_scale is not None):
+        raise ValueError("qkv_front_reference: a weight_scale goes with a float8_e4m3fn weight, and only with one "
+                         f"(weight {weight.dtype}, weight_scale {'given' if weight_scale is not None else 'None'})")
+    if weight_scale is None:
+        w = weight.float()
+    else:
+        from .weights.pack import dequantize_tensors
+
+        w = dequantize_tensors(weight, weight_scale.to(weight.device))
+    y_gemm = (x.float() @ w.t()).to(torch.bfloat16)
     y = fused_qknorm_rope_kv_insert(y_gemm, positions, cos_sin_cache, slot_mapping, key_cache, value_cache,
                                     num_kv_heads, eps, k_scale, v_scale)
     if out is not None:

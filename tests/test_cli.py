@@ -505,7 +505,9 @@ def test_plan_kv_cache_dtype(run, tmp_path):
     assert back["rows"] == bf16["rows"]
 
 
-# an FP8 checkpoint (DeepSeek-style quantization_config) plans today's bf16 builds, says so on stderr and in --json
+# an FP8 checkpoint (DeepSeek-style quantization_config) plans the FP8-weight front builds (block scales) in the bf16
+# ones' place, M <= 16 each (the GEMM path above); the epilogue's and qk_norm's builds are the same; block scales warn
+# of the slow GEMM path on stderr and in --json; --weight-format overrides the config either way
 def test_plan_fp8_weights_config(run, tmp_path):
     cfg = json.load(open(os.path.join(os.path.dirname(DATA), "..", "musekern", "data", "muse_spark.json")))
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
@@ -514,8 +516,48 @@ def test_plan_fp8_weights_config(run, tmp_path):
     r = run("plan", "--model", str(p), "--target", "h200", "--json")
     doc = json.loads(r.stdout)
     assert doc["weight_format"] == "fp8-block" and any("FP8 weights" in w for w in doc["warnings"])
-    assert doc["rows"] == json.loads(run("plan", "--target", "h200", "--json").stdout)["rows"]
-    assert "FP8 weights" in r.stderr and json.loads(run("plan", "--json").stdout)["weight_format"] == "bf16"
+    assert "FP8 weights" in r.stderr and "bf16 copy" in r.stderr
+    bf16 = json.loads(run("plan", "--target", "h200", "--json").stdout)
+    assert bf16["weight_format"] == "bf16"
+    front = [row for row in doc["rows"] if row["kernel"] == "qkv_front"]
+    assert front and {(row["weight_dtype"], row["weight_scale"]) for row in front} == {("fp8_e4m3", "block")}
+    assert {row["tokens"] for row in front} <= {"1-7", "8", "9-16"}
+    assert {(row["weight_dtype"], row["weight_scale"]) for row in bf16["rows"]
+            if row["kernel"] == "qkv_front"} == {("bf16", "none")}
+    others = [row for row in doc["rows"] if row["kernel"] != "qkv_front"]
+    assert others == [row for row in bf16["rows"] if row["kernel"] != "qkv_front"]
+    back = json.loads(run("plan", "--model", str(p), "--target", "h200", "--weight-format", "bf16", "--json").stdout)
+    assert back["rows"] == bf16["rows"] and back["warnings"] == bf16["warnings"]
+
+
+# --weight-format on the commands that take --kv-cache-dtype: each override plans its builds (per-tensor checkpoints
+# pack to per-row scales: the channel builds), no warning where the GEMM path is W8A8
+@pytest.mark.parametrize("value,scale", [("fp8-channel", "channel"), ("fp8-tensor", "channel"),
+                                         ("fp8-block", "block"), ("fp8-block-ue8m0", "block")])
+def test_plan_weight_format_override(run, value, scale):
+    r = run("plan", "--target", "h200", "--weight-format", value, "--json")
+    doc = json.loads(r.stdout)
+    assert doc["weight_format"] == value
+    front = {(row["weight_dtype"], row["weight_scale"]) for row in doc["rows"] if row["kernel"] == "qkv_front"}
+    assert front == {("fp8_e4m3", scale)}
+    assert any("FP8 weights" in w for w in doc["warnings"]) == (scale == "block")
+    text = run("plan", "--target", "h200", "--weight-format", value).stdout
+    assert f"(weights {value})" in text.splitlines()[-1]
+
+
+@pytest.mark.parametrize("cmd", ["plan", "prepare", "doctor", "explain", "export"])
+def test_weight_format_unknown_is_refused(run, cmd):
+    extra = {"explain": ["qk_norm[dtype=bfloat16,has_scale=False,head_dim=64]"], "export": ["-o", "x.tar"]}
+    r = run(cmd, *extra.get(cmd, []), "--target", "h200", "--weight-format", "int4", code=2)
+    assert "unknown weight format 'int4'; choose one of auto, bf16, fp8-block" in r.output
+
+
+def test_doctor_fix_command_names_the_weight_format():
+    from musekern.cli.doctor_cmd import _fix_command
+
+    cmd = _fix_command(None, None, "fp8_e4m3", "fp8-channel", None, [{"target": "h200"}])
+    assert cmd == "musekern prepare --target h200 --kv-cache-dtype fp8_e4m3 --weight-format fp8-channel"
+    assert "--weight-format" not in _fix_command(None, None, None, None, None, [{"target": "h200"}])
 
 
 @pytest.mark.parametrize("cmd", ["plan", "prepare", "doctor", "explain", "export"])

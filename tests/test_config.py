@@ -394,13 +394,23 @@ def test_fp8_plan_is_the_bf16_plan_with_the_cache_dtype():
 DS_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 
 
-# an FP8 checkpoint still plans the bf16 builds (no FP8-weight build exists yet): every planning command says so, in
-# one line that names the dequantizing helper; a bf16 config says nothing
-def test_fp8_weights_warn_until_fp8_builds_exist():
-    m = parse_config({**BASE, "quantization_config": DS_FP8}, "cfg.json")
-    w = [x for x in m.warnings if "FP8 weights" in x]
-    assert len(w) == 1 and "fp8 (block 128x128)" in w[0] and "musekern.weights.pack.dequantize" in w[0]
-    assert "\n" not in w[0] and not any("FP8 weights" in x for x in parse_config(BASE).warnings)
+# an FP8 checkpoint plans the FP8-weight front builds (M <= 16) of its granularity, the epilogue's and qk_norm's as a
+# bf16 one; block scales (whose GEMM path above M = 16 is the slow bf16 copy) say so in one line on every planning
+# command; per-channel / per-tensor ones (W8A8 above) and bf16 configs say nothing
+def test_fp8_weights_plan_fp8_front_builds():
+    h200 = [get_target("h200")]
+    bf16 = plan_model(parse_config(BASE), h200)
+    for qc, scale, warns in ((DS_FP8, "block", True), ({"quant_method": "fbgemm_fp8"}, "channel", False),
+                             ({"quant_method": "fp8"}, "channel", False)):
+        m = parse_config({**BASE, "quantization_config": qc}, "cfg.json")
+        w = [x for x in m.warnings if "FP8 weights" in x]
+        assert len(w) == int(warns) and all("bf16 copy" in x and "M <= 16" in x and "\n" not in x for x in w)
+        entries = plan_model(m, h200)
+        front = [e.variant for e in entries if e.kernel == "qkv_front"]
+        assert front and {(v.weight_dtype, v.weight_scale) for v in front} == {("fp8_e4m3", scale)}
+        assert [e.variant for e in entries if e.kernel != "qkv_front"] == [e.variant for e in bf16
+                                                                           if e.kernel != "qkv_front"]
+    assert not any("FP8 weights" in x for x in parse_config(BASE).warnings)
 
 
 @pytest.mark.parametrize("where", ["top", "text_config", "both"])

@@ -105,11 +105,13 @@ def test_no_import_circle_inside_ops():
     ("runtime", {"store"} | LEAVES),
     # the artifact contract: itself and the leaves (the GEMM records come in through a registered hook)
     ("store", LEAVES),
-    # the GEMM path: its records on the store, its launch on the loader's stream and cache
-    ("gemm", {"store", "runtime"} | LEAVES),
+    # the GEMM path: its records on the store, its launch on the loader's stream and cache; the FP8 weight's
+    # (gemm/fp8.py, issue 30) x quantization and dequantization are the reference's and the packer's, not copies
+    ("gemm", {"store", "runtime", "reference", "weights"} | LEAVES),
     # the torch-facing ops: the GEMM path, the loader, the kernels' pure variant modules, the builder's autobuild hook
-    # (ops/checks.py only: test below), the reference for CPU tensors; never the planner's registry or the CLI
-    ("ops", {"gemm", "runtime", "kernels", "builder", "reference", "config"} | LEAVES),
+    # (ops/checks.py only: test below), the reference for CPU tensors, the weight formats (prepare's weight_format);
+    # never the planner's registry or the CLI
+    ("ops", {"gemm", "runtime", "kernels", "builder", "reference", "config", "weights"} | LEAVES),
     # the kernels: their ABI record format and their key's label spelling are the store's
     ("kernels", {"store"} | LEAVES),
     ("plan", {"kernels", "config", "store"} | LEAVES),
@@ -135,9 +137,10 @@ def test_only_the_cli_and_the_autobuild_hook_reach_the_builder():
 
 
 def test_the_gemm_path_is_one_folder():
-    """The cuBLASLt binding, the tuning and its records live in gemm/ and nowhere else; the store and the runtime
-    name none of them."""
-    assert {f.name for f in (PKG / "gemm").glob("*.py")} == {"__init__.py", "cublaslt.py", "tune.py", "records.py"}
+    """The cuBLASLt binding, the tuning and its records, and the FP8 weight's GEMM live in gemm/ and nowhere else;
+    the store and the runtime name none of them."""
+    assert {f.name for f in (PKG / "gemm").glob("*.py")} == {"__init__.py", "cublaslt.py", "tune.py", "records.py",
+                                                             "fp8.py"}
     for part in ("store", "runtime", "ops"):
         assert not {f.name for f in (PKG / part).glob("*.py")} & {"cublaslt.py", "gemm.py", "tuning.py"}, part
     assert {p for p, deps in _graph().items() if "gemm" in deps} <= {"ops", "cli", "__init__"}

@@ -216,9 +216,13 @@ def fp8_case(layout="vllm", m=5, tp=8, **kw):
 
 
 def test_fp8_schema_takes_optional_scales():
+    """The KV cache's scales (issue 29), then the FP8 weight's (issue 30): optional tensors after eps, in this order
+    (an engine calling the op positionally with the cache scales keeps working)."""
     args = OPS.qkv_front.default._schema.arguments
-    assert [(a.name, str(a.type), a.default_value) for a in args[-2:]] == [("k_scale", "Optional[Tensor]", None),
-                                                                          ("v_scale", "Optional[Tensor]", None)]
+    assert [(a.name, str(a.type), a.default_value) for a in args[-3:]] == [("k_scale", "Optional[Tensor]", None),
+                                                                          ("v_scale", "Optional[Tensor]", None),
+                                                                          ("weight_scale", "Optional[Tensor]", None)]
+    assert [a.name for a in args[:9]][-2:] == ["num_kv_heads", "eps"]
 
 
 # uint8 caches (how vLLM allocates them): opcheck's own schema test multiplies the mutated inputs, which torch's CPU
@@ -269,4 +273,88 @@ def test_fp8_fullgraph_compile_matches_eager_bitwise():
     kv_eager = c["kv"].clone()
     want = mod(*module_args(c, kv_eager), *scales)
     got = torch.compile(mod, backend="aot_eager", fullgraph=True)(*module_args(c), *scales)
+    assert torch.equal(got, want) and torch.equal(c["kv"], kv_eager)
+
+
+# ---------------------------------------------------------------- FP8 weights (issue 30)
+@functools.lru_cache(maxsize=None)
+def w8_weight(tp, mode):
+    """The TP rank's bf16 weight as e4m3 + its canonical scale: [N] ("channel") or [N // 64, 64] ("block")."""
+    from musekern.weights.pack import to_e4m3
+
+    w = weight(tp).float()
+    n = w.shape[0]
+    s = w.abs().amax(1) / 448.0
+    if mode == "block":
+        s = s.reshape(n // D, D).amax(1)[:, None].expand(n // D, 64).contiguous()
+    full = s[:, None] if mode == "channel" else s.repeat_interleave(D, 0).repeat_interleave(128, 1)
+    return to_e4m3(w / full), s
+
+
+def w8_front_args(c, mode, k_scale=None, v_scale=None):
+    w, s = w8_weight(8, mode)
+    return (c["x"], w, *front_args(c)[2:], k_scale, v_scale, s)
+
+
+# opcheck's schema test compares EVERY input before and after with a float multiply, which torch's CPU float8
+# tensors lack ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn'), mutated or not: on CPU the e4m3 weight
+# runs opcheck's other tests, and the schema's claim (weight and weight_scale read, not written) is checked bitwise
+OPCHECK_BUT_SCHEMA = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+# each granularity, both layouts, with bf16 caches and with FP8 (uint8) caches and their scales
+@pytest.mark.parametrize("mode", ["channel", "block"])
+@pytest.mark.parametrize("layout", ["vllm", "flashinfer"])
+def test_opcheck_qkv_front_fp8_weight_cpu(mode, layout):
+    c = case(layout=layout, pad=True)
+    torch.library.opcheck(OPS.qkv_front.default, w8_front_args(c, mode), test_utils=OPCHECK_BUT_SCHEMA)
+    c8 = fp8_case(layout)
+    w, s = w8_weight(8, mode)
+    args = fp8_front_args(c8, torch.uint8, k_scale=torch.tensor(0.5), v_scale=torch.tensor([2.0]))
+    torch.library.opcheck(OPS.qkv_front.default, (args[0], w, *args[2:], s), test_utils=OPCHECK_BUT_SCHEMA)
+    w0, s0 = w.view(torch.uint8).clone(), s.clone()
+    OPS.qkv_front(args[0], w, *args[2:], s)
+    assert torch.equal(w.view(torch.uint8), w0) and torch.equal(s, s0)
+
+
+@pytest.mark.parametrize("mode", ["channel", "block"])
+def test_fp8_weight_cpu_kernel_is_the_reference(mode):
+    c = case(m=6, pad=True)
+    want_kv = c["kv"].clone()
+    a = w8_front_args(c, mode)
+    want = qkv_front_reference(*w8_front_args({**c, "kv": want_kv}, mode)[:9], None, None, None, a[-1])
+    got = OPS.qkv_front(*a)
+    assert torch.equal(got, want) and torch.equal(c["kv"], want_kv)
+
+
+def test_fp8_weight_fake_shape():
+    s = SHARDS[8]
+    with FakeTensorMode():
+        kv = torch.empty(2, 4, 16, s.num_kv_heads, D, dtype=torch.bfloat16)
+        y = OPS.qkv_front(torch.empty(40, K, dtype=torch.bfloat16), torch.empty(s.n, K, dtype=torch.float8_e4m3fn),
+                          torch.empty(40, dtype=torch.int64), torch.empty(64, D), torch.empty(40, dtype=torch.int64),
+                          kv[0], kv[1], s.num_kv_heads, EPS, None, None, torch.empty(s.n // D, 64))
+    assert (tuple(y.shape), y.dtype) == ((40, s.n), torch.bfloat16)
+
+
+class W8Ops(torch.nn.Module):
+    """The op as an engine's compiled layer calls it with an FP8 checkpoint's weight and scale (graph inputs)."""
+
+    def forward(self, x, weight, positions, cos_sin_cache, slot_mapping, kv, weight_scale):
+        kc, vc = kv.unbind(0)
+        return torch.ops.musekern.qkv_front(x, weight, positions, cos_sin_cache, slot_mapping, kc, vc, kc.shape[2],
+                                            EPS, weight_scale=weight_scale)
+
+
+@pytest.mark.parametrize("mode", ["channel", "block"])
+def test_fp8_weight_fullgraph_compile_matches_eager_bitwise(mode):
+    mod = W8Ops()
+    c = case(pad=True)
+    w, s = w8_weight(8, mode)
+    args = lambda kv: (c["x"], w, c["positions"], c["cos_sin_cache"], c["slot_mapping"], kv, s)  # noqa: E731
+    explain = torch._dynamo.explain(mod)(*args(c["kv"].clone()))
+    assert explain.graph_break_count == 0 and explain.graph_count == 1
+    kv_eager = c["kv"].clone()
+    want = mod(*args(kv_eager))
+    got = torch.compile(mod, backend="aot_eager", fullgraph=True)(*args(c["kv"]))
     assert torch.equal(got, want) and torch.equal(c["kv"], kv_eager)

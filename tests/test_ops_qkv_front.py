@@ -622,3 +622,204 @@ def test_fp8_auto_on_cpu_is_the_reference_with_the_scales():
                                                                               c16["value_cache"], 0.125)):
             written = (cache16 != 0).any(-1).any(-1)  # the bf16 run's written slots (inputs are nonzero there)
             assert torch.equal(cache8.view(torch.uint8)[written], e4m3_rows(cache16[written], s).view(torch.uint8))
+
+
+# ---------------------------------------------------------------- FP8 weights (issue 30), on CPU
+def w8_case(mode="channel", m=5, case=None, **kw):
+    """A call with an e4m3 weight (`case`'s bf16 one quantized per row) and its canonical scale: [N] ("channel") or
+    [N // 64, 64] ("block"; the per-row scales spread over each 64-row group's 64 K blocks, values that differ)."""
+    c = (case or make_case)(m=m, **kw)
+    w = c["weight"].float()
+    n = w.shape[0]
+    s = (w.abs().amax(1) / 448.0).clamp_min(2.0 ** -20)
+    if mode == "block":
+        s = (s.reshape(n // D, D).amax(1)[:, None] * torch.linspace(1.0, 2.0, 64)[None, :]).contiguous()
+    from musekern.weights.pack import to_e4m3
+
+    full = s[:, None] if mode == "channel" else s.repeat_interleave(D, 0).repeat_interleave(128, 1)
+    c["weight"], c["weight_scale"] = to_e4m3(w / full), s
+    return c
+
+
+def _e4m3(c):
+    return c["weight"].float().to(torch.float8_e4m3fn)
+
+
+# one line each, with the exception class `raise_for` gives it: the pairing of weight and scale, each of the scale's
+# rules (type, dtype, shape of either granularity, contiguity, alignment), the FP8 weight dtypes not served
+REJECT_W8 = {
+    "e4m3 weight without scale": (dict(weight_scale=None), "weight is float8_e4m3fn without its weight_scale",
+                                  ValueError),
+    "bf16 weight with scale": (dict(weight=lambda c: make_case()["weight"]),
+                               "weight_scale goes with a float8_e4m3fn weight only", ValueError),
+    "scale a float": (dict(weight_scale=1.0), "weight_scale must be a torch.Tensor", TypeError),
+    "scale bf16": (dict(weight_scale=lambda c: c["weight_scale"].bfloat16()), "weight_scale.dtype must be float32",
+                   TypeError),
+    "scale [N, 1]": (dict(weight_scale=lambda c: c["weight_scale"][:, None]),
+                     "weight_scale must be [N=2176] (one per row) or [34, 64]", ValueError),
+    "scale [N/128, 64]": (dict(weight_scale=lambda c: torch.ones(17, 64)), "got shape (17, 64)", ValueError),
+    "scale strided": (dict(weight_scale=lambda c: torch.ones(2 * 2176)[::2]), "weight_scale must be contiguous",
+                      ValueError),
+    "scale misaligned": (dict(weight_scale=lambda c: torch.ones(2176 + 1)[1:]), "weight_scale must be 16-byte aligned",
+                         ValueError),
+    "e5m2 weight": (dict(weight=lambda c: c["weight"].float().to(torch.float8_e5m2)),
+                    "e5m2 weights are not served", TypeError),
+    "uint8 weight": (dict(weight=lambda c: c["weight"].view(torch.uint8)), "weight.view(torch.float8_e4m3fn)",
+                     TypeError),
+    "e4m3 weight K": (dict(weight=lambda c: c["weight"][:, :4096]), "weight must be [N, 8192]", ValueError),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REJECT_W8))
+def test_fp8_weight_rejects(name):
+    changes, reason, exc = REJECT_W8[name]
+    c = _mut(w8_case, **changes)
+    r = op.unsupported(**c)
+    assert r is not None and reason in r and "\n" not in r, r
+    with pytest.raises(exc, match="qkv_front: "):
+        op.qkv_front(**c)
+
+
+@pytest.mark.parametrize("name", sorted(REJECT_W8))
+def test_fp8_weight_fast_path_never_accepts_a_rejected_call(as_if_cuda, name):
+    c = _mut(w8_case, **REJECT_W8[name][0])
+    assert op._fast(**{**c, "out": None}, dry=True) is None
+
+
+def test_fp8_weight_scale_on_another_device_is_named(as_if_cuda):
+    c = {**w8_case(), "out": None}
+    assert "weight_scale is on meta, x on cpu" in op._reason(**{**c, "weight_scale": torch.ones(2176, device="meta")})
+    s = torch.ones(2176)
+    s.get_device = lambda: 1  # on CUDA device 1, the call on device 0: the fast path leaves it to the reasons
+    assert op._fast(**{**c, "weight_scale": s}, dry=True) is None
+
+
+# each granularity x both cache layouts x bf16 / FP8 caches x M at the front's edges (1, 16) and above (17, the GEMM
+# path): the fast path takes the call, and the checked call runs the plan table of its (cache dtype, granularity)
+# with the values the unchecked binding gives, the scale's address in the weight_scale slot
+@pytest.mark.parametrize("mode", ["channel", "block"])
+@pytest.mark.parametrize("layout", ["vllm", "flashinfer"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("m", [1, 16])
+def test_fp8_weight_checked_call_launches_its_plan(as_if_cuda, recorder, monkeypatch, mode, layout, kv, m):
+    rec = recorder
+    kvd = "bf16" if kv == "bf16" else "fp8_e4m3"
+    for table in ("_RUNS", "_RUNS_FP8"):
+        monkeypatch.setattr(op, table, op.Plans(lambda *k: pytest.fail("a bf16 weight's plan")))
+    monkeypatch.setattr(op, "_RUNS_W8", {key: op.Plans(lambda *k, key=key: rec if key == (kvd, mode) else
+                                                       pytest.fail(f"the {key} plan")) for key in op._RUNS_W8})
+    c = w8_case(mode, m=m, case=make_case if kv == "bf16" else fp8_case, layout=layout, num_blocks=16)
+    assert op._fast(**c, out=None, dry=True)
+    y = op.qkv_front(**c, k_scale=0.5)
+    want = op.launch_args(c["x"], c["weight"], c["positions"], c["cos_sin_cache"], c["slot_mapping"],
+                          c["key_cache"], c["value_cache"], EPS, y, 0.5, None, c["weight_scale"])
+    names = op._NAMES_W8 if kv == "bf16" else op._NAMES_W8_FP8
+    assert "weight_ptr" not in want and want["weight_scale"] == c["weight_scale"].data_ptr()
+    want["weight"], want["x"] = _map_key(c["weight"]), _map_key(c["x"])
+    assert len(rec.calls) == 1 and dict(zip(names, rec.calls[0], strict=True)) == want
+    # the unchecked launch takes the same table and values (the tensor maps' tensors themselves)
+    op.launch(**c, out=y, k_scale=0.5)
+    assert rec.calls[1][0] is c["weight"] and rec.calls[1][1] is c["x"] and rec.calls[1][2:] == rec.calls[0][2:]
+
+
+@pytest.mark.parametrize("mode", ["channel", "block"])
+def test_fp8_weight_gemm_path_is_gemm_fp8_then_the_epilogue(as_if_cuda, recorder, monkeypatch, mode):
+    """Above the FP8 front's M: gemm.fp8.mm into y (CPU here: torch's own _scaled_mm / mm), then the epilogue's
+    launcher with the values the front's checks read."""
+    from musekern.gemm import fp8 as gemm_fp8
+
+    rec = recorder
+    monkeypatch.setitem(op._RUNS_W8, ("bf16", mode), op.Plans(lambda *k: op._GEMM))
+    monkeypatch.setattr(op.qkv_epilogue, "_RUNS", op.Plans(lambda *k: rec))
+    c = w8_case(mode, m=40, num_blocks=16)
+    y = op.qkv_front(**c)
+    want_y = gemm_fp8.mm(c["x"], c["weight"], c["weight_scale"], torch.empty_like(y))
+    assert torch.equal(y, want_y)
+    want = op.qkv_epilogue.launch_args(y, c["positions"], c["cos_sin_cache"], c["slot_mapping"], c["key_cache"],
+                                       c["value_cache"], 1, EPS)
+    assert len(rec.calls) == 1 and dict(zip(op.qkv_epilogue._NAMES, rec.calls[0], strict=True)) == want
+
+
+def test_fp8_weight_unchecked_gemm_epilogue_takes_gemm_fp8(monkeypatch):
+    calls = []
+    monkeypatch.setattr(op.gemm_fp8, "mm", lambda x, w, s, out: calls.append((w.dtype, s.shape)) or out.zero_())
+    monkeypatch.setattr(op.gemm, "mm", lambda *a: pytest.fail("the bf16 GEMM"))
+    monkeypatch.setattr(op.qkv_epilogue, "launch", lambda y, *a, **k: y)
+    c = w8_case("block", m=20, num_blocks=16)
+    op.launch_gemm_epilogue(**c, out=torch.empty(20, 2176, dtype=torch.bfloat16))
+    assert calls == [(torch.float8_e4m3fn, (34, 64))]
+
+
+# every N the bundled model plans (TP8..TP1): e4m3 weights take the fused front at M <= 16 only (the mma.sync builds),
+# whatever the bf16 weight's rule; each side of 16 and the bf16 rule's edges
+@pytest.mark.parametrize("n", [2176, 4352, 8704, 17408])
+def test_fp8_weight_path_follows_the_planner(monkeypatch, n):
+    monkeypatch.setattr(op, "_target", lambda dev: get_target("h200"))
+    op._fused.cache_clear()
+    ms = (1, 8, 9, 16, 17, 48, 64, 65, 4096)
+    try:
+        assert [m for m in ms if op._fused(n, m, 0, "fp8_e4m3")] == [m for m in ms if m <= 16]
+    finally:
+        op._fused.cache_clear()
+
+
+@pytest.mark.parametrize("mode", ["channel", "block"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
+def test_op_binds_every_planned_fp8_weight_abi_by_name(mode, kv):
+    """The e4m3-weight builds the rules give M = 1..16 (TP8 and TP1 shards): the op binds each ABI by its names, the
+    scale's address where bf16 builds take weight_ptr."""
+    from musekern.kernels.qkv_front.abi import abi_for
+    from musekern.kernels.qkv_front.rules import qkv_front_variants
+    from musekern.ops._bind import take
+    from musekern.runtime.loader import _ParamBlock
+
+    c = w8_case(mode, case=make_case if kv == "bf16" else fp8_case)
+    out = torch.empty(5, 2176, dtype=torch.bfloat16)
+    call = (c["x"], c["weight"], c["positions"], c["cos_sin_cache"], c["slot_mapping"], c["key_cache"],
+            c["value_cache"], EPS, out, None, 0.25, c["weight_scale"])
+    names_op = op._NAMES_W8 if kv == "bf16" else op._NAMES_W8_FP8
+    values = (op._w8_values if kv == "bf16" else op._w8_fp8_values)(*call)
+    by_name = op.launch_args(*call)
+    vs = qkv_front_variants(2176, 1, get_target("h200"), 16, kv, "fp8_e4m3", mode)
+    assert vs and all(v.weight_dtype == "fp8_e4m3" and v.weight_scale == mode for v in vs)
+    for v in vs:
+        abi = abi_for(v)
+        names = tuple(_ParamBlock(abi.params, abi.tensormaps).names)
+        assert "weight_scale" in names and "weight_ptr" not in names
+        picked = [values[i] for i in take(v.label, names, names_op)]
+        assert all(val is by_name[n] or val == by_name[n] for n, val in zip(names, picked, strict=True))
+        assert picked[names.index("weight_scale")] == c["weight_scale"].data_ptr()
+
+
+def test_bf16_weight_takes_the_bf16_plan_and_values(as_if_cuda, recorder, monkeypatch):
+    """A bf16 call (weight_scale None) keeps the bf16 build's plan table and values (weight_ptr = the weight)."""
+    rec = recorder
+    monkeypatch.setattr(op, "_RUNS", op.Plans(lambda *k: rec))
+    monkeypatch.setattr(op, "_RUNS_W8", {k: op.Plans(lambda *a: pytest.fail("an e4m3 plan")) for k in op._RUNS_W8})
+    c = make_case()
+    op.qkv_front(**c, weight_scale=None)
+    assert rec.calls[0][op._NAMES.index("weight_ptr")] == c["weight"].data_ptr()
+
+
+def test_fp8_weight_auto_on_cpu_is_the_reference():
+    for mode in ("channel", "block"):
+        c, c2 = w8_case(mode), w8_case(mode)
+        assert torch.equal(op.qkv_front_auto(**c), qkv_front_reference(**c2))
+        assert torch.equal(c["key_cache"], c2["key_cache"])
+
+
+@pytest.mark.parametrize("value,scale", [("bf16", "none"), ("fp8-block", "block"), ("fp8-block-ue8m0", "block"),
+                                         ("fp8-channel", "channel"), ("fp8-tensor", "channel")])
+def test_prepare_weight_format_spellings(value, scale):
+    from musekern.ops.checks import weight_format
+
+    assert weight_format(value).kernel_scale == scale
+    assert weight_format(weight_format(value)) == weight_format(value)
+
+
+@pytest.mark.parametrize("value", ["auto", "fp8", "int8", None])
+def test_prepare_weight_format_rejects_others(value):
+    from musekern.ops.checks import weight_format
+
+    with pytest.raises(ValueError, match=r"^weight_format must be one of bf16, fp8-block, .* or a WeightFormat, got"):
+        weight_format(value)

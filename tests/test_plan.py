@@ -37,6 +37,32 @@ def test_declared_abi_from_a_manifests_kernel_and_params(v):
     assert KernelAbi.from_json(json.loads(json.dumps(abi.to_json()))) == abi
 
 
+# an FP8 checkpoint's plan (issue 30): every front build of each granularity, as a manifest names it, gives the
+# variant back and its ABI (the scale's address where bf16 builds take weight_ptr, the weight's map u8); its keys and
+# labels name the weight, the bf16 plan's name none (existing keys do not move)
+def _fp8_planned(fmt: str) -> list:
+    from musekern.config import with_weight_format
+
+    model = with_weight_format(load_config(), fmt)
+    return [e.variant for e in plan_model(model, [get_target("h200")]) if e.kernel == "qkv_front"]
+
+
+@pytest.mark.parametrize("v", _fp8_planned("fp8-channel") + _fp8_planned("fp8-block"), ids=lambda v: v.label)
+def test_fp8_weight_plan_declares_its_abi(v):
+    assert v.weight_dtype == "fp8_e4m3" and f"weight_scale={v.weight_scale}" in v.label
+    params = json.loads(json.dumps(v.params()))
+    assert variant_of(v.kernel, params) == v
+    abi = declared_abi(v.kernel, params)
+    names = [p.name for p in abi.params]
+    assert "weight_scale" in names and "weight_ptr" not in names
+    assert {(m.param, m.dtype) for m in abi.tensormaps} >= {("tma_w", "u8")}
+
+
+def test_bf16_plan_names_no_weight_fields():
+    assert all("weight_" not in v.label for v in PLANNED)
+    assert all("weight_dtype" not in v.params() and "weight_scale" not in v.params() for v in PLANNED)
+
+
 @pytest.mark.parametrize("kernel,params,match", [
     ("flash_attn", {}, "unknown kernel 'flash_attn'; known: qk_norm, qkv_front, qkv_epilogue"),
     ("qk_norm", {"dtype": "bfloat16", "head_dim": 64}, "has_scale"),  # a required field missing

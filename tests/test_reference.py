@@ -345,3 +345,50 @@ def test_vllm_fp8_gemm_block_scales_apply_per_block():
     ulp = 2.0 ** -23 * float(base.abs().max())  # the results are fp32: each rounded once
     assert float((diff[:, 64:128] - blk).abs().max()) <= 2 * ulp
     assert float(diff[:, :64].abs().max()) == 0 and float(diff[:, 128:].abs().max()) == 0
+
+
+# ---------------------------------------------------------------- FP8 weights: qkv_front_reference
+def _dequant_fp64(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The canonical pair's weight in fp64, from the definitions: each byte's e4m3 value (E4M3_MAGNITUDES and the sign
+    bit) times the scale of its row ([N]) or of its (64-row group, 128-column block) ([N // 64, 64]), by index."""
+    codes = weight.view(torch.uint8).long()
+    w = E4M3_MAGNITUDES[codes & 0x7F] * (1 - 2 * (codes >> 7)).double()
+    s = scale.double()
+    if s.dim() == 1:
+        return w * s[:, None]
+    rows, cols = torch.arange(w.shape[0]) // 64, torch.arange(w.shape[1]) // 128
+    return w * s[rows[:, None], cols[None, :]]
+
+
+# every canonical granularity, per-tensor and ue8m0 checkpoints included (they pack to channel / block scales):
+# N = 256 (one q, k, v, gate head) keeps the fp64 product small
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-block-ue8m0", "fp8-channel", "fp8-tensor"])
+def test_fp8_weight_reference_is_the_exact_product_then_the_epilogue(fmt):
+    p = _packed(fmt)
+    m = 3
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(m, 8192, generator=g).to(torch.bfloat16)
+    pos, slots = torch.tensor([0, 5, 17]), torch.tensor([3, -1, 0])
+    cs = rope_cos_sin_table(32, 1e4)
+    kc, vc = torch.zeros(2, 2, 4, 1, 64, dtype=torch.bfloat16).unbind(0)  # 2 blocks of 4 slots, 1 KV head
+    y = qkv_front_reference(x, p.weight, pos, cs, slots, kc, vc, 1, EPS, weight_scale=p.weight_scale)
+    y64 = x.double() @ _dequant_fp64(p.weight, p.weight_scale).t()
+    # v and gate (columns 128..255) are the GEMM's: within one bf16 rounding of the exact product
+    got, want = y[:, 128:].double(), y64[:, 128:]
+    assert bool(((got - want).abs() <= want.abs() * 2.0 ** -8 + 1e-6).all())
+    # q and k: the epilogue on the GEMM's bf16 (its own tests hold the epilogue to fp64)
+    want_qk = fused_qknorm_rope_kv_insert(y64.to(torch.bfloat16), pos, cs, slots, kc.clone(), vc.clone(), 1, EPS)
+    assert (y[:, :128].double() - want_qk[:, :128].double()).abs().max() < 0.05
+    assert torch.equal(kc[0, 3, 0], y[0, 64:128]) and torch.equal(vc[0, 0, 0], y[2, 128:192])
+
+
+def test_fp8_weight_reference_needs_its_scale_and_only_then():
+    p = _packed("fp8-channel")
+    x = torch.zeros(1, 8192, dtype=torch.bfloat16)
+    kc, vc = torch.zeros(2, 2, 1, 64, dtype=torch.bfloat16).unbind(0)
+    args = (torch.zeros(1, dtype=torch.long), rope_cos_sin_table(4, 1e4), torch.zeros(1, dtype=torch.long), kc, vc, 1,
+            EPS)
+    with pytest.raises(ValueError, match="weight_scale goes with a float8_e4m3fn weight, and only with one"):
+        qkv_front_reference(x, p.weight, *args)
+    with pytest.raises(ValueError, match="weight_scale goes with a float8_e4m3fn weight"):
+        qkv_front_reference(x, p.weight.float().to(torch.bfloat16), *args, weight_scale=p.weight_scale)

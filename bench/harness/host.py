@@ -48,7 +48,7 @@ def _inputs(n: int, nkv: int, m: int, eps: float = 1e-6, theta: float = 10000.0)
                 cos_sin_cache=rope_cos_sin_table(MAX_POS, theta, "cuda"),
                 slot_mapping=torch.randperm(NUM_BLOCKS * BLOCK_SIZE, device="cuda", generator=g)[:m],
                 key_cache=kv[0], value_cache=kv[1], num_kv_heads=nkv, eps=eps,
-                out=torch.empty(m, n, dtype=bf, device="cuda"), k_scale=None, v_scale=None)
+                out=torch.empty(m, n, dtype=bf, device="cuda"), k_scale=None, v_scale=None, weight_scale=None)
 
 
 def measure_eager(n: int, nkv: int, m: int) -> dict:

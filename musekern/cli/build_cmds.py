@@ -23,6 +23,7 @@ from .common import (
     tp_option,
     trusted_keys_option,
     warn,
+    weight_format_option,
     wide_option,
 )
 
@@ -77,10 +78,11 @@ def model_json(model) -> dict:
 @tp_option
 @wide_option
 @kv_cache_dtype_option
+@weight_format_option
 @json_option
-def plan_cmd(model_path, target_names, tp, kv_cache_dtype, as_json):
+def plan_cmd(model_path, target_names, tp, kv_cache_dtype, weight_format, as_json):
     """List every kernel variant the model needs, per target and TP rank."""
-    model = load_model(model_path, tp, kv_cache_dtype)
+    model = load_model(model_path, tp, kv_cache_dtype, weight_format)
     targets = resolve_targets(target_names, model)
     entries = plan_model(model, targets)
     rows = _plan_rows(entries, model)
@@ -91,7 +93,8 @@ def plan_cmd(model_path, target_names, tp, kv_cache_dtype, as_json):
     cols = ["target", "tp", "kernel", "N", "heads", "k_split", "stages", "tiles", "fixed_rows", "tokens", "label"]
     click.echo(table([[("" if r.get(c) is None else r.get(c, "")) for c in cols] for r in rows], cols))
     kv = "" if model.kv_cache_dtype == "bf16" else f" (KV cache {model.kv_cache_dtype})"
-    click.echo(f"{len(entries)} distinct variants for {len(targets)} target(s): {model.source}{kv}")
+    wf = "" if not model.weight_format.fp8 else f" (weights {model.weight_format.name})"
+    click.echo(f"{len(entries)} distinct variants for {len(targets)} target(s): {model.source}{kv}{wf}")
 
 
 @click.command("prepare")
@@ -99,6 +102,7 @@ def plan_cmd(model_path, target_names, tp, kv_cache_dtype, as_json):
 @target_option
 @tp_option
 @kv_cache_dtype_option
+@weight_format_option
 @click.option("--variant", "variant_labels", multiple=True,
               help="Build this variant (a label from `musekern plan`) instead of the model's plan. Repeatable.")
 @cache_dir_option
@@ -112,15 +116,15 @@ def plan_cmd(model_path, target_names, tp, kv_cache_dtype, as_json):
 @trusted_keys_option
 @wide_option
 @json_option
-def prepare_cmd(model_path, target_names, tp, kv_cache_dtype, variant_labels, cache_dir, jobs, shard, remote, upload,
-                sign_key, trusted_keys, as_json):
+def prepare_cmd(model_path, target_names, tp, kv_cache_dtype, weight_format, variant_labels, cache_dir, jobs, shard,
+                remote, upload, sign_key, trusted_keys, as_json):
     """Compile every kernel variant the model needs into the cache (no GPU needed)."""
     from ..builder import BuildExtraMissing
     from ..builder.prepare import BUILT, FAILED, HIT, PULLED, prepare
     from ..store.cache import Cache, ReadOnlyCacheError, default_cache_dir
     from ..store.signing import SecretKey, TrustedKeys
 
-    model = load_model(model_path, tp, kv_cache_dtype)
+    model = load_model(model_path, tp, kv_cache_dtype, weight_format)
     targets = resolve_targets(target_names, model)
     entries = _entries_for(model, targets, variant_labels)
     if upload and not remote:

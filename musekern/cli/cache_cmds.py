@@ -36,6 +36,7 @@ from .common import (
     tp_option,
     trusted_keys_option,
     warn,
+    weight_format_option,
     wide_option,
 )
 
@@ -329,14 +330,14 @@ def gc_cmd(max_size, older_than, set_max, dry_run, cache_dir, as_json):
 
 
 # ---------------------------------------------------------------- explain
-def _planned_parts(model_path, target_names, tp=None, shard=None, kv_cache_dtype=None):
+def _planned_parts(model_path, target_names, tp=None, shard=None, kv_cache_dtype=None, weight_format=None):
     """(model, targets, [(PlanEntry, KeyParts)]) of the model's plan, or of its shard (K, N): the variants
     `prepare --shard K/N` of the same plan builds (variants.shard_plan), keyed as prepare keys them."""
     from ..builder.prepare import plan_keys
     from ..plan import plan_model, shard_plan
     from .common import load_model, resolve_targets
 
-    model = load_model(model_path, tp, kv_cache_dtype)
+    model = load_model(model_path, tp, kv_cache_dtype, weight_format)
     targets = resolve_targets(target_names, model)
     entries = plan_model(model, targets)
     if shard:
@@ -354,9 +355,10 @@ def _parts_json(entry) -> dict:
 @target_option
 @tp_option
 @kv_cache_dtype_option
+@weight_format_option
 @cache_dir_option
 @json_option
-def explain_cmd(what, model_path, target_names, tp, kv_cache_dtype, cache_dir, as_json):
+def explain_cmd(what, model_path, target_names, tp, kv_cache_dtype, weight_format, cache_dir, as_json):
     """Print the key parts of an entry (key or key prefix) or of a variant label.
 
     For a label, the matching entries are shown; with --model/--target the planned key is
@@ -398,8 +400,9 @@ def explain_cmd(what, model_path, target_names, tp, kv_cache_dtype, cache_dir, a
     entries = [e for e in cache.entries() if e.label.replace(" ", "") == label]
     result.update(kind="label", entries=[_parts_json(e) for e in entries])
     planned = []
-    if model_path or target_names or tp or kv_cache_dtype:
-        model, _, pairs = _planned_parts(model_path, target_names, tp, kv_cache_dtype=kv_cache_dtype)
+    if model_path or target_names or tp or kv_cache_dtype or weight_format:
+        model, _, pairs = _planned_parts(model_path, target_names, tp, kv_cache_dtype=kv_cache_dtype,
+                                         weight_format=weight_format)
         result["warnings"] = list(model.warnings)
         policy = lookup.Policy.build(verify=False)
         for pe, parts in pairs:
@@ -459,6 +462,7 @@ def _print_parts(entry) -> None:
 @target_option
 @tp_option
 @kv_cache_dtype_option
+@weight_format_option
 @shard_option
 @click.option("--all", "all_", is_flag=True, help="Export every sound entry instead of a model's plan (a damaged one "
               "is skipped with a warning, and the export exits 1).")
@@ -468,7 +472,8 @@ def _print_parts(entry) -> None:
 @sign_key_option
 @cache_dir_option
 @json_option
-def export_cmd(model_path, target_names, tp, kv_cache_dtype, shard, all_, keys, output, sign_key, cache_dir, as_json):
+def export_cmd(model_path, target_names, tp, kv_cache_dtype, weight_format, shard, all_, keys, output, sign_key,
+               cache_dir, as_json):
     """Write a reproducible bundle (tar) of the model's planned entries, or of shard K/N of them (what
     `prepare --shard K/N` built), or --all / --key entries; --sign-key signs each manifest in it."""
     from ..store.bundle import bundle_compression, export_bundle
@@ -482,9 +487,9 @@ def export_cmd(model_path, target_names, tp, kv_cache_dtype, shard, all_, keys, 
     warnings: list[str] = []
     skipped: list[str] = []
     if all_ or keys:
-        if model_path or target_names or tp or kv_cache_dtype or shard:
-            raise click.UsageError("give either --model/--target/--tp/--kv-cache-dtype/--shard or --all/--key, not "
-                                   "both")
+        if model_path or target_names or tp or kv_cache_dtype or weight_format or shard:
+            raise click.UsageError("give either --model/--target/--tp/--kv-cache-dtype/--weight-format/--shard or "
+                                   "--all/--key, not both")
         chosen = []
         for k in cache.entry_keys() if all_ else []:
             insp = cache.inspect(k)
@@ -500,7 +505,7 @@ def export_cmd(model_path, target_names, tp, kv_cache_dtype, shard, all_, keys, 
                               f"{cache.root}; `musekern ls{_cd(cache)}` lists them")
             chosen.append(matches[0])
     else:
-        model, targets, pairs = _planned_parts(model_path, target_names, tp, shard, kv_cache_dtype)
+        model, targets, pairs = _planned_parts(model_path, target_names, tp, shard, kv_cache_dtype, weight_format)
         warnings = list(model.warnings)
         policy = lookup.Policy.build(verify=False)
         chosen, missing = [], []

@@ -10,8 +10,9 @@ import sys
 import click
 
 from .. import kv_cache
-from ..config import ConfigError, load_config, with_kv_cache_dtype, with_tensor_parallel
+from ..config import ConfigError, load_config, with_kv_cache_dtype, with_tensor_parallel, with_weight_format
 from ..targets import TargetError, check_supported, get_target, local_target, supported_targets
+from ..weights import formats as weight_formats
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2  # the exit codes of every command
 
@@ -80,6 +81,29 @@ kv_cache_dtype_option = click.option(
          "served). Overrides the config's musekern.kv_cache_dtype.")
 
 
+def _parse_weight_format(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        weight_formats.parse_override(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    return value.strip().lower()
+
+
+def weight_format_flag(wf) -> str:
+    """The --weight-format spelling to put in a suggested fix command ("" for the config's)."""
+    return f" --weight-format {wf}" if wf else ""
+
+
+weight_format_option = click.option(
+    "--weight-format", "weight_format", default=None, metavar="{" + ",".join(weight_formats.OVERRIDE_CHOICES) + "}",
+    callback=_parse_weight_format,
+    help="The checkpoint's weight format, instead of what the config's quantization_config says (auto): bf16, or "
+         "e4m3 weights with 128x128 block (ue8m0: power-of-two), per-channel or per-tensor scales; FP8 formats plan "
+         "the FP8-weight front builds (M <= 16, the GEMM path above).")
+
+
 def parse_shard(value):
     """'K/N' -> (K, N), the shard of variants.shard_plan; a usage error otherwise."""
     if value is None:
@@ -140,15 +164,17 @@ def is_broken_pipe(e: OSError) -> bool:
     return e.errno == errno.EPIPE
 
 
-def load_model(path, tp=None, kv_cache_dtype=None):
-    """The validated config (with --tp and --kv-cache-dtype applied); its warnings go to stderr here, and every
-    --json result that plans carries them too (`model.warnings`)."""
+def load_model(path, tp=None, kv_cache_dtype=None, weight_format=None):
+    """The validated config (with --tp, --kv-cache-dtype and --weight-format applied); its warnings go to stderr
+    here, and every --json result that plans carries them too (`model.warnings`)."""
     try:
         model = load_config(path)
         if tp is not None:
             model = with_tensor_parallel(model, tp)
         if kv_cache_dtype is not None:
             model = with_kv_cache_dtype(model, kv_cache_dtype)
+        if weight_format is not None:
+            model = with_weight_format(model, weight_format)
     except ConfigError as e:
         raise UsageFailure(str(e)) from None
     for w in model.warnings:

@@ -24,6 +24,8 @@ from .common import (
     target_option,
     tp_flag,
     tp_option,
+    weight_format_flag,
+    weight_format_option,
     wide_option,
 )
 
@@ -84,11 +86,12 @@ def _remote_problem() -> str | None:
     return None
 
 
-def _fix_command(model_path, tp, kv_cache_dtype, cache_dir, missing) -> str:
+def _fix_command(model_path, tp, kv_cache_dtype, weight_format, cache_dir, missing) -> str:
     """The one `musekern prepare` that builds every missing variant (same model, TP sizes, targets, cache)."""
     tnames = dict.fromkeys(m["target"] for m in missing)
     return ("musekern prepare" + (f" --model {model_path}" if model_path else "")
             + "".join(f" --target {t}" for t in tnames) + tp_flag(tp) + kv_cache_dtype_flag(kv_cache_dtype)
+            + weight_format_flag(weight_format)
             + (f" --cache-dir {cache_dir}" if cache_dir else ""))
 
 
@@ -97,10 +100,11 @@ def _fix_command(model_path, tp, kv_cache_dtype, cache_dir, missing) -> str:
 @target_option
 @tp_option
 @kv_cache_dtype_option
+@weight_format_option
 @cache_dir_option
 @wide_option
 @json_option
-def doctor_cmd(model_path, target_names, tp, kv_cache_dtype, cache_dir, as_json):
+def doctor_cmd(model_path, target_names, tp, kv_cache_dtype, weight_format, cache_dir, as_json):
     """Report versions, GPU and driver, the cache, MUSEKERN_* variables, and the model's variants missing
     from the cache (exit 1 if any, or if cuda-bindings cannot drive this driver)."""
     from ..gemm import records
@@ -108,7 +112,7 @@ def doctor_cmd(model_path, target_names, tp, kv_cache_dtype, cache_dir, as_json)
     from ..store.cache import Cache, default_cache_dir
     from ..store.keys import key_parts
 
-    model = load_model(model_path, tp, kv_cache_dtype)
+    model = load_model(model_path, tp, kv_cache_dtype, weight_format)
     targets = resolve_targets(target_names, model)
     cache = Cache(default_cache_dir(cache_dir))
     gpus, gpu_error = _gpus()
@@ -169,7 +173,7 @@ def doctor_cmd(model_path, target_names, tp, kv_cache_dtype, cache_dir, as_json)
             click.echo("")
             click.echo(table([[m["target"], m["variant"]] for m in missing], ["target", "missing variant"]))
             click.echo(f"{len(missing)} planned variant(s) missing from the cache {cache.root}")
-            log(f"fix: {_fix_command(model_path, tp, kv_cache_dtype, cache_dir, missing)}")
+            log(f"fix: {_fix_command(model_path, tp, kv_cache_dtype, weight_format, cache_dir, missing)}")
         else:
             click.echo("every planned variant is in the cache")
     if missing or problems:

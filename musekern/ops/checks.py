@@ -23,6 +23,13 @@ F32_TINY, F32_MAX = 2.0 ** -149, 3.4028234663852886e38  # the positive float32 r
 FP8_CACHES = (torch.float8_e4m3fn, torch.uint8)
 CACHE_DTYPES = (BF16, *FP8_CACHES)
 NO_SCALES = (0, 1.0, 0, 1.0)  # the scale launch values of a call without scales: (k ptr, k value, v ptr, v value)
+# An FP8 weight (issue 30): float8_e4m3fn [N, 8192] + its float32 `weight_scale` in musekern.weights.pack's canonical
+# layout, [N] ("channel": one per row, per-tensor checkpoints too) or [N // 64, 64] ("block": one per 64 rows x 128 K
+# columns); the scale's rank says which. uint8 is not taken for a weight (unlike a cache, which vLLM allocates as
+# uint8): checkpoints and engines hold e4m3 weights as float8_e4m3fn, and a uint8 weight could be any 8-bit format.
+E4M3 = torch.float8_e4m3fn
+W_BLOCK_COLS = 64  # block scales per row group: 8192 K columns / 128
+W8_DTYPE = "fp8_e4m3"  # the variant's weight_dtype of an e4m3 weight (kernels/qkv_front/variant.py WEIGHT_DTYPES)
 
 
 def is_tensor(t) -> bool:
@@ -226,6 +233,60 @@ SCALE_VALUES = dict(zip((name for name, _, _ in SCALE_PARAMS), ("scale_ptr(k_sca
 SCALE_ENV = {"scale_ptr": scale_ptr, "scale_value": scale_value}
 
 
+def weight_dtype_reason(dtype) -> str | None:
+    """The front's weight: bfloat16, or float8_e4m3fn (with a weight_scale)."""
+    if dtype in (BF16, E4M3):
+        return None
+    if dtype == torch.float8_e5m2:
+        return "weight.dtype is float8_e5m2: e5m2 weights are not served (FP8 checkpoints store e4m3: float8_e4m3fn)"
+    hint = " (e4m3 bytes: pass weight.view(torch.float8_e4m3fn))" if dtype == torch.uint8 else ""
+    return f"weight.dtype must be bfloat16, or float8_e4m3fn with its weight_scale, got {dtype}{hint}"
+
+
+def weight_scale_reason(weight, weight_scale) -> str | None:
+    """An e4m3 weight has its weight_scale, a bf16 one none; the scale is float32 [N] or [N // 64, 64], contiguous,
+    16-byte aligned (the kernels read it with vector loads). Its values (finite, > 0) are not read: no host sync."""
+    n, s = weight.shape[0], weight_scale
+    if weight.dtype == E4M3 and s is None:
+        return ("weight is float8_e4m3fn without its weight_scale: pass the float32 dequant multipliers "
+                f"([N={n}] per row, or [{n // HEAD_COLS}, {W_BLOCK_COLS}] per 64 rows x 128 K columns)")
+    if s is None:
+        return None
+    if weight.dtype != E4M3:
+        return f"weight_scale goes with a float8_e4m3fn weight only; weight is {weight.dtype} (pass weight_scale=None)"
+    if not is_tensor(s):
+        return f"weight_scale must be a torch.Tensor, got {type(s).__name__}"
+    if s.dtype != torch.float32:
+        return f"weight_scale.dtype must be float32 (musekern.weights.pack's canonical scales), got {s.dtype}"
+    if tuple(s.shape) not in ((n,), (n // HEAD_COLS, W_BLOCK_COLS)):
+        return (f"weight_scale must be [N={n}] (one per row) or [{n // HEAD_COLS}, {W_BLOCK_COLS}] (one per 64 rows "
+                f"x 128 K columns), got shape {tuple(s.shape)}")
+    if not s.is_contiguous():
+        return f"weight_scale must be contiguous, got strides {tuple(s.stride())}"
+    if s.data_ptr() % ALIGN:
+        return f"weight_scale must be {ALIGN}-byte aligned (data_ptr % {ALIGN} = {s.data_ptr() % ALIGN})"
+    return None
+
+
+def weight_kind(weight_scale) -> tuple[str, str]:
+    """The build's (weight_dtype, weight_scale) of an accepted call: ("bf16", "none"), or ("fp8_e4m3", "channel" /
+    "block") by the scale's rank."""
+    if weight_scale is None:
+        return "bf16", "none"
+    return W8_DTYPE, "channel" if weight_scale.dim() == 1 else "block"
+
+
+def fast_weight_scale(s, n: int, dev: int) -> tuple | None:
+    """`weight_scale_reason` and the device check of an e4m3 weight's scale, reading each attribute once: (its
+    address, "channel" / "block"), or None where they may reject it (then they say why)."""
+    shape = s.shape
+    mode = "channel" if shape == (n,) else "block" if shape == (n // HEAD_COLS, W_BLOCK_COLS) else None
+    if mode is None or s.dtype is not F32 or not s.is_contiguous() or s.get_device() != dev:
+        return None
+    p = s.data_ptr()
+    return None if p % ALIGN else (p, mode)
+
+
 def device_reason(lead: str, t0: torch.Tensor, named) -> str | None:
     """Every tensor on `t0`'s CUDA device."""
     if not t0.is_cuda:
@@ -333,6 +394,23 @@ def device_index(device=None) -> int:
         return device
     idx = torch.device(device).index
     return idx if idx is not None else torch.cuda.current_device()
+
+
+def weight_format(value):
+    """The WeightFormat of a prepare call's `weight_format`: a WeightFormat, or an override spelling
+    (formats.OVERRIDE_CHOICES) but "auto" (prepare reads no config); ValueError of one line otherwise."""
+    from ..weights import formats
+
+    if isinstance(value, formats.WeightFormat):
+        return value
+    choices = [c for c in formats.OVERRIDE_CHOICES if c != "auto"]
+    try:
+        wf = formats.parse_override(value)
+    except ValueError:
+        wf = None
+    if wf is None:
+        raise ValueError(f"weight_format must be one of {', '.join(choices)} or a WeightFormat, got {value!r}")
+    return wf
 
 
 def prepare_args(N: int, rows, num_kv_heads: int | None, device) -> tuple[int, int, list[int]]:

@@ -15,8 +15,9 @@
     requantize_with_max_scale does).
   Checkpoint scales stored in bf16, fp16 or fp32 are upcast exactly; ue8m0 scales must be powers of two.
 
-`dequantize(packed)` is the fp32 weight the kernels are tested against; `quantize_reference(w, fmt)` makes a
-synthetic checkpoint tensor pair (tests, benchmarks). Every problem with the input is a ValueError of one line.
+`dequantize(packed)` (`dequantize_tensors(weight, weight_scale)`) is the fp32 weight the kernels are tested
+against; `quantize_reference(w, fmt)` makes a synthetic checkpoint tensor pair (tests, benchmarks). Every problem
+with the input is a ValueError of one line.
 """
 from __future__ import annotations
 
@@ -183,8 +184,15 @@ def pack_rank(fmt: WeightFormat, tensors: dict, *, num_q_heads: int, num_kv_head
 
 def dequantize(packed: PackedWeight) -> torch.Tensor:
     """float32 [N, 8192]: float(weight) * its scale (each product one fp32 rounding of the exact product)."""
-    w, s, n = packed.weight.float(), packed.weight_scale, packed.n
-    if packed.fmt.granularity == "block":
+    return dequantize_tensors(packed.weight, packed.weight_scale)
+
+
+def dequantize_tensors(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """`dequantize` of the canonical pair itself (the ops' calls carry no PackedWeight): the scale's rank says the
+    granularity, [N // 64, 64] block, [N] per row. Pure torch ops on the tensors' device (no host sync)."""
+    n = weight.shape[0]
+    w, s = weight.float(), weight_scale.float()
+    if s.dim() == 2:
         return (w.reshape(n // GROUP_ROWS, GROUP_ROWS, HIDDEN // K_BLOCK, K_BLOCK)
                 * s[:, None, :, None]).reshape(n, HIDDEN)
     return w * s[:, None]

@@ -74,7 +74,7 @@ class TensorMapSpec:
     """
     param: str
     tensor: str
-    dtype: str  # "bf16" | "f16" | "f32" | "u8" (e4m3 bytes)
+    dtype: str  # "bf16" | "f16" | "f32"
     box: tuple[int, int]
     swizzle: str = "128B"  # "none" | "32B" | "64B" | "128B"
     l2_promotion: str = "128B"  # "none" | "64B" | "128B" | "256B"

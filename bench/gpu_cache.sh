@@ -40,6 +40,11 @@ for vpt in 1 2 4 8; do for r in 1 2; do
 done; done
 # the ring-depth / k_split sweep of bench/sweep_variants.py (issue 5's levers)
 while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python bench/sweep_variants.py --print-labels)
+# the e4m3-weight builds (issue 30): the plan of an FP8 checkpoint (both scale kinds), and the e4m3 and bf16 fronts
+# bench/w8_bench.py times side by side on every shard (tests/test_gpu_qkv_front.py's FP8-weight tests take the first)
+$MK prepare --target h200 --weight-format fp8-channel --cache-dir "$CACHE" -j 2 >&2
+$MK prepare --target h200 --weight-format fp8-block --cache-dir "$CACHE" -j 2 >&2
+while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python bench/w8_labels.py)
 $MK prepare --target h200 --cache-dir "$CACHE" -j 2 "${labels[@]}" >&2
 # What the results files cite: the commit the cache was built from.
 .venv/bin/python - "$CACHE" <<'PY'

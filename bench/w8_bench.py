@@ -212,6 +212,48 @@ def timing(n: int, nkv: int, m: int, table: dict, eps: float, theta: float, pred
     return row
 
 
+def gemm_timing(n: int, nkv: int, m: int, eps: float, theta: float, samples: int) -> dict:
+    """M above the e4m3 front: the op's GEMM path (channel: per-token x quantization + _scaled_mm + the fused
+    epilogue; block: the bf16 dequantized copy + GEMM + epilogue) beside the bf16 op and _scaled_mm alone (x already
+    e4m3), 8 layers rotated, CUDA-graph replay."""
+    from musekern.ops import qkv_epilogue
+
+    g = torch.Generator(device="cuda").manual_seed(5000 + m + n)
+    bf = torch.bfloat16
+    cs = rope_cos_sin_table(MAX_POS, theta, "cuda")
+    pos = torch.randint(0, MAX_POS, (m,), device="cuda", generator=g)
+    x = torch.randn(m, HIDDEN, device="cuda", generator=g).to(bf)
+    kc, vc, cap = _caches(nkv, m, g)
+    slots = torch.randperm(cap, device="cuda", generator=g)[:m]
+    o = torch.empty(LAYERS, m, n, dtype=bf, device="cuda")
+    w8 = [e4m3_weight(n, g) for _ in range(LAYERS)]
+    wb = [(torch.randn(n, HIDDEN, device="cuda", generator=g) * 0.02).to(bf) for _ in range(LAYERS)]
+    graphs = []
+    seq_s = LAYERS * 2 * m * n * HIDDEN / 600e12
+
+    def add(name, call):
+        graphs.append(Graph(name, [(lambda j=j: call(j)) for j in range(LAYERS)], loops_for(seq_s), LAYERS))
+
+    front.prepare(n, [m], nkv)
+    add("bf16", lambda j: front.qkv_front(x, wb[j], pos, cs, slots, kc, vc, nkv, eps, out=o[j]))
+    for kind in SCALES:
+        front.prepare(n, [m], nkv, weight_format=f"fp8-{kind}")
+        sc = [scales(n, kind, g) for _ in range(LAYERS)]
+        add(f"fp8_{kind}", lambda j, sc=sc: front.qkv_front(x, w8[j], pos, cs, slots, kc, vc, nkv, eps, out=o[j],
+                                                             weight_scale=sc[j]))
+    xq = x.to(torch.float8_e4m3fn)
+    sx = torch.ones(m, 1, device="cuda")
+    sw = [torch.rand(1, n, device="cuda", generator=g) + 0.5 for _ in range(LAYERS)]
+    add("scaled_mm", lambda j: torch._scaled_mm(xq, w8[j].T, scale_a=sx, scale_b=sw[j], out_dtype=bf, out=o[j]))
+    add("epilogue", lambda j: qkv_epilogue.launch(o[j], pos, cs, slots, kc, vc, nkv, eps))
+    t = time_graphs(graphs, samples)
+    us = {kk: round(vv["us"], 3) for kk, vv in t.items()}
+    return {"N": n, "tp": TP_OF[n], "M": m, "us": us,
+            "channel_over_scaled_mm": round(us["fp8_channel"] / us["scaled_mm"], 3),
+            "channel_over_bf16": round(us["fp8_channel"] / us["bf16"], 3),
+            "block_over_bf16": round(us["fp8_block"] / us["bf16"], 3)}
+
+
 def table_text(doc: dict) -> str:
     lines = [f"exact (every e4m3 byte): {sum(r['mismatches'] for r in doc['exact'])} mismatches in "
              f"{len(doc['exact'])} builds", "check: shard scale M  y_err (torch) kv_err  ok"]
@@ -226,6 +268,11 @@ def table_text(doc: dict) -> str:
                      f"{u['chain_fp8_block']:.2f} | {q['chain_channel']:.3f} / {q['chain_block']:.3f} | "
                      f"{q['after_norm_channel']:.3f} / {q['after_norm_block']:.3f} | {u['chain_scaled_mm']:.2f} | "
                      f"{r['fp8_floor_us']}")
+    lines.append("GEMM path (us): TP M | bf16 op | fp8 channel / block | scaled_mm alone | epilogue | ch/scaled_mm")
+    for r in doc["gemm"]:
+        u = r["us"]
+        lines.append(f"  TP{r['tp']} {r['M']:5d} | {u['bf16']:.1f} | {u['fp8_channel']:.1f} / {u['fp8_block']:.1f} | "
+                     f"{u['scaled_mm']:.1f} | {u['epilogue']:.1f} | {r['channel_over_scaled_mm']:.3f}")
     return "\n".join(lines)
 
 
@@ -236,6 +283,7 @@ def main() -> int:
     ap.add_argument("--ms", default="1,8,16")
     ap.add_argument("--samples", type=int, default=7)
     ap.add_argument("--no-time", action="store_true")
+    ap.add_argument("--gemm-ms", default="64,1024,8192", help="M values of the GEMM path timing ('' for none)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("w8_bench: needs a CUDA GPU; run it on the GPU machine with the cache carried", file=sys.stderr)
@@ -247,7 +295,7 @@ def main() -> int:
     table = builds()
     doc = dict(report.commit_info(), device=torch.cuda.get_device_name(), torch=torch.__version__,
                time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), layers=LAYERS, samples=a.samples,
-               copy_TBps=copy_bandwidth(), exact=[], check=[], timing=[])
+               copy_TBps=copy_bandwidth(), exact=[], check=[], timing=[], gemm=[])
     eps, theta = model.rms_norm_eps, model.rope_theta
     for n, nkv in SHARDS:
         for m in (1, 8, 16):
@@ -265,6 +313,12 @@ def main() -> int:
             r = timing(n, nkv, m, table, eps, theta, pred, a.samples)
             doc["timing"].append(r)
             log(f"{time.time() - t0:6.1f}s time TP{r['tp']} M={m}: {r['us']}")
+        torch.cuda.empty_cache()
+    for n, nkv in () if a.no_time or not a.gemm_ms else (SHARDS[0], SHARDS[-1]):
+        for m in (int(s) for s in a.gemm_ms.split(",")):
+            r = gemm_timing(n, nkv, m, eps, theta, a.samples)
+            doc["gemm"].append(r)
+            log(f"{time.time() - t0:6.1f}s gemm TP{r['tp']} M={m}: {r['us']}")
         torch.cuda.empty_cache()
     doc["ok"] = all(r["ok"] for r in doc["check"] + doc["exact"])
     with open(a.out, "w") as f:

@@ -168,8 +168,8 @@ def _traced_class():
             self._stamp(7, tidx == 96)
 
         @cute.jit
-        def consumer(self, tiled_mma, sW, sX, full, empty, tidx, place):
-            acc = base.consumer(self, tiled_mma, sW, sX, full, empty, tidx, place)
+        def consumer(self, tiled_mma, sW, sX, full, empty, tidx, place, wq=None):
+            acc = base.consumer(self, tiled_mma, sW, sX, full, empty, tidx, place, wq)
             self._consumed(tidx)
             return acc
 
@@ -180,20 +180,20 @@ def _traced_class():
             return acc
 
         @cute.jit
-        def consumer_k(self, tiled_mma, sW, sX, full, empty, warp_idx, lane, place):
-            acc = base.consumer_k(self, tiled_mma, sW, sX, full, empty, warp_idx, lane, place)
+        def consumer_k(self, tiled_mma, sW, sX, full, empty, warp_idx, lane, place, wq=None):
+            acc = base.consumer_k(self, tiled_mma, sW, sX, full, empty, warp_idx, lane, place, wq)
             self._stamp(3, warp_idx == 0 and lane == 0)
             self._stamp(7, warp_idx == 3 and lane == 0)
             return acc
 
         @cute.jit
-        def send(self, tiled_mma, acc, st, recv_bar, tidx, place):
-            base.send(self, tiled_mma, acc, st, recv_bar, tidx, place)
+        def send(self, tiled_mma, acc, st, recv_bar, tidx, place, wq=None):
+            base.send(self, tiled_mma, acc, st, recv_bar, tidx, place, wq)
             self._stamp(4, tidx == 0)
 
         @cute.jit
-        def reduce_send(self, tiled_mma, acc, st, recv_bar, warp_idx, tidx, place):
-            base.reduce_send(self, tiled_mma, acc, st, recv_bar, warp_idx, tidx, place)
+        def reduce_send(self, tiled_mma, acc, st, recv_bar, warp_idx, tidx, place, wq=None):
+            base.reduce_send(self, tiled_mma, acc, st, recv_bar, warp_idx, tidx, place, wq)
             self._stamp(4, tidx == 0)
 
         @cute.jit

@@ -44,6 +44,7 @@ while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python benc
 # bench/w8_bench.py times side by side on every shard (tests/test_gpu_qkv_front.py's FP8-weight tests take the first)
 $MK prepare --target h200 --weight-format fp8-channel --cache-dir "$CACHE" -j 2 >&2
 $MK prepare --target h200 --weight-format fp8-block --cache-dir "$CACHE" -j 2 >&2
+$MK prepare --target h200 --weight-format fp8-block --kv-cache-dtype fp8 --cache-dir "$CACHE" -j 2 >&2  # both FP8
 while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python bench/w8_labels.py)
 $MK prepare --target h200 --cache-dir "$CACHE" -j 2 "${labels[@]}" >&2
 # What the results files cite: the commit the cache was built from.

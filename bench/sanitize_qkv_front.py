@@ -3,7 +3,8 @@
 padding slots (-1), a slot past the end of the cache, positions past the end of the table and negative, at the
 smallest and the largest M each planned front build serves (`planned_ms`: every build per N, its most padded and its
 fullest token tiles) and M = 100 (torch.mm + the fused epilogue everywhere), each into bf16 caches and into FP8 (uint8
-e4m3) caches with a scale tensor and a float scale (the --kv-cache-dtype fp8 builds), FlashInfer's strided layout; at
+e4m3) caches with a scale tensor and a float scale (the --kv-cache-dtype fp8 builds), FlashInfer's strided layout,
+and at M <= 16 with e4m3 weights (channel scales, bf16 caches; block scales, FP8 caches); at
 M = 100 also every cuBLASLt algorithm the GEMM path may choose (`gemm.tune`: each candidate launched once through
 gemm/cublaslt.py, so the binding's layouts and workspace are checked). Exit 0 if every launch ran.
 `--fused-only`: only the M the fused front serves (racecheck: on the GEMM path it reports hazards inside cuBLAS's own
@@ -77,6 +78,14 @@ def main() -> int:
             musekern.qkv_front(x, w, pos, cs, slots, kv8[:, 0], kv8[:, 1], shard.num_kv_heads, 1e-5,
                                k_scale=torch.tensor(0.05, device="cuda"), v_scale=0.03)
             n_launch += 2
+            if m <= 16:  # the e4m3-weight builds (issue 30, both scale kinds; the second with FP8 caches too)
+                w8 = (w.float() * 90).clamp(-448, 448).to(torch.float8_e4m3fn)
+                musekern.qkv_front(x, w8, pos, cs, slots, kv[:, 0], kv[:, 1], shard.num_kv_heads, 1e-5,
+                                   weight_scale=torch.full((shard.n,), 1 / 90, device="cuda"))
+                musekern.qkv_front(x, w8, pos, cs, slots, kv8[:, 0], kv8[:, 1], shard.num_kv_heads, 1e-5,
+                                   k_scale=0.05, v_scale=0.03,
+                                   weight_scale=torch.full((shard.n // HD, HIDDEN // 128), 1 / 90, device="cuda"))
+                n_launch += 2
             if m == 100:
                 n_launch += lt_candidates(w, x)
         torch.cuda.synchronize()

@@ -509,8 +509,8 @@ def test_w8_variant_rules():
 
 # each build: the ABI is the PTX .entry's; W arrives as one 128-byte-wide box a stage (8 KiB + x in expect_tx); every
 # weight of a stage is loaded once per CTA as 16-bit words (4 per m16 x k16 block a lane: 8 blocks a k-tile with
-# "rows", 4 m16 x 2 k16 with "k") and converted by w8.bf16x4 (a prmt and 2 bf16x2 multiplies per 2 words), no A
-# ldmatrix; the MMAs are the bf16 build's
+# "rows", 4 m16 x 2 k16 with "k") and converted by w8.bf16x2 (cvt.rn.f16x2.e4m3x2 a word), no A ldmatrix; the MMAs
+# are the bf16 build's; block scales: staged in shared memory once, no global load inside the k-tile loop
 @pytest.mark.slow
 @pytest.mark.parametrize("v", PLANNED_W8, ids=lambda v: v.label)
 def test_w8_compile_ptx(kmod, v):
@@ -531,8 +531,7 @@ def test_w8_compile_ptx(kmod, v):
     loop_copies = 2 if v.warp_split == "k" else 1  # "k": the two register sets' loads are written out twice
     loads = _count(r"ld\.shared\.[bs]16", ptx)
     assert loads == per_tile * (loop_copies + (1 if v.warp_split == "k" else 0))
-    assert _count(r"mul\.rn\.bf16x2", ptx) == loads and 2 * _count(r"prmt\.b32\s+q", ptx) == loads
-    assert "cvt.rn.f16x2.e4m3x2" not in ptx
+    assert _count(r"cvt\.rn\.f16x2\.e4m3x2", ptx) == loads
     x_ldm = r"ldmatrix\.sync\.aligned\.m8n8\.x[24]\.shared\.b16"
     assert _count(x_ldm, ptx) < _count(x_ldm, bf.ptx)  # x only
 
@@ -552,7 +551,7 @@ def test_w8_sass(kmod, v, tmp_path):
     if one_wave_at_two_per_sm(v.n, v.k_split, get_target("h200")):  # planned for two CTAs per SM
         assert CTAS_PER_SM * THREADS * ((usage["REG"] + 7) // 8 * 8) <= SM90_REGS_PER_SM
     s = nvdump.dump(ck.cubin, tmp_path, "-sass").stdout
-    # the bit route (w8.bf16x4): integer operations and bf16x2 multiplies, no conversion instruction
-    assert "HMUL2.BF16_V2" in s and "PRMT" in s and "F2FP.F16.E4M3" not in s
+    # the exact conversion (research/fp8.md section 4): 4 SASS a pair
+    assert "F2FP.F16.E4M3.UNPACK_B" in s and "F2FP.BF16.F32.PACK_AB" in s and "HADD2.F32" in s
     assert "HMMA.16816.F32.BF16" in s and "UTMALDG" in s
     assert not re.search(r"\b(STL|LDL)\b", s)

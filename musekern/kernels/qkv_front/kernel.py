@@ -76,6 +76,7 @@ from .variant import (
     MAX_OWNED_TOKENS,
     THREADS,
     TOKEN_TILE,
+    SCALES_SMEM,
     QkvFrontVariant,
     launch_grid,
     owned_tokens,
@@ -110,7 +111,23 @@ def ring_tma(mW, mX, stages: int, tt: int, x_mcast: bool = False):
     return sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma
 
 
-def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool, w_type=BFloat16):
+def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool, w_type=BFloat16, block_scales=False):
+    if block_scales:  # e4m3 weights with block scales: the ring as below, then the staged scales (w8.py)
+        assert not recv_in_ring
+
+        @cute.struct
+        class SmemScales:
+            sW: cute.struct.Align[cute.struct.MemRange[w_type, HEAD_COLS * K_TILE * stages], 1024]
+            sX: cute.struct.Align[cute.struct.MemRange[BFloat16, tt * K_TILE * stages], 1024]
+            full: cute.struct.MemRange[Int64, stages]
+            empty: cute.struct.MemRange[Int64, stages]
+            recv_bar: cute.struct.MemRange[Int64, 1]
+            slots: cute.struct.MemRange[Int64, owned]
+            cs: cute.struct.Align[cute.struct.MemRange[Float32, owned * 64], 16]
+            recv: cute.struct.Align[cute.struct.MemRange[Float32, tt * HEAD_COLS], 16]
+            wscale: cute.struct.Align[cute.struct.MemRange[Float32, SCALES_SMEM], 16]
+        return SmemScales
+
     if recv_in_ring:
         @cute.struct
         class SmemRingRecv:  # the receive buffer is the W ring's first tt x 64 fp32 (`QkvFrontKernel.recv`)
@@ -176,7 +193,7 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
         # bytes an owner gets by st.async
         self.recv_tx = (self.k_split - self.local_partials) * self.owned * HEAD_COLS * 4
         self.Smem = make_smem_struct(self.stages, self.tt, self.owned, v.recv_in_ring,
-                                     Float8E4M3FN if self.w8 else BFloat16)
+                                     Float8E4M3FN if self.w8 else BFloat16, self.block_scales)
         assert not v.recv_in_ring or self.tt * HEAD_COLS * 4 <= self.stages * w_stage_bytes(v.weight_dtype)
         self.smem = smem_bytes(v)
         self.fp8 = v.kv_cache_dtype != "bf16"  # e4m3 caches: `kernel_fp8`

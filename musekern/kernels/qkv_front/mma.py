@@ -16,7 +16,7 @@ from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
 from . import w8
-from .variant import CONSUMER_WARPS, HEAD_COLS, RED_STRIDE, WARP_K
+from .variant import CONSUMER_WARPS, HEAD_COLS, K_TILES, RED_STRIDE, SCALES_SMEM, WARP_K
 
 CONSUMER_THREADS = 32 * CONSUMER_WARPS
 # named barriers (0 is __syncthreads)
@@ -45,7 +45,7 @@ class W8State(NamedTuple):
     per-row ones this thread's partials take ("channel": a register tensor like the accumulator ("rows") or one value
     ("k"); None with block scales)."""
     w16: object
-    scales: object
+    scales: object  # global; block scales: the CTA's k-tiles' in shared memory, i-th k-tile at i
     row_scales: object
 
 
@@ -68,7 +68,11 @@ class FrontConsumers:
             return None
         scales = w8.scale_tensor(scale_ptr, self.n)
         rows = None
-        if not self.block_scales:
+        if self.block_scales:
+            staged = st.wscale.get_tensor(cute.make_layout(SCALES_SMEM))
+            self._stage_scales(scales, staged, tidx, place)
+            scales = staged
+        else:
             if self.v.warp_split == "rows":
                 tCcC = tiled_mma.get_slice(tidx).partition_C(
                     cute.make_identity_tensor((16 * CONSUMER_WARPS, self.tt)))
@@ -81,12 +85,20 @@ class FrontConsumers:
         return W8State(w8.ring_halves(st.sW.data_ptr(), self.stages), scales, rows)
 
     @cute.jit
+    def _stage_scales(self, scales, staged, tidx, place):
+        """Block scales: consumer thread i < ntiles copies the multiplier of the CTA's i-th k-tile into shared memory
+        (before the first k-tile; weights: no griddepcontrol.wait needed)."""
+        if tidx < self.ntiles:
+            rot = (place.head - place.head % self.pair) % self.ntiles
+            staged[tidx] = scales[place.head * K_TILES + self._k_tile(tidx, place.rank, rot)]
+        cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
+
+    @cute.jit
     def _tile_scale(self, wq, i, place):
         """Block scales: the multiplier of the i-th k-tile this CTA streams (1.0 otherwise)."""
         sc = Float32(1.0)
         if cutlass.const_expr(self.block_scales):
-            rot = (place.head - place.head % self.pair) % self.ntiles
-            sc = wq.scales[place.head * 64 + self._k_tile(i, place.rank, rot)]
+            sc = wq.scales[i]
         return sc
 
     @cute.jit

@@ -109,20 +109,21 @@ def alone_on_sm(n: int, split: int, target: Target) -> bool:
 # CTA is alone on its SM; else as deep as one CTA per SM allows (one tile) or MAX_RING_STAGES (two tiles).
 # e4m3 weights (issue 30, to be measured): the same W bytes in flight, so twice the stages of half the size.
 def ring_stages(split: int, target: Target, tiles: int = 2, n: int | None = None, recv_in_ring: bool = False,
-                weight_dtype: str = "bf16") -> int:
+                weight_dtype: str = "bf16", weight_scale: str = "none") -> int:
     """Ring depth (never changes the result). Without `n` (the seed's signature) the deep rule applies."""
     per_cta_tiles = (K_TILES + split - 1) // split
     per_bf16 = max(1, w_stage_bytes() // w_stage_bytes(weight_dtype))
     if n is not None and one_wave_at_two_per_sm(n, split, target):
         top = per_bf16 * (MAX_RING_STAGES if alone_on_sm(n, split, target) else SHALLOW_RING_STAGES)
         for st in range(top, MIN_RING_STAGES - 1, -1):
-            fits = ring_smem_bytes(st, tiles, split, recv_in_ring, weight_dtype) + SMEM_RESERVED_PER_CTA
+            fits = ring_smem_bytes(st, tiles, split, recv_in_ring, weight_dtype, weight_scale) + SMEM_RESERVED_PER_CTA
             if CTAS_PER_SM * fits <= target.smem_per_sm:
                 return min(st, per_cta_tiles)
     fit = (target.max_smem_optin - SMEM_RESERVE_BYTES) // stage_bytes(tiles, weight_dtype)
     cap = fit if tiles == 1 else per_bf16 * MAX_RING_STAGES
     st = max(MIN_RING_STAGES, min(cap, fit, per_cta_tiles))
-    while st > MIN_RING_STAGES and ring_smem_bytes(st, tiles, split, False, weight_dtype) > target.max_smem_optin:
+    while st > MIN_RING_STAGES and ring_smem_bytes(st, tiles, split, False, weight_dtype,
+                                                   weight_scale) > target.max_smem_optin:
         st -= 1  # 8 tiles: more than SMEM_RESERVE_BYTES outside the ring (receive buffer, cos|sin rows)
     return st
 
@@ -168,7 +169,7 @@ def variant(n: int, m: int, num_kv_heads: int, target: Target, kv_cache_dtype: s
     s = k_split(n, target, tiles)
     split = warp_split(n, s, target, tiles)
     rir = recv_in_ring(n, s, target, tiles, split)
-    stages = ring_stages(s, target, tiles, n, recv_in_ring=rir, weight_dtype=weight_dtype)
+    stages = ring_stages(s, target, tiles, n, recv_in_ring=rir, weight_dtype=weight_dtype, weight_scale=weight_scale)
     return QkvFrontVariant(n, num_kv_heads, tiles, stages, s, fixed_rows(m), pdl_trigger(n, s, target, tiles),
                            warp_split=split, trigger_ahead=trigger_ahead(n, s, target, tiles, stages),
                            recv_in_ring=rir, x_mcast=x_mcast(s, tiles, split), kv_cache_dtype=kv_cache_dtype,

@@ -208,13 +208,16 @@ def stage_bytes(tiles: int, weight_dtype: str = "bf16") -> int:
     return w_stage_bytes(weight_dtype) + tiles * X_TILE_STAGE_BYTES
 
 
+SCALES_SMEM = K_TILES  # block scales: a CTA's k-tiles' multipliers staged in shared memory (fp32, at most 64)
+
+
 def smem_bytes(v: QkvFrontVariant) -> int:
     """Dynamic shared memory of one CTA; must equal the kernel's `Smem.size_in_bytes()`."""
-    return ring_smem_bytes(v.stages, v.tiles, v.k_split, v.recv_in_ring, v.weight_dtype)
+    return ring_smem_bytes(v.stages, v.tiles, v.k_split, v.recv_in_ring, v.weight_dtype, v.weight_scale)
 
 
 def ring_smem_bytes(stages: int, tiles: int, k_split: int, recv_in_ring: bool = False,
-                    weight_dtype: str = "bf16") -> int:
+                    weight_dtype: str = "bf16", weight_scale: str = "none") -> int:
     """`smem_bytes` of a variant with this ring depth, tile count, S and receive-buffer place (nothing else changes
     it).
 
@@ -222,11 +225,13 @@ def ring_smem_bytes(stages: int, tiles: int, k_split: int, recv_in_ring: bool = 
     swizzle),
     x ring (stages x TT x 256 B, 1024-aligned), full/empty/recv mbarriers (8 B each), a staged
     slot (int64) and cos|sin row (64 fp32) per owned token (TT / S), the owner's receive buffer for the
-    S partials (TT x 64 fp32, S x TT/S tokens; none with `recv_in_ring`); padded to the struct's 1024-byte alignment.
+    S partials (TT x 64 fp32, S x TT/S tokens; none with `recv_in_ring`), block scales (`SCALES_SMEM` fp32); padded to
+    the struct's 1024-byte alignment.
     """
     tt = tiles * TOKEN_TILE
     owned = owned_tokens(tiles, k_split)
     ring = stages * (tt * K_TILE * 2 + w_stage_bytes(weight_dtype))
     small = 8 * (2 * stages + 1) + 8 * owned
     small = (small + 15) // 16 * 16 + 4 * owned * 64 + (0 if recv_in_ring else 4 * tt * HEAD_COLS)
+    small += 4 * SCALES_SMEM if weight_scale == "block" else 0
     return (ring + small + 1023) // 1024 * 1024

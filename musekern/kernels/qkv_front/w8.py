@@ -9,12 +9,14 @@ is exactly a bf16 one, so the MMA's products are exact and only the fp32 accumul
 - The fragment (`load_a`): mma.sync m16n8k16's A registers of lane (g, t) = (lane / 4, lane % 4) hold rows g and
   g + 8, k columns 2t, 2t + 1 and 2t + 8, 2t + 9 of a k16 step; each is one 16-bit shared load of two e4m3 bytes
   (both the row's chunk XOR g, since every row a lane reads is g mod 8) and one conversion.
-- The conversion (`bf16x4`): sm_90 has no e4m3 -> bf16 cvt; bit operations put each e4m3 into a bf16 2^120 too small
-  and one bf16x2 multiply scales it back, exactly (research/fp8.md section 4).
+- The conversion (`bf16x2`): sm_90 has no e4m3 -> bf16 cvt: cvt.rn.f16x2.e4m3x2 (exact: e4m3 is in f16, subnormals
+  too), two cvt.f32.f16, cvt.rn.bf16x2.f32 (exact: 4 mantissa bits fit bf16's 8). research/fp8.md section 4; Marlin's
+  bit route (integer ops and a bf16x2 multiply by 2^120) measured 8-10% slower at every shard (bench/NOTES.md).
 - The multipliers (musekern/weights/pack.py's canonical fp32 `weight_scale`): "channel" ([N], per row) scale each
   fp32 partial before it is sent, "block" ([N / 64, 64], per (head, k-tile), a CTA's head being one 64-row group and
   a k-tile one 128-column block) scale each k-tile's fp32 sum before it joins the accumulator (DeepGEMM's
-  promotion). The scales are weights: read before griddepcontrol.wait, like `weight` (ops/qkv_front.py's PDL note).
+  promotion); a CTA's block scales are staged in shared memory first (`SCALES_SMEM`: read from global per k-tile, the
+  L2 latency under the weight stream stalled every k-tile). The scales are weights: read before griddepcontrol.wait, like `weight` (ops/qkv_front.py's PDL note).
 """
 # (no `from __future__ import annotations`: @cute.jit reads real annotation objects)
 
@@ -30,33 +32,14 @@ ROW_BYTES = K_TILE  # one e4m3 ring row: 128 bytes = one 128B swizzle row
 STAGE_HALVES = HEAD_COLS * K_TILE // 2  # 16-bit words a stage
 
 
-# bf16 2^120: the bias between e4m3's exponent (7) and bf16's (127), restored by one exact bf16x2 multiply
-BF16X2_2POW120 = 0x7B807B80
-
-
 @dsl_user_op
-def bf16x4(lo: Int16, hi: Int16, *, loc=None, ip=None):
-    """Four e4m3 bytes -> two bf16x2 registers, exactly: `lo` = bytes (w0, w1), `hi` = (w8, w9) (lower address in the
-    low byte) -> ((w0, w1), (w8, w9)), the first of each pair in the low half (mma.sync's a0a1 and a4a5).
-
-    Marlin's bit route (vLLM csrc/quantization/marlin dequant.h, research/fp8.md section 4): prmt interleaves the
-    four bytes (w0 w8 w1 w9, low byte first); each 16-bit half's high byte, sign kept and the 7 exponent and mantissa
-    bits shifted right by 4, is a bf16 of value e4m3 * 2^-120 (subnormals onto bf16 subnormals); one bf16x2
-    multiply by 2^120 restores the value, exactly (a power of two; every e4m3 value is a bf16 one). 8 integer
-    operations and 2 multiplies for 4 weights, against 8 conversions (2 of them F2FP.F16.E4M3) on the cvt route."""
-    asm = ("{\n.reg .b32 q, p, t, u, c;\nmov.b32 c, %d;\n"
-           "prmt.b32 q, $2, $3, 0x5140;\n"  # bytes w0 w8 w1 w9
-           "shl.b32 p, q, 8;\n"  # high bytes of its halves: w0, w1
-           "and.b32 t, p, 0x7F007F00;\nshr.b32 t, t, 4;\nand.b32 u, p, 0x80008000;\nor.b32 t, t, u;\n"
-           "mul.rn.bf16x2 $0, t, c;\n"
-           "and.b32 t, q, 0x7F007F00;\nshr.b32 t, t, 4;\nand.b32 u, q, 0x80008000;\nor.b32 t, t, u;\n"
-           "mul.rn.bf16x2 $1, t, c;\n}" % BF16X2_2POW120)
-    args = [Int32(lo).ir_value(loc=loc, ip=ip), Int32(hi).ir_value(loc=loc, ip=ip)]
-    ty = llvm.StructType.get_literal([Int32.mlir_type, Int32.mlir_type])
-    r = llvm.inline_asm(ty, args, asm, "=r,=r,r,r", has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                        loc=loc, ip=ip)
-    return (Int32(llvm.extractvalue(Int32.mlir_type, r, [0], loc=loc, ip=ip)),
-            Int32(llvm.extractvalue(Int32.mlir_type, r, [1], loc=loc, ip=ip)))
+def bf16x2(pair: Int16, *, loc=None, ip=None) -> Int32:
+    """Two e4m3 bytes (the lower address in the low byte) -> bf16x2 (the first in the low half), exactly."""
+    asm = ("{\n.reg .b32 f;\n.reg .b16 lo, hi;\n.reg .f32 a, b;\ncvt.rn.f16x2.e4m3x2 f, $1;\nmov.b32 {lo, hi}, f;\n"
+           "cvt.f32.f16 a, lo;\ncvt.f32.f16 b, hi;\ncvt.rn.bf16x2.f32 $0, b, a;\n}")
+    r = llvm.inline_asm(Int32.mlir_type, [Int16(pair).ir_value(loc=loc, ip=ip)], asm, "=r,h",
+                        has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return Int32(r)
 
 
 def ring_halves(ring_ptr, stages: int):
@@ -74,8 +57,10 @@ def load_a(w16: cute.Tensor, a32: cute.Tensor, stage, base, g, kstep: cutlass.Co
     """The four A registers (a32[0..3], mma.sync register order) of one m16 x k16 block: rows of `base` (lane_base
     of the block's first row) and 8 further, k columns 16 kstep + 2t (+1) and + 8 (+9)."""
     off = stage * (2 * STAGE_HALVES) + base + ((g ^ kstep) << 4)
-    a32[0], a32[2] = bf16x4(w16[off // 2], w16[(off + 8) // 2])
-    a32[1], a32[3] = bf16x4(w16[(off + 8 * ROW_BYTES) // 2], w16[(off + 8 * ROW_BYTES + 8) // 2])
+    a32[0] = bf16x2(w16[off // 2])
+    a32[1] = bf16x2(w16[(off + 8 * ROW_BYTES) // 2])
+    a32[2] = bf16x2(w16[(off + 8) // 2])
+    a32[3] = bf16x2(w16[(off + 8 * ROW_BYTES + 8) // 2])
 
 
 def scale_tensor(ptr, n: int):

@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 
 from ..store.abi import KernelAbi
-from . import qk_norm, qkv_epilogue, qkv_front
+from . import qk_norm, qkv_epilogue, qkv_front, x_quant
 from .base import KernelSpec
 
 REGISTRY: dict[str, KernelSpec] = {k.name: k for k in (
     qk_norm.KERNEL,
     qkv_front.KERNEL,
     qkv_epilogue.KERNEL,
+    x_quant.KERNEL,
 )}
 
 

@@ -34,7 +34,7 @@ from ..kernels.qkv_front.variant import QkvFrontVariant, launch_grid
 from ..kv_cache import BF16 as KV_BF16
 from ..kv_cache import FP8_E4M3, resolve
 from ..model import HIDDEN, supports_shape
-from . import checks, qkv_epilogue
+from . import checks, qkv_epilogue, x_quant
 from ._bind import Plans, binder, take
 from .checks import ALIGN, BF16, E4M3, F32, FP8_CACHES, I64, INF, NO_SCALES, is_tensor, overlaps
 
@@ -154,7 +154,7 @@ def _fast(x, weight, positions, cos_sin_cache, slot_mapping, key_cache, value_ca
         y0 = out.data_ptr()
     if run is _GEMM:  # y = x @ W^T by cuBLAS, then the epilogue in place with the values read here
         if w8:
-            gemm_fp8.mm(x, weight, weight_scale, out)
+            gemm_fp8.mm(x, weight, weight_scale, out, x_quant.quantize)
         elif not gemm.launch_tuned(n, m, dev, x0, w0, y0):
             torch.mm(x, weight.t(), out=out)
         qkv_epilogue.launch_read(key, y0, tc, eps, sc, fp8)
@@ -305,7 +305,7 @@ def launch_gemm_epilogue(x, weight, positions, cos_sin_cache, slot_mapping, key_
     if weight_scale is None:
         gemm.mm(x, weight, out)
     else:
-        gemm_fp8.mm(x, weight, weight_scale, out)
+        gemm_fp8.mm(x, weight, weight_scale, out, x_quant.quantize)
     return qkv_epilogue.launch(out, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_kv_heads,
                                eps, k_scale=k_scale, v_scale=v_scale)
 
@@ -395,6 +395,8 @@ def prepare(N: int, rows=16, num_kv_heads: int | None = None, device=None, kv_ca
         kernels += qkv_epilogue.prepare(N, rest, num_kv_heads, dev, kv)
         if not wf.fp8:  # e4m3 weights: gemm.fp8 (torch's _scaled_mm, or the bf16 copy's mm): nothing measured
             gemm.tune(N, rest, dev)  # cuBLAS's handles made and its algorithm measured per M, outside any capture
+        elif wf.kernel_scale == "channel":
+            kernels.append(x_quant.prepare(dev))  # the W8A8 path's x quantization
     return kernels
 
 

@@ -16,7 +16,8 @@ is exactly a bf16 one, so the MMA's products are exact and only the fp32 accumul
   fp32 partial before it is sent, "block" ([N / 64, 64], per (head, k-tile), a CTA's head being one 64-row group and
   a k-tile one 128-column block) scale each k-tile's fp32 sum before it joins the accumulator (DeepGEMM's
   promotion); a CTA's block scales are staged in shared memory first (`SCALES_SMEM`: read from global per k-tile, the
-  L2 latency under the weight stream stalled every k-tile). The scales are weights: read before griddepcontrol.wait, like `weight` (ops/qkv_front.py's PDL note).
+  L2 latency under the weight stream stalled every k-tile). The scales are weights: read before griddepcontrol.wait,
+  like `weight` (ops/qkv_front.py's PDL note).
 """
 # (no `from __future__ import annotations`: @cute.jit reads real annotation objects)
 

@@ -1,0 +1,97 @@
+"""x_quant (variant.py has the contract) as a CuTe DSL kernel: one CTA a row of x.
+
+Thread t loads vectors t, t + 256, t + 512, t + 768 of its row (16 bytes each, all four before any math), folds their
+|x| into one max, the warp's max by butterfly shuffles, the row's from the 8 warps' in shared memory; s = max(amax /
+448 (div.rn), 1 / (448 * 512)); thread 0 stores s. Each value's byte is e4m3 of the true quotient x / s
+(qkv_front/fp8.py `divisor` and `quotient`; x * p * r for a power-of-two s), 8 bytes a vector with one store.
+"""
+# (no `from __future__ import annotations`: @cute.struct and @cute.jit read real annotation objects)
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.runtime import make_ptr
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.memory import SmemAllocator
+
+from ...kv_cache import E4M3_MAX
+from ...model import HIDDEN
+from ...store.keys import variant_tag
+from ..qkv_front import fp8 as _fp8
+from .variant import XQ_BLOCK, XQ_VEC_ELEMS, XQ_VECS, XQ_WARPS, XQuantVariant
+
+MIN_SCALE = 1.0 / (E4M3_MAX * 512.0)  # vLLM's min_scaling_factor (musekern.reference.FP8_MIN_SCALE)
+_FAKE_ADDR = 0x10000
+
+
+@dsl_user_op
+def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """a / b correctly rounded (div.rn.f32: the reference's amax / 448)."""
+    r = llvm.inline_asm(Float32.mlir_type, [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+                        "div.rn.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False,
+                        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return Float32(r)
+
+
+@cute.struct
+class Smem:
+    red: cute.struct.MemRange[Float32, XQ_WARPS]
+
+
+@cute.kernel
+def x_quant_kernel(x: cute.Pointer, q: cute.Pointer, scale: cute.Pointer, ld_x: Int32, tag: cutlass.Constexpr):
+    # `tag` (store.keys.variant_tag) only names the kernel's entry symbol
+    tidx = cute.arch.thread_idx()[0]
+    row = cute.arch.block_idx()[0]
+    warp = tidx // 32
+    lane = tidx % 32
+    ldx = cute.assume(Int64(ld_x), divby=XQ_VEC_ELEMS)
+    mX = cute.make_tensor(x, cute.make_layout((row + 1, HIDDEN // XQ_VEC_ELEMS, XQ_VEC_ELEMS),
+                                              stride=(ldx, XQ_VEC_ELEMS, 1)))
+    vec_copy = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+    frags = []
+    for u in cutlass.range_constexpr(XQ_VECS):
+        f = cute.make_rmem_tensor(cute.make_layout(XQ_VEC_ELEMS), BFloat16)
+        cute.copy(vec_copy, mX[row, u * XQ_BLOCK + tidx, None], f)
+        frags.append(f)
+    amax = Float32(0.0)
+    for u in cutlass.range_constexpr(XQ_VECS):
+        v = frags[u].load().to(Float32)
+        for i in cutlass.range_constexpr(XQ_VEC_ELEMS):
+            amax = cute.arch.fmax(amax, cute.math.absf(v[i]))
+    for s in cutlass.range_constexpr(5):  # offsets 1, 2, 4, 8, 16
+        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << s))
+    st = SmemAllocator().allocate(Smem)
+    red = st.red.get_tensor(cute.make_layout(XQ_WARPS))
+    if lane == 0:
+        red[warp] = amax
+    cute.arch.sync_threads()
+    amax = red[0]
+    for w in cutlass.range_constexpr(1, XQ_WARPS):
+        amax = cute.arch.fmax(amax, red[w])
+    sc = cute.arch.fmax(div_rn(amax, Float32(E4M3_MAX)), Float32(MIN_SCALE))
+    if tidx == 0:
+        cute.make_tensor(scale, cute.make_layout(row + 1))[row] = sc
+    d = _fp8.divisor(sc)
+    base = q.toint() + Int64(row) * HIDDEN
+    for u in cutlass.range_constexpr(XQ_VECS):
+        _fp8.store_octet(base + (u * XQ_BLOCK + tidx) * XQ_VEC_ELEMS, frags[u], d)
+
+
+@cute.jit
+def x_quant_host(x: cute.Pointer, q: cute.Pointer, scale: cute.Pointer, ld_x: Int32, m: Int32, stream: cuda.CUstream,
+                 tag: cutlass.Constexpr):
+    """The launch CuTe would do (the runtime loader reproduces it from the manifest + launch_grid)."""
+    x_quant_kernel(x, q, scale, ld_x, tag).launch(grid=[m, 1, 1], block=[XQ_BLOCK, 1, 1], smem=Smem.size_in_bytes(),
+                                                  stream=stream)
+
+
+def compile_call(variant: XQuantVariant, arch: str):
+    """(the @cute.jit function, its compile arguments: the ABI's values, then M, the stream and the tag)."""
+    x = make_ptr(BFloat16, _FAKE_ADDR, cute.AddressSpace.gmem, assumed_align=16)
+    q = _fp8.cache_ptr(_FAKE_ADDR)
+    s = make_ptr(Float32, _FAKE_ADDR, cute.AddressSpace.gmem, assumed_align=16)
+    return x_quant_host, (x, q, s, Int32(HIDDEN), Int32(16), cuda.CUstream(0),
+                          variant_tag(variant.kernel, variant.params()))

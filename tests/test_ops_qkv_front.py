@@ -727,12 +727,16 @@ def test_fp8_weight_gemm_path_is_gemm_fp8_then_the_epilogue(as_if_cuda, recorder
     """Above the FP8 front's M: gemm.fp8.mm into y (CPU here: torch's own _scaled_mm / mm), then the epilogue's
     launcher with the values the front's checks read."""
     from musekern.gemm import fp8 as gemm_fp8
+    from musekern.reference import quantize_x_per_token
 
     rec = recorder
+    quantized = []  # the channel path quantizes x with the x_quant kernel (ops/x_quant.py; its reference here)
+    monkeypatch.setattr(op.x_quant, "quantize", lambda x: quantized.append(x.shape) or quantize_x_per_token(x))
     monkeypatch.setitem(op._RUNS_W8, ("bf16", mode), op.Plans(lambda *k: op._GEMM))
     monkeypatch.setattr(op.qkv_epilogue, "_RUNS", op.Plans(lambda *k: rec))
     c = w8_case(mode, m=40, num_blocks=16)
     y = op.qkv_front(**c)
+    assert quantized == ([(40, 8192)] if mode == "channel" else [])
     want_y = gemm_fp8.mm(c["x"], c["weight"], c["weight_scale"], torch.empty_like(y))
     assert torch.equal(y, want_y)
     want = op.qkv_epilogue.launch_args(y, c["positions"], c["cos_sin_cache"], c["slot_mapping"], c["key_cache"],
@@ -742,7 +746,8 @@ def test_fp8_weight_gemm_path_is_gemm_fp8_then_the_epilogue(as_if_cuda, recorder
 
 def test_fp8_weight_unchecked_gemm_epilogue_takes_gemm_fp8(monkeypatch):
     calls = []
-    monkeypatch.setattr(op.gemm_fp8, "mm", lambda x, w, s, out: calls.append((w.dtype, s.shape)) or out.zero_())
+    monkeypatch.setattr(op.gemm_fp8, "mm", lambda x, w, s, out, quantize: calls.append((w.dtype, s.shape))
+                        or out.zero_())
     monkeypatch.setattr(op.gemm, "mm", lambda *a: pytest.fail("the bf16 GEMM"))
     monkeypatch.setattr(op.qkv_epilogue, "launch", lambda y, *a, **k: y)
     c = w8_case("block", m=20, num_blocks=16)

@@ -212,6 +212,25 @@ def timing(n: int, nkv: int, m: int, table: dict, eps: float, theta: float, pred
     return row
 
 
+def x_quant_exact(m: int) -> dict:
+    """The x_quant kernel's bytes and scales against musekern.reference.quantize_x_per_token (random rows at spread
+    magnitudes, a zero row, a power-of-two scale's row)."""
+    from musekern.ops import x_quant
+    from musekern.reference import quantize_x_per_token
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, HIDDEN, device="cuda", generator=g) * torch.exp2(
+        torch.randint(-20, 20, (m, 1), device="cuda", generator=g).float())
+    x[0] = 0
+    x[1].clamp_(-3584, 3584)
+    x[1, 5] = 3584.0  # amax 448 * 8: s = 8, a power of two
+    x = x.to(torch.bfloat16)
+    q, s = x_quant.quantize(x)
+    qr, sr = quantize_x_per_token(x)
+    bad = int((q.view(torch.uint8) != qr.view(torch.uint8)).sum()) + int((s != sr).sum())
+    return {"M": m, "mismatches": bad, "ok": bad == 0}
+
+
 def gemm_timing(n: int, nkv: int, m: int, eps: float, theta: float, samples: int) -> dict:
     """M above the e4m3 front: the op's GEMM path (channel: per-token x quantization + _scaled_mm + the fused
     epilogue; block: the bf16 dequantized copy + GEMM + epilogue) beside the bf16 op and _scaled_mm alone (x already
@@ -256,7 +275,9 @@ def gemm_timing(n: int, nkv: int, m: int, eps: float, theta: float, samples: int
 
 def table_text(doc: dict) -> str:
     lines = [f"exact (every e4m3 byte): {sum(r['mismatches'] for r in doc['exact'])} mismatches in "
-             f"{len(doc['exact'])} builds", "check: shard scale M  y_err (torch) kv_err  ok"]
+             f"{len(doc['exact'])} builds; x_quant against the reference: "
+             f"{sum(r['mismatches'] for r in doc['x_quant'])} mismatches",
+             "check: shard scale M  y_err (torch) kv_err  ok"]
     for r in doc["check"]:
         lines.append(f"  TP{r['tp']} {r['scale']:7s} {r['M']:2d}  {r['y_err']:.4f} ({r['torch_y_err']:.4f}) "
                      f"{r['kv_err']:.4f}  {r['ok']}")
@@ -295,7 +316,7 @@ def main() -> int:
     table = builds()
     doc = dict(report.commit_info(), device=torch.cuda.get_device_name(), torch=torch.__version__,
                time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), layers=LAYERS, samples=a.samples,
-               copy_TBps=copy_bandwidth(), exact=[], check=[], timing=[], gemm=[])
+               copy_TBps=copy_bandwidth(), exact=[], check=[], x_quant=[], timing=[], gemm=[])
     eps, theta = model.rms_norm_eps, model.rope_theta
     for n, nkv in SHARDS:
         for m in (1, 8, 16):
@@ -314,13 +335,17 @@ def main() -> int:
             doc["timing"].append(r)
             log(f"{time.time() - t0:6.1f}s time TP{r['tp']} M={m}: {r['us']}")
         torch.cuda.empty_cache()
+    for m in (1000,):
+        r = x_quant_exact(m)
+        doc["x_quant"].append(r)
+        log(f"x_quant M={m}: {r['mismatches']} mismatches")
     for n, nkv in () if a.no_time or not a.gemm_ms else (SHARDS[0], SHARDS[-1]):
         for m in (int(s) for s in a.gemm_ms.split(",")):
             r = gemm_timing(n, nkv, m, eps, theta, a.samples)
             doc["gemm"].append(r)
             log(f"{time.time() - t0:6.1f}s gemm TP{r['tp']} M={m}: {r['us']}")
         torch.cuda.empty_cache()
-    doc["ok"] = all(r["ok"] for r in doc["check"] + doc["exact"])
+    doc["ok"] = all(r["ok"] for r in doc["check"] + doc["exact"] + doc["x_quant"])
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
     print(table_text(doc))

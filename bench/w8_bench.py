@@ -14,7 +14,7 @@ time: per shard and M in --ms, 8 layers of weights rotated past the L2, CUDA-gra
   M <= 16 at >= 90 % of copy bandwidth.
 
 Usage (GPU machine, cache carried):
-  source bench/device_env.sh && python3 bench/w8_bench.py --out $DEST/h200-w8-bench.json
+  source bench/device_env.sh && python3 bench/w8_bench.py --out $DEST/h100-w8-bench.json  (named for its GPU)
 Table last on stdout, progress on stderr.
 """
 from __future__ import annotations
@@ -299,7 +299,7 @@ def table_text(doc: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results/h200-w8-bench.json")
+    ap.add_argument("--out", default="bench/results/h100-w8-bench.json")
     ap.add_argument("--check-ms", default="1,2,7,8,9,16")
     ap.add_argument("--ms", default="1,8,16")
     ap.add_argument("--samples", type=int, default=7)

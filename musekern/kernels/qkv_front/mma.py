@@ -16,7 +16,7 @@ from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
 from . import w8
-from .variant import CONSUMER_WARPS, HEAD_COLS, K_TILES, RED_STRIDE, SCALES_SMEM, WARP_K
+from .variant import CONSUMER_WARPS, HEAD_COLS, K_TILE, K_TILES, RED_STRIDE, SCALES_SMEM, WARP_K
 
 CONSUMER_THREADS = 32 * CONSUMER_WARPS
 # named barriers (0 is __syncthreads)
@@ -140,7 +140,7 @@ class FrontConsumers:
     def _consumer_w8(self, tiled_mma, thr_mma, acc, cp_b, tBsX, tBrB, tCrB, full, empty, tidx, place, wq):
         """`consumer` of an e4m3 W ring (1 or 2 token tiles): warp w's A registers dequantized from rows 16w.., a
         k-tile's eight k16 steps into `part` (block scales: promoted into acc with the k-tile's multiplier)."""
-        tCrA = thr_mma.make_fragment_A(thr_mma.partition_shape_A((16 * CONSUMER_WARPS, 128)))
+        tCrA = thr_mma.make_fragment_A(thr_mma.partition_shape_A((16 * CONSUMER_WARPS, K_TILE)))
         a32 = cute.recast_tensor(tCrA, Int32)
         lane = tidx % 32
         g = lane // 4

@@ -112,48 +112,24 @@ def ring_tma(mW, mX, stages: int, tt: int, x_mcast: bool = False):
 
 
 def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool, w_type=BFloat16, block_scales=False):
-    if block_scales:  # e4m3 weights with block scales: the ring as below, then the staged scales (w8.py)
-        assert not recv_in_ring
-
-        @cute.struct
-        class SmemScales:
-            sW: cute.struct.Align[cute.struct.MemRange[w_type, HEAD_COLS * K_TILE * stages], 1024]
-            sX: cute.struct.Align[cute.struct.MemRange[BFloat16, tt * K_TILE * stages], 1024]
-            full: cute.struct.MemRange[Int64, stages]
-            empty: cute.struct.MemRange[Int64, stages]
-            recv_bar: cute.struct.MemRange[Int64, 1]
-            slots: cute.struct.MemRange[Int64, owned]
-            cs: cute.struct.Align[cute.struct.MemRange[Float32, owned * 64], 16]
-            recv: cute.struct.Align[cute.struct.MemRange[Float32, tt * HEAD_COLS], 16]
-            wscale: cute.struct.Align[cute.struct.MemRange[Float32, SCALES_SMEM], 16]
-        return SmemScales
-
-    if recv_in_ring:
-        @cute.struct
-        class SmemRingRecv:  # the receive buffer is the W ring's first tt x 64 fp32 (`QkvFrontKernel.recv`)
-            sW: cute.struct.Align[cute.struct.MemRange[BFloat16, HEAD_COLS * K_TILE * stages], 1024]
-            sX: cute.struct.Align[cute.struct.MemRange[BFloat16, tt * K_TILE * stages], 1024]
-            full: cute.struct.MemRange[Int64, stages]
-            empty: cute.struct.MemRange[Int64, stages]
-            recv_bar: cute.struct.MemRange[Int64, 1]
-            slots: cute.struct.MemRange[Int64, owned]
-            cs: cute.struct.Align[cute.struct.MemRange[Float32, owned * 64], 16]
-        return SmemRingRecv
-
-    @cute.struct
-    class Smem:
+    """The CTA's shared memory, one @cute.struct (offsets in this order; `smem_bytes` is its size)."""
+    fields = {
         # ring first: offset 0 of the 1024-aligned dynamic smem, what the 128B swizzle expects
-        sW: cute.struct.Align[cute.struct.MemRange[w_type, HEAD_COLS * K_TILE * stages], 1024]
-        sX: cute.struct.Align[cute.struct.MemRange[BFloat16, tt * K_TILE * stages], 1024]
-        full: cute.struct.MemRange[Int64, stages]  # TMA -> consumers: count 1 + W and x bytes
-        empty: cute.struct.MemRange[Int64, stages]  # consumers -> producer: count 4 x pair (one lane a warp)
-        recv_bar: cute.struct.MemRange[Int64, 1]  # partials landed (st.async complete_tx bytes)
-        slots: cute.struct.MemRange[Int64, owned]  # staged slot of each owned token
+        "sW": cute.struct.Align[cute.struct.MemRange[w_type, HEAD_COLS * K_TILE * stages], 1024],
+        "sX": cute.struct.Align[cute.struct.MemRange[BFloat16, tt * K_TILE * stages], 1024],
+        "full": cute.struct.MemRange[Int64, stages],  # TMA -> consumers: count 1 + W and x bytes
+        "empty": cute.struct.MemRange[Int64, stages],  # consumers -> producer: count 4 x pair (one lane a warp)
+        "recv_bar": cute.struct.MemRange[Int64, 1],  # partials landed (st.async complete_tx bytes)
+        "slots": cute.struct.MemRange[Int64, owned],  # staged slot of each owned token
         # cos|sin rows of the owned tokens (sized by them: with one tile at S = 2 this is what lets a 6-stage
         # ring fit two CTAs per SM, bench/NOTES.md round 17)
-        cs: cute.struct.Align[cute.struct.MemRange[Float32, owned * 64], 16]
-        recv: cute.struct.Align[cute.struct.MemRange[Float32, tt * HEAD_COLS], 16]  # [src][j][col]
-    return Smem
+        "cs": cute.struct.Align[cute.struct.MemRange[Float32, owned * 64], 16],
+    }
+    if not recv_in_ring:  # else the receive buffer is the W ring's first tt x 64 fp32 (`QkvFrontKernel.recv`)
+        fields["recv"] = cute.struct.Align[cute.struct.MemRange[Float32, tt * HEAD_COLS], 16]  # [src][j][col]
+    if block_scales:  # e4m3 weights with block scales: the CTA's k-tiles' multipliers, staged (w8.py)
+        fields["wscale"] = cute.struct.Align[cute.struct.MemRange[Float32, SCALES_SMEM], 16]
+    return cute.struct(type("Smem", (), {"__annotations__": fields}))
 
 
 class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):

@@ -94,7 +94,7 @@ class FrontConsumers:
         cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
 
     @cute.jit
-    def _tile_scale(self, wq, i, place):
+    def _tile_scale(self, wq, i):
         """Block scales: the multiplier of the i-th k-tile this CTA streams (1.0 otherwise)."""
         sc = Float32(1.0)
         if cutlass.const_expr(self.block_scales):
@@ -152,7 +152,7 @@ class FrontConsumers:
         ksteps = cute.size(tCrA, mode=[2])
         for i in cutlass.range(self.ntiles, unroll=1):
             s = i % self.stages
-            sc = self._tile_scale(wq, i, place)
+            sc = self._tile_scale(wq, i)
             cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
             for kk in cutlass.range_constexpr(ksteps):
                 w8.load_a(wq.w16, a32[None, 0, kk], s, base, g, kk)
@@ -260,7 +260,7 @@ class FrontConsumers:
         """`_load_k` from an e4m3 ring: this warp's 4 m16 x 2 k16 A blocks dequantized; returns k-tile i's block
         multiplier (1.0 with channel scales)."""
         s = i % self.stages
-        sc = self._tile_scale(wq, i, place)
+        sc = self._tile_scale(wq, i)
         cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
         a32 = cute.recast_tensor(rA, Int32)
         tBrB = thr_b.retile(rB)

@@ -556,9 +556,9 @@ def run_w8(p, pw, nkv, out=None):
     return out
 
 
-def w8_errors(p, pw, nkv, y):
+def w8_errors(p, pw, nkv, y, record_property):
     """{name: (kernel error, reference error, vLLM chain error)} against fp64, for y and the two caches' written rows
-    (and every other cache row still the sentinel)."""
+    (and every other cache row still the sentinel), each recorded in the junit XML."""
     from musekern.reference import fused_qknorm_rope_kv_insert, vllm_fp8_gemm
 
     truth = dict(zip(("y", "key_cache", "value_cache"), truth64(p, dequant64(pw), nkv), strict=True))
@@ -576,6 +576,10 @@ def w8_errors(p, pw, nkv, y):
             want = truth[name][toks]
             errs[name] = tuple((cache_rows(c, p["slot_mapping"])[0].double() - want).abs().max().item()
                                for c in (p[name], ref_c[i], vllm_c[i]))
+    for name, (e_k, e_ref, e_vllm) in errs.items():
+        record_property(f"{name}_err", e_k)
+        record_property(f"{name}_ref_err", e_ref)
+        record_property(f"{name}_vllm_err", e_vllm)
     return errs, truth
 
 
@@ -591,11 +595,8 @@ def test_fp8_weight_front(fp8_weights, record_property, tp, layout, mode, m):
     p = problem(m, nkv, layout=layout, pad_every=3, seed=900 * tp + m)
     y = run_w8(p, pw, nkv)
     torch.cuda.synchronize()
-    errs, _ = w8_errors(p, pw, nkv, y)
+    errs, _ = w8_errors(p, pw, nkv, y, record_property)
     for name, (e_k, e_ref, e_vllm) in errs.items():
-        record_property(f"{name}_err", e_k)
-        record_property(f"{name}_ref_err", e_ref)
-        record_property(f"{name}_vllm_err", e_vllm)
         assert e_k <= 2 * e_ref + ATOL, f"{name}: kernel error {e_k:.3e} > 2 x the reference's {e_ref:.3e} + {ATOL}"
         assert e_k <= e_vllm + ATOL, f"{name}: kernel error {e_k:.3e} > vLLM's chain {e_vllm:.3e} + {ATOL}"
 
@@ -631,11 +632,8 @@ def test_fp8_weight_gemm_path(fp8_weights, record_property, tp, mode, m):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    errs, truth = w8_errors(p, pw, nkv, y)
-    for name, (e_k, e_ref, e_vllm) in errs.items():
-        record_property(f"{name}_err", e_k)
-        record_property(f"{name}_ref_err", e_ref)
-        record_property(f"{name}_vllm_err", e_vllm)
+    errs, truth = w8_errors(p, pw, nkv, y, record_property)
+    for name, (e_k, _, e_vllm) in errs.items():
         slack = 2.0 ** -8 * truth[name].abs().max().item() if mode == "channel" else ATOL
         assert e_k <= e_vllm + slack, f"{name}: error {e_k:.3e} > vLLM's chain {e_vllm:.3e} + {slack:.1e}"
 

@@ -161,12 +161,18 @@ def fp8_gemm_fp64(x: torch.Tensor, packed) -> torch.Tensor:
     return x.double() @ dequantize(packed).double().t()
 
 
+def _over_e4m3_max(amax: torch.Tensor) -> torch.Tensor:
+    """fp32 amax / 448 correctly rounded on every device (CUDA torch divides by a Python scalar as a multiply by its
+    rounded reciprocal, off by an ulp for about half of all inputs; an fp64 quotient rounds once more exactly)."""
+    return (amax.double() / E4M3_MAX).float()
+
+
 def quantize_x_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's dynamic per-token x quantization (dynamic_per_token_scaled_fp8_quant): s = max(amax / 448,
-    FP8_MIN_SCALE) per row, q = e4m3(clamp(x / s, +-448)) (a true division, round to nearest even).
+    FP8_MIN_SCALE) per row, q = e4m3(clamp(x / s, +-448)) (true divisions, round to nearest even).
     Returns (q [M, K], s [M, 1])."""
     xf = x.float()
-    s = torch.clamp(xf.abs().amax(dim=-1, keepdim=True) / E4M3_MAX, min=FP8_MIN_SCALE)
+    s = torch.clamp(_over_e4m3_max(xf.abs().amax(dim=-1, keepdim=True)), min=FP8_MIN_SCALE)
     return (xf / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s
 
 
@@ -177,7 +183,7 @@ def quantize_x_per_group(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Te
     xf = x.float()
     m, k = xf.shape
     g = xf.reshape(m, k // FP8_K_GROUP, FP8_K_GROUP)
-    s = torch.clamp(g.abs().amax(dim=-1), min=FP8_GROUP_EPS) / E4M3_MAX
+    s = _over_e4m3_max(torch.clamp(g.abs().amax(dim=-1), min=FP8_GROUP_EPS))
     if ue8m0:
         s = torch.exp2(torch.ceil(torch.log2(s)))
     q = (g / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(m, k)

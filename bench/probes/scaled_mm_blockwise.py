@@ -7,7 +7,9 @@ scales expand to it exactly) or 128x128 (scale_b [K/128, N/128]). Exactness: aga
 the bound is the row-wise form's own error on the same bytes. Timing: 8 layers of weights rotated past the L2,
 CUDA-graph replay, medians (bench/harness/timing.py).
 
-Usage (GPU machine): source bench/device_env.sh && python3 bench/probes/scaled_mm_blockwise.py
+Usage (GPU machine; one process a form, so that a form that kills its process leaves the others' rows):
+  source bench/device_env.sh && for f in row 1x128_1x128 v2_1x128_1x128 1x128_128x128; do
+    python3 -X faulthandler bench/probes/scaled_mm_blockwise.py $f; done
 """
 from __future__ import annotations
 
@@ -70,13 +72,17 @@ def forms(m: int, n: int, g):
 def main() -> int:
     g = torch.Generator(device="cuda").manual_seed(1)
     print(f"torch {torch.__version__} cuda {torch.version.cuda} {torch.cuda.get_device_name()}", file=sys.stderr)
-    out = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "rows": []}
+    only = sys.argv[1]
+    out = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "form": only, "rows": []}
     for n in (2176, 17408):
         for m in (32, 64, 256, 1024, 8192):
             row = {"N": n, "M": m, "err": {}, "ok": {}, "us": {}}
             fs = forms(m, n, g)
             runnable = {}
             for name, (call, want) in fs.items():
+                if name != only:
+                    continue
+                print(f"{name} N={n} M={m}", file=sys.stderr, flush=True)
                 try:
                     y = call()
                     torch.cuda.synchronize()
@@ -97,13 +103,8 @@ def main() -> int:
             out["rows"].append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
             torch.cuda.empty_cache()
-    json.dump(out, open(sys.argv[1] if len(sys.argv) > 1 else "/dev/null", "w"), indent=1)
-    print("N M | err row / 1x128 / v2 1x128 / 128x128 | us row / 1x128 / v2 / 128x128 | refused")
     for r in out["rows"]:
-        e, u = r["err"], r["us"]
-        print(f"{r['N']} {r['M']} | {e.get('row')} / {e.get('1x128_1x128')} / {e.get('v2_1x128_1x128')} / "
-              f"{e.get('1x128_128x128')} | {u.get('row')} / {u.get('1x128_1x128')} / {u.get('v2_1x128_1x128')} / "
-              f"{u.get('1x128_128x128')} | {r['ok']}")
+        print(f"{only} N={r['N']} M={r['M']} err {r['err'].get(only)} us {r['us'].get(only)} {r['ok'] or ''}")
     return 0
 
 

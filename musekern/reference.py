@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from .kernels.x_quant.variant import XQ_GROUP as FP8_K_GROUP
+from .kernels.x_quant.variant import XQ_GROUP_EPS as FP8_GROUP_EPS
 from .kv_cache import E4M3_MAX
 from .model import HEAD_DIM
 
@@ -150,8 +152,8 @@ def qkv_front_reference(x: torch.Tensor, weight: torch.Tensor, positions: torch.
 # weight) no larger than vllm_fp8_gemm's (vLLM's Hopper path on the same inputs). Both take the canonical layout of
 # musekern.weights.pack (PackedWeight: e4m3 [N, 8192] + fp32 multipliers).
 FP8_MIN_SCALE = 1.0 / (E4M3_MAX * 512.0)  # vLLM's min_scaling_factor of a per-token x scale (csrc utils.cuh)
-FP8_GROUP_EPS = 1e-10  # vLLM's floor on a 128-group's amax (per_token_group_quant_fp8)
-FP8_K_GROUP = 128  # columns of one x group / weight block in K
+# FP8_GROUP_EPS: vLLM's floor on a 128-group's amax (per_token_group_quant_fp8); FP8_K_GROUP: columns of one x group
+# / weight block in K (both the x_quant kernel's constants)
 
 
 def fp8_gemm_fp64(x: torch.Tensor, packed) -> torch.Tensor:

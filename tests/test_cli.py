@@ -524,8 +524,9 @@ def test_plan_fp8_weights_config(run, tmp_path):
     assert {row["tokens"] for row in front} <= {"1-7", "8", "9-16"}
     assert {(row["weight_dtype"], row["weight_scale"]) for row in bf16["rows"]
             if row["kernel"] == "qkv_front"} == {("bf16", "none")}
-    others = [row for row in doc["rows"] if row["kernel"] != "qkv_front"]
+    others = [row for row in doc["rows"] if row["kernel"] not in ("qkv_front", "x_quant")]
     assert others == [row for row in bf16["rows"] if row["kernel"] != "qkv_front"]
+    assert {row["label"] for row in doc["rows"] if row["kernel"] == "x_quant"} == {"x_quant[group=128]"}
     back = json.loads(run("plan", "--model", str(p), "--target", "h200", "--weight-format", "bf16", "--json").stdout)
     assert back["rows"] == bf16["rows"] and back["warnings"] == bf16["warnings"]
 

@@ -408,10 +408,10 @@ def test_fp8_weights_plan_fp8_front_builds():
         entries = plan_model(m, h200)
         front = [e.variant for e in entries if e.kernel == "qkv_front"]
         assert front and {(v.weight_dtype, v.weight_scale) for v in front} == {("fp8_e4m3", scale)}
-        # the rest as bf16's, and the W8A8 GEMM path's x quantization where the scales are per row
+        # the rest as bf16's, and the W8A8 GEMM path's x quantization (per token for per-row scales, per group else)
         assert [e.variant for e in entries if e.kernel not in ("qkv_front", "x_quant")] == [
             e.variant for e in bf16 if e.kernel != "qkv_front"]
-        assert {e.kernel for e in entries if e.kernel == "x_quant"} == ({"x_quant"} if scale == "channel" else set())
+        assert [e.variant.group for e in entries if e.kernel == "x_quant"] == [128 if scale == "block" else 0]
     assert not any("FP8 weights" in x for x in parse_config(BASE).warnings)
 
 

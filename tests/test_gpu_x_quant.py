@@ -1,5 +1,5 @@
-"""x_quant on the GPU (issue 30): every byte and scale equal to musekern.reference.quantize_x_per_token's (vLLM's
-dynamic per-token quantization), on rows built to hit its edges."""
+"""x_quant on the GPU (issue 30): every byte and scale equal to musekern.reference's (vLLM's dynamic per-token and
+per-token-group quantizations), on rows built to hit their edges."""
 from __future__ import annotations
 
 import pytest
@@ -22,21 +22,28 @@ def _rows(m: int, g) -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
-# M: one row, a GEMM-path M above the front (17), many rows; a row stride past the 8192 columns (a view)
+# M: one row, a GEMM-path M above the front (17), many rows; a row stride past the 8192 columns (a view); both builds
+@pytest.mark.parametrize("group", [0, 128])
 @pytest.mark.parametrize("m", [1, 17, 1000])
 @pytest.mark.parametrize("strided", [False, True])
-def test_bytes_equal_the_reference(m, strided):
+def test_bytes_equal_the_reference(m, strided, group):
+    from musekern.gemm.fp8 import quantize_reference
     from musekern.ops import x_quant
-    from musekern.reference import quantize_x_per_token
 
     g = torch.Generator(device="cuda").manual_seed(m + 7 * strided)
     x = _rows(m, g)
+    if group and m >= 5:  # a group of zeros (the floor), one of tiny values, one at a power of two times 448
+        x[4, :128] = 0
+        x[4, 128:256] = 1e-30
+        x[4, 256:384].clamp_(-448 * 4.0, 448 * 4.0)
+        x[4, 300] = 448 * 4.0
     if strided:
         x = torch.cat([x, torch.zeros(m, 64, device="cuda", dtype=torch.bfloat16)], dim=1)[:, :8192]
-    q, s = x_quant.quantize(x)
+    q, s = x_quant.quantize(x, group)
     torch.cuda.synchronize()
-    qr, sr = quantize_x_per_token(x)
+    qr, sr = quantize_reference(x, group)
+    assert s.shape == sr.shape and s.stride() == sr.stride()
     assert torch.equal(s, sr)
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
-    q2, s2 = x_quant.quantize(x)
+    q2, s2 = x_quant.quantize(x, group)
     assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s)

@@ -1,16 +1,19 @@
-"""x_quant: per-token e4m3 quantization of x for the W8A8 GEMM path of FP8 weights (issue 30). See
-musekern/kernels/base.py for the files."""
+"""x_quant: e4m3 quantization of x (per token, or per token and 128-column group) for the W8A8 GEMM path of FP8
+weights (issue 30). See musekern/kernels/base.py for the files."""
 from __future__ import annotations
 
 from ..base import KernelSpec
 from .abi import abi_for
-from .variant import XQuantVariant
+from .variant import XQ_GROUP, XQuantVariant
 
 
 def planned(model, shard, target) -> tuple:
-    """The one build, where the model's weights are FP8 with per-row scales (the W8A8 GEMM path takes it)."""
+    """The W8A8 GEMM path's build for FP8 checkpoints: per token for per-row weight scales, per group for block
+    ones."""
     wf = model.weight_format
-    return (XQuantVariant(),) if wf.fp8 and wf.kernel_scale == "channel" else ()
+    if not wf.fp8:
+        return ()
+    return (XQuantVariant(group=XQ_GROUP if wf.kernel_scale == "block" else 0),)
 
 
 def plan_row(v: XQuantVariant, model, shard, target) -> dict:

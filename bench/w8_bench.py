@@ -212,11 +212,11 @@ def timing(n: int, nkv: int, m: int, table: dict, eps: float, theta: float, pred
     return row
 
 
-def x_quant_exact(m: int) -> dict:
-    """The x_quant kernel's bytes and scales against musekern.reference.quantize_x_per_token (random rows at spread
-    magnitudes, a zero row, a power-of-two scale's row)."""
+def x_quant_exact(m: int, group: int) -> dict:
+    """The x_quant kernel's bytes and scales (`group` 0: per token, 128: per group) against musekern.reference's
+    (random rows at spread magnitudes, a zero row, a power-of-two scale's row)."""
+    from musekern.gemm.fp8 import quantize_reference
     from musekern.ops import x_quant
-    from musekern.reference import quantize_x_per_token
 
     g = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, HIDDEN, device="cuda", generator=g) * torch.exp2(
@@ -225,16 +225,17 @@ def x_quant_exact(m: int) -> dict:
     x[1].clamp_(-3584, 3584)
     x[1, 5] = 3584.0  # amax 448 * 8: s = 8, a power of two
     x = x.to(torch.bfloat16)
-    q, s = x_quant.quantize(x)
-    qr, sr = quantize_x_per_token(x)
+    q, s = x_quant.quantize(x, group)
+    qr, sr = quantize_reference(x, group)
     bad = int((q.view(torch.uint8) != qr.view(torch.uint8)).sum()) + int((s != sr).sum())
-    return {"M": m, "mismatches": bad, "ok": bad == 0}
+    return {"M": m, "group": group, "mismatches": bad, "ok": bad == 0}
 
 
 def gemm_timing(n: int, nkv: int, m: int, eps: float, theta: float, samples: int) -> dict:
     """M above the e4m3 front: the op's GEMM path (channel: per-token x quantization + _scaled_mm + the fused
     epilogue; block: the bf16 dequantized copy + GEMM + epilogue) beside the bf16 op and _scaled_mm alone (x already
     e4m3), 8 layers rotated, CUDA-graph replay."""
+    from musekern.gemm import fp8 as gemm_fp8
     from musekern.ops import qkv_epilogue
 
     g = torch.Generator(device="cuda").manual_seed(5000 + m + n)
@@ -264,13 +265,20 @@ def gemm_timing(n: int, nkv: int, m: int, eps: float, theta: float, samples: int
     sx = torch.ones(m, 1, device="cuda")
     sw = [torch.rand(1, n, device="cuda", generator=g) + 0.5 for _ in range(LAYERS)]
     add("scaled_mm", lambda j: torch._scaled_mm(xq, w8[j].T, scale_a=sx, scale_b=sw[j], out_dtype=bf, out=o[j]))
+    block_mm = gemm_fp8.block_scaled_mm(x.device)  # the block path's GEMM alone (x already quantized per group)
+    if block_mm is not None:
+        sxg = torch.ones(HIDDEN // 128, m, device="cuda").t()
+        swb = [gemm_fp8.weight_scales_per_row(scales(n, "block", g)) for _ in range(LAYERS)]
+        add("scaled_mm_block", lambda j: block_mm(xq, w8[j], sxg, swb[j], o[j]))
     add("epilogue", lambda j: qkv_epilogue.launch(o[j], pos, cs, slots, kc, vc, nkv, eps))
     t = time_graphs(graphs, samples)
     us = {kk: round(vv["us"], 3) for kk, vv in t.items()}
     return {"N": n, "tp": TP_OF[n], "M": m, "us": us,
             "channel_over_scaled_mm": round(us["fp8_channel"] / us["scaled_mm"], 3),
             "channel_over_bf16": round(us["fp8_channel"] / us["bf16"], 3),
-            "block_over_bf16": round(us["fp8_block"] / us["bf16"], 3)}
+            "block_over_bf16": round(us["fp8_block"] / us["bf16"], 3),
+            "block_over_scaled_mm_block": (round(us["fp8_block"] / us["scaled_mm_block"], 3)
+                                           if "scaled_mm_block" in us else None)}
 
 
 def table_text(doc: dict) -> str:
@@ -289,11 +297,13 @@ def table_text(doc: dict) -> str:
                      f"{u['chain_fp8_block']:.2f} | {q['chain_channel']:.3f} / {q['chain_block']:.3f} | "
                      f"{q['after_norm_channel']:.3f} / {q['after_norm_block']:.3f} | {u['chain_scaled_mm']:.2f} | "
                      f"{r['fp8_floor_us']}")
-    lines.append("GEMM path (us): TP M | bf16 op | fp8 channel / block | scaled_mm alone | epilogue | ch/scaled_mm")
+    lines.append("GEMM path (us): TP M | bf16 op | fp8 channel / block | scaled_mm alone row / block | epilogue | "
+                 "ch/row blk/block")
     for r in doc["gemm"]:
         u = r["us"]
         lines.append(f"  TP{r['tp']} {r['M']:5d} | {u['bf16']:.1f} | {u['fp8_channel']:.1f} / {u['fp8_block']:.1f} | "
-                     f"{u['scaled_mm']:.1f} | {u['epilogue']:.1f} | {r['channel_over_scaled_mm']:.3f}")
+                     f"{u['scaled_mm']:.1f} / {u.get('scaled_mm_block')} | {u['epilogue']:.1f} | "
+                     f"{r['channel_over_scaled_mm']:.3f} {r['block_over_scaled_mm_block']}")
     return "\n".join(lines)
 
 
@@ -335,10 +345,10 @@ def main() -> int:
             doc["timing"].append(r)
             log(f"{time.time() - t0:6.1f}s time TP{r['tp']} M={m}: {r['us']}")
         torch.cuda.empty_cache()
-    for m in (1000,):
-        r = x_quant_exact(m)
+    for group in (0, 128):
+        r = x_quant_exact(1000, group)
         doc["x_quant"].append(r)
-        log(f"x_quant M={m}: {r['mismatches']} mismatches")
+        log(f"x_quant M=1000 group={group}: {r['mismatches']} mismatches")
     for n, nkv in () if a.no_time or not a.gemm_ms else (SHARDS[0], SHARDS[-1]):
         for m in (int(s) for s in a.gemm_ms.split(",")):
             r = gemm_timing(n, nkv, m, eps, theta, a.samples)

@@ -1,5 +1,7 @@
-"""gemm/fp8.py on CPU (torch's own _scaled_mm and mm): the channel path is vLLM's W8A8 arithmetic, the block path the
-bf16 dequantized copy's GEMM, neither syncs the host. The same on the GPU, against fp64: tests/test_gpu_qkv_front.py.
+"""gemm/fp8.py on CPU (torch's own _scaled_mm and mm): the channel path is vLLM's W8A8 arithmetic; the block path's
+W8A8 form (torch's block-scaled _scaled_mm, CUDA only) gets scales of the shapes and strides torch's own checks (its
+meta functions) take, and where block scaling is not served it is the bf16 dequantized copy's GEMM; neither syncs the
+host. The same on the GPU, against fp64: tests/test_gpu_qkv_front.py.
 """
 from __future__ import annotations
 
@@ -42,11 +44,36 @@ def test_channel_is_vllms_w8a8(fmt, m):
 
 @pytest.mark.parametrize("fmt", ["fp8-block", "fp8-block-ue8m0"])
 @pytest.mark.parametrize("m", [1, 17, 64])
-def test_block_is_the_bf16_copys_gemm(fmt, m):
+def test_block_without_block_scaling_is_the_bf16_copys_gemm(fmt, m):
     p, x = packed(fmt), x_rows(m)
+    assert fp8.block_scaled_mm(x.device) is None  # torch serves block scaling on CUDA (sm_90) only
     out = torch.empty(m, p.n, dtype=torch.bfloat16)
     y = fp8.mm(x, p.weight, p.weight_scale, out)
     assert y is out and torch.equal(y, torch.mm(x, dequantize(p).to(torch.bfloat16).t()))
+
+
+def test_block_scales_as_torchs_block_form_takes_them():
+    """The layouts mm_block hands torch._scaled_mm (x scales from quantize_reference, the weight's per row) pass the
+    meta checks of both torch APIs (the recipe API checks strides too); the values are the reference's."""
+    p, x = packed("fp8-block"), x_rows(17)
+    q, s = fp8.quantize_reference(x, 128)
+    from musekern.reference import quantize_x_per_group
+
+    qr, sr = quantize_x_per_group(x)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr) and s.stride() == (1, 17)
+    sw = fp8.weight_scales_per_row(p.weight_scale)
+    assert sw.shape == (64, p.n) and sw.is_contiguous()
+    assert torch.equal(sw.t(), p.weight_scale.repeat_interleave(64, dim=0))  # each 64-row scale on its rows
+    meta = {k: v.to("meta") for k, v in dict(q=q, w=p.weight, sx=s, sw=sw).items()}
+    meta["sx"] = torch.empty(64, 17, device="meta").t()  # .to() keeps no strides: the kernel's layout again
+    y = torch._scaled_mm(meta["q"], meta["w"].t(), scale_a=meta["sx"], scale_b=meta["sw"], out_dtype=torch.bfloat16)
+    assert y.shape == (17, p.n)
+    f = torch.nn.functional
+    if hasattr(f, "scaled_mm"):
+        b = f.ScalingType.BlockWise1x128
+        assert f.scaled_mm(meta["q"], meta["w"].t(), meta["sx"], b, meta["sw"].t(), b).shape == (17, p.n)
+        with pytest.raises(RuntimeError, match="stride"):  # a row-major x scale is refused: the check is real
+            f.scaled_mm(meta["q"], meta["w"].t(), meta["sx"].contiguous(), b, meta["sw"].t(), b)
 
 
 class _Ops(TorchDispatchMode):

@@ -730,13 +730,15 @@ def test_fp8_weight_gemm_path_is_gemm_fp8_then_the_epilogue(as_if_cuda, recorder
     from musekern.reference import quantize_x_per_token
 
     rec = recorder
-    quantized = []  # the channel path quantizes x with the x_quant kernel (ops/x_quant.py; its reference here)
-    monkeypatch.setattr(op.x_quant, "quantize", lambda x: quantized.append(x.shape) or quantize_x_per_token(x))
+    quantized = []  # the channel path quantizes x with the x_quant kernel (ops/x_quant.py; its reference here); the
+    # block path on a CPU tensor takes the bf16 copy's GEMM (torch serves block scaling on CUDA only), no quantization
+    monkeypatch.setattr(op.x_quant, "quantize", lambda x, group=0: quantized.append((x.shape, group))
+                        or quantize_x_per_token(x))
     monkeypatch.setitem(op._RUNS_W8, ("bf16", mode), op.Plans(lambda *k: op._GEMM))
     monkeypatch.setattr(op.qkv_epilogue, "_RUNS", op.Plans(lambda *k: rec))
     c = w8_case(mode, m=40, num_blocks=16)
     y = op.qkv_front(**c)
-    assert quantized == ([(40, 8192)] if mode == "channel" else [])
+    assert quantized == ([((40, 8192), 0)] if mode == "channel" else [])
     want_y = gemm_fp8.mm(c["x"], c["weight"], c["weight_scale"], torch.empty_like(y))
     assert torch.equal(y, want_y)
     want = op.qkv_epilogue.launch_args(y, c["positions"], c["cos_sin_cache"], c["slot_mapping"], c["key_cache"],

@@ -9,43 +9,101 @@ scale's rank picks the arithmetic:
   row-wise scales: y = (q_x @ q_w^T) * s_x[m] * s_w[n] in fp32, one bf16 rounding) straight into y. Its shape rules
   (K and N multiples of 16, no rule on M: torch's ScaledBlas.cpp) hold for every call the op accepts (K = 8192,
   N a multiple of 64): no padding.
-- "block" ([N // 64, 64]): the slow correct path, W8A16: the weight dequantized on the device into a bf16 scratch
-  copy (`pack.dequantize_tensors`, then one bf16 rounding of each fp32 product; exact where the scales are powers of
-  two, ue8m0) and the bf16 GEMM (`tune.mm`) on it: no x rounding, but a full bf16 weight written and read per call.
-  A W8A8 blockwise GEMM (x per 128-column group, per-block scales inside the K loop, as DeepGEMM / vLLM's CUTLASS
-  blockwise) is open.
+- "block" ([N // 64, 64]): W8A8 as vLLM's block path (research/fp8.md section 2): x quantized per token and
+  128-column group (`reference.quantize_x_per_group`'s bytes, the x_quant kernel's group build), then
+  `torch._scaled_mm` with 1x128 block scales on both sides (cuBLASLt's block scaling, sm_90 with CUDA >= 12.9: each
+  128-column block's product scaled by s_x[m, kb] * s_w[n, kb] in fp32, one bf16 rounding). The weight's scales go
+  per row ([N, 64], each 64-row scale repeated: exact for the half-block shards, where a 128x128 form would not be),
+  one small copy a call (N * 256 bytes). Where torch does not serve block scaling (another GPU or device, an older
+  CUDA): the weight dequantized into a bf16 scratch copy (`pack.dequantize_tensors`; exact where the scales are
+  powers of two, ue8m0) and the bf16 GEMM (`tune.mm`): no x rounding, but a full bf16 weight written and read a call.
 
 Pure functions of their tensors: torch ops on x's device and stream, no host sync, capturable in a CUDA graph. The
 caller has checked the call (ops/qkv_front.py) and runs the fused epilogue on y after.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from ..reference import quantize_x_per_token
-from ..weights.pack import dequantize_tensors
+from ..reference import FP8_K_GROUP, quantize_x_per_group, quantize_x_per_token
+from ..weights.pack import GROUP_ROWS, dequantize_tensors
 from . import tune
 
 
+def quantize_reference(x: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The x_quant kernel's (q, s) in torch (musekern.reference's bytes): per token ([M, 1]) or per token and
+    `group` columns ([M, K / group], column-major as the kernel writes them). Several passes over x: the op passes
+    the kernel's launch (one pass; torch's form cost 2.9x _scaled_mm's own time at TP8 M = 1024, bench/NOTES.md)."""
+    if not group:
+        return quantize_x_per_token(x)
+    q, s = quantize_x_per_group(x)
+    return q, s.t().contiguous().t()
+
+
 def mm_channel(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out: torch.Tensor,
-               quantize=quantize_x_per_token) -> torch.Tensor:
+               quantize=quantize_reference) -> torch.Tensor:
     """out = bf16((e4m3(x / s_x) @ weight^T) * s_x * weight_scale): x bf16 [M, 8192], weight float8_e4m3fn
-    [N, 8192], weight_scale float32 [N], out bf16 [M, N] (all contiguous, one device). `quantize(x) -> (q, s)`: the
-    op passes the x_quant kernel's launch (ops/x_quant.py, one pass over x); the default is the reference's torch
-    form (five passes: 2.9x _scaled_mm's own time at TP8 M = 1024, bench/NOTES.md "e4m3 weights")."""
-    q, s = quantize(x)
+    [N, 8192], weight_scale float32 [N], out bf16 [M, N] (all contiguous, one device). `quantize(x, group) -> (q, s)`
+    (`quantize_reference`'s contract)."""
+    q, s = quantize(x, 0)
     return torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16,
                             out=out)
 
 
-def mm_block(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out = x @ bf16(dequant(weight))^T: weight_scale float32 [N // 64, 64] (module docstring: the slow path)."""
-    return tune.mm(x, dequantize_tensors(weight, weight_scale).to(torch.bfloat16), out)
+def _block_scaled_mm(q, w, sx, sw_t, out):
+    """torch._scaled_mm's 1x128 x 1x128 block form: sx [M, K / 128] and sw_t [K / 128, N] ([N, K / 128]
+    column-major) fp32, mat2 = w^T."""
+    return torch._scaled_mm(q, w.t(), scale_a=sx, scale_b=sw_t, out_dtype=torch.bfloat16, out=out)
+
+
+def _block_scaled_mm_v2(q, w, sx, sw_t, out):
+    """The same through torch.nn.functional.scaled_mm (the recipe API of newer torch: no `out`, one copy)."""
+    f = torch.nn.functional
+    b = f.ScalingType.BlockWise1x128
+    return out.copy_(f.scaled_mm(q, w.t(), sx, b, sw_t.t(), b, output_dtype=torch.bfloat16))
+
+
+@functools.lru_cache(maxsize=None)
+def block_scaled_mm(device: torch.device):
+    """The form of torch's 1x128 block-scaled FP8 GEMM this torch serves on `device` (cuBLASLt's block scaling:
+    sm_90, CUDA 12.9+), or None: found once a device by a one-block call of each (no host sync; the op's prepare asks
+    before any capture)."""
+    if device.type != "cuda":
+        return None
+    q = torch.zeros(16, 2 * FP8_K_GROUP, dtype=torch.float8_e4m3fn, device=device)
+    s = torch.ones(2, 16, device=device)  # two blocks in K: one would read as the row-wise form
+    for form in (_block_scaled_mm, _block_scaled_mm_v2):
+        try:
+            form(q, q, s.t(), s, torch.empty(16, 16, dtype=torch.bfloat16, device=device))
+            return form
+        except (RuntimeError, ValueError, AttributeError, NotImplementedError):
+            continue
+    return None
+
+
+def weight_scales_per_row(weight_scale: torch.Tensor) -> torch.Tensor:
+    """[N // 64, K / 128] block scales -> [K / 128, N] contiguous (each 64-row scale repeated over its rows): the 1x128
+    form's weight scales, [N, K / 128] column-major, seen transposed as torch._scaled_mm's mat2 (K x N) takes them."""
+    return weight_scale.t().repeat_interleave(GROUP_ROWS, dim=1)
+
+
+def mm_block(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out: torch.Tensor,
+             quantize=quantize_reference) -> torch.Tensor:
+    """out = bf16(sum over 128-column blocks kb of (q_x @ weight^T)_kb * s_x[m, kb] * s_w[n, kb]): weight_scale float32
+    [N // 64, 64] (module docstring; the bf16 copy's GEMM where block scaling is not served)."""
+    form = block_scaled_mm(x.device)
+    if form is None:
+        return tune.mm(x, dequantize_tensors(weight, weight_scale).to(torch.bfloat16), out)
+    q, s = quantize(x, FP8_K_GROUP)
+    return form(q, weight, s, weight_scales_per_row(weight_scale), out)
 
 
 def mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out: torch.Tensor,
-       quantize=quantize_x_per_token) -> torch.Tensor:
-    """`mm_channel` (with `quantize`) for a [N] scale, `mm_block` for a [N // 64, 64] one."""
+       quantize=quantize_reference) -> torch.Tensor:
+    """`mm_channel` for a [N] scale, `mm_block` for a [N // 64, 64] one (`quantize`: `quantize_reference`'s
+    contract; the op passes ops.x_quant.quantize)."""
     if weight_scale.dim() == 1:
         return mm_channel(x, weight, weight_scale, out, quantize)
-    return mm_block(x, weight, weight_scale, out)
+    return mm_block(x, weight, weight_scale, out, quantize)

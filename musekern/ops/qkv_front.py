@@ -31,6 +31,7 @@ from ..gemm import fp8 as gemm_fp8
 from ..gemm import tune as gemm
 from ..kernels.qkv_front.rules import front_serves, variant
 from ..kernels.qkv_front.variant import QkvFrontVariant, launch_grid
+from ..kernels.x_quant.variant import XQ_GROUP
 from ..kv_cache import BF16 as KV_BF16
 from ..kv_cache import FP8_E4M3, resolve
 from ..model import HIDDEN, supports_shape
@@ -397,6 +398,8 @@ def prepare(N: int, rows=16, num_kv_heads: int | None = None, device=None, kv_ca
             gemm.tune(N, rest, dev)  # cuBLAS's handles made and its algorithm measured per M, outside any capture
         elif wf.kernel_scale == "channel":
             kernels.append(x_quant.prepare(dev))  # the W8A8 path's x quantization
+        elif gemm_fp8.block_scaled_mm(torch.device("cuda", dev)) is not None:  # else the bf16 copy's GEMM
+            kernels.append(x_quant.prepare(dev, XQ_GROUP))
     return kernels
 
 

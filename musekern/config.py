@@ -100,10 +100,6 @@ class ModelConfig:
     def warnings(self) -> tuple[str, ...]:
         """What every command that plans says on stderr and in its --json output."""
         out = self.key_warnings
-        if self.weight_format.kernel_scale == "block":  # channel / tensor: W8A8 at every M above the front's, no caveat
-            out += (f"{self.source}: quantization_config announces FP8 weights ({self.weight_format.source}) with "
-                    f"block scales: the fused FP8 front serves M <= 16; above it the GEMM path dequantizes the weight "
-                    f"to a bf16 copy on every call (correct, slow: a blockwise FP8 GEMM is not built yet)",)
         if self.tp_source == "default":
             out += (f"{self.source} names no tensor-parallel sizes (musekern.tensor_parallel_sizes): planning TP 1 "
                     f"only, so a server sharded TP 2/4/8 would miss its kernels; pass --tp with the sizes you serve, "

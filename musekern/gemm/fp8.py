@@ -24,6 +24,7 @@ caller has checked the call (ops/qkv_front.py) and runs the fused epilogue on y 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -80,6 +81,10 @@ def block_scaled_mm(device: torch.device):
             return form
         except (RuntimeError, ValueError, AttributeError, NotImplementedError):
             continue
+    warnings.warn(f"torch {torch.__version__} (CUDA {torch.version.cuda}) serves no block-scaled FP8 GEMM on "
+                  f"{torch.cuda.get_device_name(device)}: FP8 block checkpoints above M = 16 dequantize the weight to "
+                  f"a bf16 copy every call (correct, several times slower); a torch built with CUDA 12.9+ on an sm_90 "
+                  f"GPU serves it", RuntimeWarning, stacklevel=2)
     return None
 
 

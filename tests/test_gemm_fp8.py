@@ -61,6 +61,10 @@ def test_block_scales_as_torchs_block_form_takes_them():
 
     qr, sr = quantize_x_per_group(x)
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr) and s.stride() == (1, 17)
+    qp, sp = fp8.quantize_reference(x, 128, rows=20)  # padded to the block GEMM's multiple of 4 rows
+    assert qp.shape == (20, 8192) and sp.shape == (20, 64) and sp.stride() == (1, 20)
+    assert torch.equal(qp[:17].view(torch.uint8), q.view(torch.uint8)) and torch.equal(sp[:17], s)
+    assert not qp[17:].view(torch.uint8).any() and bool((sp[17:] == 1).all())
     sw = fp8.weight_scales_per_row(p.weight_scale)
     assert sw.shape == (64, p.n) and sw.is_contiguous()
     assert torch.equal(sw.t(), p.weight_scale.repeat_interleave(64, dim=0))  # each 64-row scale on its rows

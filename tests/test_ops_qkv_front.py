@@ -732,7 +732,7 @@ def test_fp8_weight_gemm_path_is_gemm_fp8_then_the_epilogue(as_if_cuda, recorder
     rec = recorder
     quantized = []  # the channel path quantizes x with the x_quant kernel (ops/x_quant.py; its reference here); the
     # block path on a CPU tensor takes the bf16 copy's GEMM (torch serves block scaling on CUDA only), no quantization
-    monkeypatch.setattr(op.x_quant, "quantize", lambda x, group=0: quantized.append((x.shape, group))
+    monkeypatch.setattr(op.x_quant, "quantize", lambda x, group=0, rows=None: quantized.append((x.shape, group))
                         or quantize_x_per_token(x))
     monkeypatch.setitem(op._RUNS_W8, ("bf16", mode), op.Plans(lambda *k: op._GEMM))
     monkeypatch.setattr(op.qkv_epilogue, "_RUNS", op.Plans(lambda *k: rec))

@@ -12,7 +12,8 @@ scale's rank picks the arithmetic:
 - "block" ([N // 64, 64]): W8A8 as vLLM's block path (research/fp8.md section 2): x quantized per token and
   128-column group (`reference.quantize_x_per_group`'s bytes, the x_quant kernel's group build), then
   `torch._scaled_mm` with 1x128 block scales on both sides (cuBLASLt's block scaling, sm_90 with CUDA >= 12.9: each
-  128-column block's product scaled by s_x[m, kb] * s_w[n, kb] in fp32, one bf16 rounding). The weight's scales go
+  128-column block's product scaled by s_x[m, kb] * s_w[n, kb] in fp32, one bf16 rounding; M padded to a multiple
+  of 4, BLOCK_MM_ROWS). The weight's scales go
   per row ([N, 64], each 64-row scale repeated: exact for the half-block shards, where a 128x128 form would not be),
   one small copy a call (N * 256 bytes). Where torch does not serve block scaling (another GPU or device, an older
   CUDA): the weight dequantized into a bf16 scratch copy (`pack.dequantize_tensors`; exact where the scales are
@@ -33,14 +34,17 @@ from ..weights.pack import GROUP_ROWS, dequantize_tensors
 from . import tune
 
 
-def quantize_reference(x: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_reference(x: torch.Tensor, group: int = 0, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The x_quant kernel's (q, s) in torch (musekern.reference's bytes): per token ([M, 1]) or per token and
-    `group` columns ([M, K / group], column-major as the kernel writes them). Several passes over x: the op passes
-    the kernel's launch (one pass; torch's form cost 2.9x _scaled_mm's own time at TP8 M = 1024, bench/NOTES.md)."""
-    if not group:
-        return quantize_x_per_token(x)
-    q, s = quantize_x_per_group(x)
-    return q, s.t().contiguous().t()
+    `group` columns ([M, K / group], column-major as the kernel writes them), padded to `rows` (q 0, s 1). Several
+    passes over x: the op passes the kernel's launch (ops.x_quant.quantize: one pass; torch's form cost 2.9x
+    _scaled_mm's own time at TP8 M = 1024, bench/NOTES.md)."""
+    q, s = quantize_x_per_group(x) if group else quantize_x_per_token(x)
+    pad = (rows or x.shape[0]) - x.shape[0]
+    if pad:
+        q = torch.cat([q, torch.zeros(pad, q.shape[1], dtype=q.dtype, device=q.device)])
+        s = torch.cat([s, torch.ones(pad, s.shape[1], dtype=s.dtype, device=s.device)])
+    return (q, s.t().contiguous().t()) if group else (q, s)
 
 
 def mm_channel(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out: torch.Tensor,
@@ -51,6 +55,11 @@ def mm_channel(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     q, s = quantize(x, 0)
     return torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16,
                             out=out)
+
+
+BLOCK_MM_ROWS = 4  # cuBLASLt's block scaling refuses M = 17 (CUBLAS_STATUS_NOT_SUPPORTED, H100, torch 2.11 + CUDA 13.0)
+# and serves 64 and 100: x and its scales go padded to a multiple of 4 rows (vLLM pads its CUTLASS blockwise GEMM's M
+# to 4 alike)
 
 
 def _block_scaled_mm(q, w, sx, sw_t, out):
@@ -101,8 +110,14 @@ def mm_block(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     form = block_scaled_mm(x.device)
     if form is None:
         return tune.mm(x, dequantize_tensors(weight, weight_scale).to(torch.bfloat16), out)
-    q, s = quantize(x, FP8_K_GROUP)
-    return form(q, weight, s, weight_scales_per_row(weight_scale), out)
+    m = x.shape[0]
+    rows = -(-m // BLOCK_MM_ROWS) * BLOCK_MM_ROWS
+    q, s = quantize(x, FP8_K_GROUP, rows)
+    if rows == m:
+        return form(q, weight, s, weight_scales_per_row(weight_scale), out)
+    y = form(q, weight, s, weight_scales_per_row(weight_scale), torch.empty(rows, out.shape[1], dtype=out.dtype,
+                                                                            device=out.device))
+    return out.copy_(y[:m])
 
 
 def mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out: torch.Tensor,

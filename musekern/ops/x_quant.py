@@ -26,14 +26,19 @@ def prepare(device_index: int, group: int = 0):
     return get_kernel(XQuantVariant(group=group), device=device_index, on_miss=checks.on_miss())
 
 
-def quantize(x: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, group: int = 0, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, s) of x [M, 8192] bf16 on a CUDA device, q = e4m3(x / s): group 0, s = max(amax / 448, 1 / (448 * 512))
-    per row, [M, 1]; group 128, s = max(amax, 1e-10) / 448 per row and 128 columns, [M, 64] column-major."""
+    per row, [M, 1]; group 128, s = max(amax, 1e-10) / 448 per row and 128 columns, [M, 64] column-major. `rows` > M
+    pads both to that many rows (q 0, s 1: a GEMM whose shape rules want M rounded up reads finite rows)."""
     m = x.shape[0]
-    q = torch.empty(m, HIDDEN, dtype=torch.float8_e4m3fn, device=x.device)
-    s = (torch.empty(XQ_GROUPS, m, dtype=torch.float32, device=x.device).t() if group
-         else torch.empty(m, 1, dtype=torch.float32, device=x.device))
+    rows = m if rows is None else rows
+    q = torch.empty(rows, HIDDEN, dtype=torch.float8_e4m3fn, device=x.device)
+    s = (torch.empty(XQ_GROUPS, rows, dtype=torch.float32, device=x.device).t() if group
+         else torch.empty(rows, 1, dtype=torch.float32, device=x.device))
+    if rows > m:
+        q[m:].view(torch.uint8).zero_()
+        s[m:].fill_(1.0)
     if m:
         prepare(x.get_device(), group).launch_ordered(launch_grid(m), [x.data_ptr(), q.data_ptr(), s.data_ptr(),
-                                                                       x.stride(0), m])
+                                                                       x.stride(0), rows])
     return q, s

@@ -232,9 +232,9 @@ def x_quant_exact(m: int, group: int) -> dict:
 
 
 def gemm_timing(n: int, nkv: int, m: int, eps: float, theta: float, samples: int) -> dict:
-    """M above the e4m3 front: the op's GEMM path (channel: per-token x quantization + _scaled_mm + the fused
-    epilogue; block: the bf16 dequantized copy + GEMM + epilogue) beside the bf16 op and _scaled_mm alone (x already
-    e4m3), 8 layers rotated, CUDA-graph replay."""
+    """The op's FP8 GEMM path (ops.qkv_front.launch_gemm_epilogue, whatever M the front serves: x_quant per token /
+    per group + _scaled_mm row-wise / block-scaled + the fused epilogue) beside the bf16 op and _scaled_mm alone (x
+    already e4m3; the block form too where torch serves it), 8 layers rotated, CUDA-graph replay."""
     from musekern.gemm import fp8 as gemm_fp8
     from musekern.ops import qkv_epilogue
 
@@ -259,8 +259,8 @@ def gemm_timing(n: int, nkv: int, m: int, eps: float, theta: float, samples: int
     for kind in SCALES:
         front.prepare(n, [m], nkv, weight_format=f"fp8-{kind}")
         sc = [scales(n, kind, g) for _ in range(LAYERS)]
-        add(f"fp8_{kind}", lambda j, sc=sc: front.qkv_front(x, w8[j], pos, cs, slots, kc, vc, nkv, eps, out=o[j],
-                                                             weight_scale=sc[j]))
+        add(f"fp8_{kind}", lambda j, sc=sc: front.launch_gemm_epilogue(x, w8[j], pos, cs, slots, kc, vc, nkv, eps,
+                                                                       o[j], weight_scale=sc[j]))
     xq = x.to(torch.float8_e4m3fn)
     sx = torch.ones(m, 1, device="cuda")
     sw = [torch.rand(1, n, device="cuda", generator=g) + 0.5 for _ in range(LAYERS)]

@@ -9,15 +9,15 @@ scale's rank picks the arithmetic:
   row-wise scales: y = (q_x @ q_w^T) * s_x[m] * s_w[n] in fp32, one bf16 rounding) straight into y. Its shape rules
   (K and N multiples of 16, no rule on M: torch's ScaledBlas.cpp) hold for every call the op accepts (K = 8192,
   N a multiple of 64): no padding.
-- "block" ([N // 64, 64]): W8A8 as vLLM's block path (research/fp8.md section 2): x quantized per token and
-  128-column group (`reference.quantize_x_per_group`'s bytes, the x_quant kernel's group build), then
-  `torch._scaled_mm` with 1x128 block scales on both sides (cuBLASLt's block scaling, sm_90 with CUDA >= 12.9: each
-  128-column block's product scaled by s_x[m, kb] * s_w[n, kb] in fp32, one bf16 rounding; M padded to a multiple
-  of 4, BLOCK_MM_ROWS). The weight's scales go
-  per row ([N, 64], each 64-row scale repeated: exact for the half-block shards, where a 128x128 form would not be),
-  one small copy a call (N * 256 bytes). Where torch does not serve block scaling (another GPU or device, an older
-  CUDA): the weight dequantized into a bf16 scratch copy (`pack.dequantize_tensors`; exact where the scales are
-  powers of two, ue8m0) and the bf16 GEMM (`tune.mm`): no x rounding, but a full bf16 weight written and read a call.
+- "block" ([N // 64, 64]): W8A8 as vLLM's block path (research/fp8.md section 2): x quantized per token and 128-column
+  group (`reference.quantize_x_per_group`'s bytes, the x_quant kernel's group build), then `torch._scaled_mm` with
+  1x128 block scales on both sides (cuBLASLt's block scaling, sm_90 with CUDA >= 12.9: each 128-column block's product
+  scaled by s_x[m, kb] * s_w[n, kb] in fp32, one bf16 rounding; M padded to a multiple of 4, BLOCK_MM_ROWS). The
+  weight's scales go per row ([N, 64], each 64-row scale repeated: exact for the half-block shards, where a 128x128
+  form would not be), one small copy a call (N * 256 bytes). Where torch does not serve block scaling (another GPU or
+  device, an older CUDA): the weight dequantized into a bf16 scratch copy (`pack.dequantize_tensors`; exact where the
+  scales are powers of two, ue8m0) and the bf16 GEMM (`tune.mm`): no x rounding, but a full bf16 weight written and
+  read a call.
 
 Pure functions of their tensors: torch ops on x's device and stream, no host sync, capturable in a CUDA graph. The
 caller has checked the call (ops/qkv_front.py) and runs the fused epilogue on y after.

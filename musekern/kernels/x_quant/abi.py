@@ -13,7 +13,8 @@ def abi_for(variant: XQuantVariant) -> KernelAbi:
             pointer("q", "e4m3 (u8) [M, 8192] contiguous, 16-byte aligned"),
             pointer("scale", "float32 dequant multipliers: [M] per token; [M, 64] column-major per group"),
             scalar("ld_x", "i32", "row stride of x in elements, a multiple of 8"),
-            scalar("m", "i32", "rows of x: the group scales' column stride"),
+            scalar("m", "i32", "rows of q and the scales (x's rows, or more where the caller pads): the group "
+                   "scales' column stride"),
         ),
         launch=LaunchSpec(block=(XQ_BLOCK, 1, 1), cluster=(1, 1, 1), dynamic_smem_bytes=XQ_SMEM_BYTES, pdl=False,
                           grid=XQ_GRID_RULE),

@@ -46,6 +46,8 @@ $MK prepare --target h200 --weight-format fp8-channel --cache-dir "$CACHE" -j 2 
 $MK prepare --target h200 --weight-format fp8-block --cache-dir "$CACHE" -j 2 >&2
 $MK prepare --target h200 --weight-format fp8-block --kv-cache-dtype fp8 --cache-dir "$CACHE" -j 2 >&2  # both FP8
 while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python bench/w8_labels.py)
+# the e4m3 builds of 4 and 8 token tiles bench/probes/w8_wide.py measures (M 17-64: not planned yet)
+while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python bench/probes/w8_wide.py labels)
 $MK prepare --target h200 --cache-dir "$CACHE" -j 2 "${labels[@]}" >&2
 # What the results files cite: the commit the cache was built from.
 .venv/bin/python - "$CACHE" <<'PY'

@@ -584,11 +584,14 @@ def w8_errors(p, pw, nkv, y, record_property):
 
 
 # the FP8 front builds' M (tiles 1 with its tails, the M == 8 build, tiles 2 with its tails) x each granularity x
-# both cache layouts, at the TP8 and TP1 shapes (k_split 2 and 1), padding slots every third token
-@pytest.mark.parametrize("tp", [8, 1])
+# both cache layouts, at the TP8 and TP1 shapes (k_split 2 and 1), padding slots every third token; and TP8's 4-tile
+# build (M 17-32: its ends and a tile edge inside)
+W8_FRONT_MS = [(tp, m) for tp in (8, 1) for m in (1, 2, 7, 8, 9, 16)] + [(8, m) for m in (17, 24, 25, 32)]
+
+
+@pytest.mark.parametrize("tp,m", W8_FRONT_MS)
 @pytest.mark.parametrize("layout", ["vllm", "flashinfer"])
 @pytest.mark.parametrize("mode", ["channel", "block"])
-@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16])
 def test_fp8_weight_front(fp8_weights, record_property, tp, layout, mode, m):
     nkv, pw = SHARDS[tp].num_kv_heads, fp8_weights(tp, mode)
     assert ops._fused(pw.n, m, torch.cuda.current_device(), "fp8_e4m3")
@@ -612,13 +615,12 @@ def test_fp8_weight_front_bitwise_deterministic_20_launches(fp8_weights, tp, m, 
         assert torch.equal(p["backing"], k0)
 
 
-# the GEMM path (every M above 16 with an e4m3 weight): just above the front, a tile-odd M, and prefill sizes, at
-# TP8 and TP4, no host sync. Both run vLLM's own arithmetic (x per token / per token and 128-group, _scaled_mm
+# the GEMM path (every M above the e4m3 front's: 32 at TP8, 16 at TP4): just above the front, a tile-odd M (TP4: the
+# block GEMM's M padded to 4), and prefill sizes, at TP8 and TP4, no host sync. Both run vLLM's own arithmetic (x per token / per token and 128-group, _scaled_mm
 # row-wise / with 1x128 block scales): the error may differ from the exact-sum model of it by a bf16 rounding flip
 # (another summation order), so the bound is vLLM's error plus one bf16 step of the largest value.
-@pytest.mark.parametrize("tp", [8, 4])
+@pytest.mark.parametrize("tp,m", [(8, 33), (8, 64), (8, 100), (8, 1024), (4, 17), (4, 64), (4, 100), (4, 1024)])
 @pytest.mark.parametrize("mode", ["channel", "block"])
-@pytest.mark.parametrize("m", [17, 64, 100, 1024])
 def test_fp8_weight_gemm_path(fp8_weights, record_property, tp, mode, m):
     nkv, pw = SHARDS[tp].num_kv_heads, fp8_weights(tp, mode)
     assert not ops._fused(pw.n, m, torch.cuda.current_device(), "fp8_e4m3")
@@ -638,7 +640,8 @@ def test_fp8_weight_gemm_path(fp8_weights, record_property, tp, mode, m):
         assert e_k <= e_vllm + slack, f"{name}: error {e_k:.3e} > vLLM's chain {e_vllm:.3e} + {slack:.1e}"
 
 
-@pytest.mark.parametrize("tp,m,mode", [(8, 4, "channel"), (8, 16, "block"), (8, 64, "channel"), (4, 17, "block")])
+@pytest.mark.parametrize("tp,m,mode", [(8, 4, "channel"), (8, 16, "block"), (8, 24, "channel"), (8, 64, "channel"),
+                                       (4, 17, "block")])
 def test_fp8_weight_graph_replay_equals_eager(fp8_weights, tp, m, mode):
     """The front (M <= 16) and the GEMM path (above) capture after prepare(weight_format=...) and replay bitwise."""
     nkv, pw = SHARDS[tp].num_kv_heads, fp8_weights(tp, mode)

@@ -458,8 +458,8 @@ def test_fp8_sm100a_compiles(kmod):
 
 # ---------------------------------------------------------------- e4m3 weights (issue 30, kernels/qkv_front/w8.py)
 def _w8_plan():
-    """Every e4m3-weight build the h200 rules give M = 1..16 on the bundled model's shards, both scale kinds, and one
-    with an FP8 KV cache too (the two fields are independent)."""
+    """Every e4m3-weight build the h200 rules give M = 1..64 on the bundled model's shards (M <= 16 everywhere, the
+    4-tile build to 32 at TP8), both scale kinds, and one with an FP8 KV cache too (the two fields are independent)."""
     from musekern.config import load_config
 
     model = load_config()
@@ -467,14 +467,14 @@ def _w8_plan():
     for tp in (8, 4, 2, 1):
         s = model.shard(tp)
         for scale in ("channel", "block"):
-            out += qkv_front_variants(s.n, s.num_kv_heads, get_target("h200"), 16, "bf16", "fp8_e4m3", scale)
+            out += qkv_front_variants(s.n, s.num_kv_heads, get_target("h200"), 64, "bf16", "fp8_e4m3", scale)
     return out + [dataclasses.replace(out[0], kv_cache_dtype=FP8)]
 
 
 PLANNED_W8 = _w8_plan()
 
 
-# the grid: every planned e4m3 build (mma.sync "rows" and "k", 1 and 2 tiles, S = 1 and 2, both scale kinds)
+# the grid: every planned e4m3 build (mma.sync "rows" and "k", 1, 2 and 4 tiles, S = 1 and 2, both scale kinds)
 @pytest.mark.parametrize("v", PLANNED_W8, ids=lambda v: v.label)
 def test_w8_abi_is_the_bf16_abi_with_the_scales_in_the_weight_slot(kmod, v):
     bf = kmod.abi_for(dataclasses.replace(v, weight_dtype="bf16", weight_scale="none"))
@@ -497,14 +497,21 @@ def test_w8_variant_rules():
         QkvFrontVariant(2176, 1, 4, 4, 2, 0, warp_split="wg", weight_dtype="fp8_e4m3", weight_scale="channel")
     from musekern.kernels.qkv_front.rules import front_serves, variant
 
-    assert front_serves(2176, 16, h200, "fp8_e4m3") and not front_serves(2176, 17, h200, "fp8_e4m3")
-    with pytest.raises(ValueError, match="serve M = 1..16"):
-        variant(2176, 17, 1, h200, weight_dtype="fp8_e4m3", weight_scale="block")
-    # up to the same W bytes in flight: up to twice the stages of half the size, as shared memory allows
+    # M <= 16 on every shard; up to 32 (4 tiles) where those CTAs are alone on their SMs: TP8 (68 CTAs), not TP4 (136)
+    assert front_serves(2176, 32, h200, "fp8_e4m3") and not front_serves(2176, 33, h200, "fp8_e4m3")
+    assert front_serves(4352, 16, h200, "fp8_e4m3") and not front_serves(4352, 17, h200, "fp8_e4m3")
+    with pytest.raises(ValueError, match="no fp8_e4m3 front build serves N = 2176, M = 33"):
+        variant(2176, 33, 1, h200, weight_dtype="fp8_e4m3", weight_scale="block")
+    assert {variant(2176, m, 1, h200, weight_dtype="fp8_e4m3", weight_scale="block").label for m in (17, 25, 32)} == {
+        "qkv_front[fixed_rows=0,k_split=2,n=2176,num_kv_heads=1,stages=6,tiles=4,trigger=late,trigger_ahead=6,"
+        "warp_split=k,weight_dtype=fp8_e4m3,weight_scale=block]"}  # the build bench/probes/w8_wide.py checked and timed
+    # up to the same W bytes in flight: up to twice the stages of half the size, as shared memory allows; the bf16
+    # build's split and trigger (its warp split too, but where it is wgmma's: e4m3 takes "k")
     for v in PLANNED_W8:
         bf = variant(v.n, max(1, 8 * v.tiles - 1), v.num_kv_heads, h200)
         assert bf.stages < v.stages <= 2 * bf.stages
-        assert (v.k_split, v.tiles, v.warp_split, v.trigger) == (bf.k_split, bf.tiles, bf.warp_split, bf.trigger)
+        assert (v.k_split, v.tiles, v.trigger) == (bf.k_split, bf.tiles, bf.trigger)
+        assert v.warp_split == ("k" if bf.warp_split == "wg" else bf.warp_split)
 
 
 # each build: the ABI is the PTX .entry's; W arrives as one 128-byte-wide box a stage (8 KiB + x in expect_tx); every
@@ -525,7 +532,9 @@ def test_w8_compile_ptx(kmod, v):
     stage_tx = W_STAGE_BYTES // 2 + tt * K_TILE * 2
     assert re.search(rf"mov\.b32\s+%r\d+, {stage_tx};\s*\n\s*mbarrier\.arrive\.expect_tx", ptx)
     mma = r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32"
-    assert _count(mma, ptx) == _count(mma, bf.ptx)
+    # (4 tiles, "k": the bf16 build writes its k-tile loop once, one register set; the e4m3 one twice, two sets)
+    sets = 2 if v.warp_split == "k" and v.tiles > 2 else 1
+    assert _count(mma, ptx) == _count(mma, bf.ptx) * sets
     blocks = 8 if v.warp_split == "rows" else 2 * 4  # m16 x k16 blocks a lane converts per k-tile
     per_tile = 4 * blocks
     loop_copies = 2 if v.warp_split == "k" else 1  # "k": the two register sets' loads are written out twice
@@ -533,7 +542,7 @@ def test_w8_compile_ptx(kmod, v):
     assert loads == per_tile * (loop_copies + (1 if v.warp_split == "k" else 0))
     assert _count(r"cvt\.rn\.f16x2\.e4m3x2", ptx) == loads
     x_ldm = r"ldmatrix\.sync\.aligned\.m8n8\.x[24]\.shared\.b16"
-    assert _count(x_ldm, ptx) < _count(x_ldm, bf.ptx)  # x only
+    assert _count(x_ldm, ptx) < _count(x_ldm, bf.ptx) * sets  # x only
 
 
 @pytest.mark.slow
@@ -548,7 +557,9 @@ def test_w8_sass(kmod, v, tmp_path):
     if usage is None:
         pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"local memory: {usage}"
-    if one_wave_at_two_per_sm(v.n, v.k_split, get_target("h200")):  # planned for two CTAs per SM
+    # planned for two CTAs per SM (the 4-tile builds serve only where their CTAs are alone on their SMs: rules.py
+    # W8_WIDE_TILES)
+    if one_wave_at_two_per_sm(v.n, v.k_split, get_target("h200")) and v.tiles <= 2:
         assert CTAS_PER_SM * THREADS * ((usage["REG"] + 7) // 8 * 8) <= SM90_REGS_PER_SM
     s = nvdump.dump(ck.cubin, tmp_path, "-sass").stdout
     # the exact conversion (research/fp8.md section 4): 4 SASS a pair

@@ -757,15 +757,15 @@ def test_fp8_weight_unchecked_gemm_epilogue_takes_gemm_fp8(monkeypatch):
     assert calls == [(torch.float8_e4m3fn, (34, 64))]
 
 
-# every N the bundled model plans (TP8..TP1): e4m3 weights take the fused front at M <= 16 only (the mma.sync builds),
-# whatever the bf16 weight's rule; each side of 16 and the bf16 rule's edges
+# every N the bundled model plans (TP8..TP1): e4m3 weights take the fused front (the mma.sync builds) at M <= 16, and
+# up to 32 at TP8 (rules.W8_WIDE_TILES), whatever the bf16 weight's rule; each side of 16 and 32, the bf16 rule's edges
 @pytest.mark.parametrize("n", [2176, 4352, 8704, 17408])
 def test_fp8_weight_path_follows_the_planner(monkeypatch, n):
     monkeypatch.setattr(op, "_target", lambda dev: get_target("h200"))
     op._fused.cache_clear()
-    ms = (1, 8, 9, 16, 17, 48, 64, 65, 4096)
+    ms = (1, 8, 9, 16, 17, 32, 33, 48, 64, 65, 4096)
     try:
-        assert [m for m in ms if op._fused(n, m, 0, "fp8_e4m3")] == [m for m in ms if m <= 16]
+        assert [m for m in ms if op._fused(n, m, 0, "fp8_e4m3")] == [m for m in ms if m <= (32 if n == 2176 else 16)]
     finally:
         op._fused.cache_clear()
 
@@ -773,8 +773,8 @@ def test_fp8_weight_path_follows_the_planner(monkeypatch, n):
 @pytest.mark.parametrize("mode", ["channel", "block"])
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
 def test_op_binds_every_planned_fp8_weight_abi_by_name(mode, kv):
-    """The e4m3-weight builds the rules give M = 1..16 (TP8 and TP1 shards): the op binds each ABI by its names, the
-    scale's address where bf16 builds take weight_ptr."""
+    """The e4m3-weight builds the rules give M = 1..64 (TP8: 1, 2 and 4 tiles): the op binds each ABI by its names,
+    the scale's address where bf16 builds take weight_ptr."""
     from musekern.kernels.qkv_front.abi import abi_for
     from musekern.kernels.qkv_front.rules import qkv_front_variants
     from musekern.ops._bind import take
@@ -787,8 +787,8 @@ def test_op_binds_every_planned_fp8_weight_abi_by_name(mode, kv):
     names_op = op._NAMES_W8 if kv == "bf16" else op._NAMES_W8_FP8
     values = (op._w8_values if kv == "bf16" else op._w8_fp8_values)(*call)
     by_name = op.launch_args(*call)
-    vs = qkv_front_variants(2176, 1, get_target("h200"), 16, kv, "fp8_e4m3", mode)
-    assert vs and all(v.weight_dtype == "fp8_e4m3" and v.weight_scale == mode for v in vs)
+    vs = qkv_front_variants(2176, 1, get_target("h200"), 64, kv, "fp8_e4m3", mode)
+    assert max(v.tiles for v in vs) == 4 and all(v.weight_dtype == "fp8_e4m3" and v.weight_scale == mode for v in vs)
     for v in vs:
         abi = abi_for(v)
         names = tuple(_ParamBlock(abi.params, abi.tensormaps).names)

@@ -41,32 +41,36 @@ WIDE_TILES = 5  # from this many token tiles on, S = 4 where it fits one wave (N
 # Tile counts the plan takes (a call pads M up to the next one a build of its shape can take): 7 measured faster than
 # 8 chained but slower after a norm at TP4 (NOTES "token tiles and fixed_rows"); TP2 does not serve it
 PLANNED_TILES = (1, 2, 3, 4, 5, 6, 8)
+W8_WIDE_TILES = 4  # e4m3 weights above M = 16: mma.sync builds of up to 4 tiles where their CTAs are alone on their SMs
+# (NOTES "e4m3 weights": TP8 M = 17-32 13.9 / 15.0 us against the FP8 GEMM path's 26.7 / 18.8; at TP4, TP1 and 8 tiles
+# the GEMM path is as fast or faster)
 XMC_FROM_TILES = 8  # wgmma builds with a cluster multicast x between the heads of a pair from 8 tiles on, or from
 XMC_WIDE_TILES = 6  # 6 with S = 4 (NOTES "x_mcast")
 
 
 # NOTES "token tiles and fixed_rows": one build per planned 8-token tile count (M padded up to whole tiles), M == 8 its
 # own static-M build; M pads further where the shape has no build of that tile count (`has_tiles_build`).
-def token_tiles(m: int, n: int, target: Target) -> int:
+def token_tiles(m: int, n: int, target: Target, weight_dtype: str = "bf16") -> int:
     """8-token MMA tiles the build for M tokens and weight rows N computes on `target`: the fewest of
     PLANNED_TILES that hold M and that the shape has a build of."""
     if not 1 <= m <= FRONT_MAX_TOKENS:
         raise ValueError(f"M must be in 1..{FRONT_MAX_TOKENS}, got {m}")
     need = (m + TOKEN_TILE - 1) // TOKEN_TILE
     for t in PLANNED_TILES:
-        if t >= need and has_tiles_build(n, target, t):
+        if t >= need and has_tiles_build(n, target, t, weight_dtype):
             return t
     raise ValueError(f"no qkv_front build holds M = {m} on {target.name} (without wgmma the front stops at "
                      f"{SYNC_MAX_TILES * TOKEN_TILE} tokens)")
 
 
-def has_tiles_build(n: int, target: Target, tiles: int) -> bool:
-    """Does the plan have a build of this many token tiles for weight rows N on `target`? mma.sync (no wgmma, or
-    below WG_FROM_TILES) 1, 2 or 4 (its x ldmatrix takes 8 too, but its consumer sets the pace above 4); wgmma any;
-    an owner's tokens (TT / S) must split evenly among the four consumer warps, so S = 4 (TP8 from WIDE_TILES) takes
-    even counts only."""
+def has_tiles_build(n: int, target: Target, tiles: int, weight_dtype: str = "bf16") -> bool:
+    """Does the plan have a build of this many token tiles for weight rows N on `target`? mma.sync (no wgmma, below
+    WG_FROM_TILES, or an e4m3 weight) 1, 2 or 4 (its x ldmatrix takes 8 too, but its consumer sets the pace above 4);
+    wgmma any; an owner's tokens (TT / S) must split evenly among the four consumer warps, so S = 4 (TP8 from
+    WIDE_TILES) takes even counts only."""
     s = k_split(n, target, tiles)
-    if warp_split(n, s, target, tiles) != "wg" and (tiles not in SYNC_TILE_CHOICES or tiles > SYNC_MAX_TILES):
+    if (warp_split(n, s, target, tiles, weight_dtype) != "wg"
+            and (tiles not in SYNC_TILE_CHOICES or tiles > SYNC_MAX_TILES)):
         return False
     return owned_tokens(tiles, s) % CONSUMER_WARPS == 0
 
@@ -148,10 +152,10 @@ def trigger_ahead(n: int, split: int, target: Target, tiles: int, stages: int) -
 
 
 # NOTES "warp_split": "k" everywhere except one token tile under the late trigger; wgmma ("wg") above two tiles,
-# where mma.sync's consumer cannot keep up with the stream.
-def warp_split(n: int, split: int, target: Target, tiles: int) -> str:
+# where mma.sync's consumer cannot keep up with the stream (not for an e4m3 weight: wgmma has no e4m3 x bf16 form).
+def warp_split(n: int, split: int, target: Target, tiles: int, weight_dtype: str = "bf16") -> str:
     """How the consumer warps share a k-tile."""
-    if tiles >= WG_FROM_TILES and target.arch in WGMMA_ARCHES:
+    if tiles >= WG_FROM_TILES and target.arch in WGMMA_ARCHES and weight_dtype == "bf16":
         return "wg"
     return "rows" if tiles == 1 and pdl_trigger(n, split, target, tiles) == "late" else "k"
 
@@ -160,14 +164,15 @@ def variant(n: int, m: int, num_kv_heads: int, target: Target, kv_cache_dtype: s
             weight_dtype: str = "bf16", weight_scale: str = "none") -> QkvFrontVariant:
     """The compiled variant a call with weight rows N and M tokens takes on `target`, writing caches of
     `kv_cache_dtype` (the same build otherwise: the FP8 store measures no rule of its own), streaming a weight of
-    `weight_dtype` with `weight_scale` multipliers (e4m3: M <= MAX_TOKENS, `front_serves`)."""
+    `weight_dtype` with `weight_scale` multipliers (e4m3: the M `front_serves` gives it)."""
     if not supports_shape(n, num_kv_heads):
         raise ValueError(f"qkv_front does not support N={n} with num_kv_heads={num_kv_heads}")
-    if weight_dtype != "bf16" and not 1 <= m <= MAX_TOKENS:
-        raise ValueError(f"the {weight_dtype} front builds serve M = 1..{MAX_TOKENS}, got M = {m}")
-    tiles = token_tiles(m, n, target)
+    if weight_dtype != "bf16" and not front_serves(n, m, target, weight_dtype):
+        raise ValueError(f"no {weight_dtype} front build serves N = {n}, M = {m} on {target.name} (the FP8 GEMM path "
+                         f"does)")
+    tiles = token_tiles(m, n, target, weight_dtype)
     s = k_split(n, target, tiles)
-    split = warp_split(n, s, target, tiles)
+    split = warp_split(n, s, target, tiles, weight_dtype)
     rir = recv_in_ring(n, s, target, tiles, split)
     stages = ring_stages(s, target, tiles, n, recv_in_ring=rir, weight_dtype=weight_dtype, weight_scale=weight_scale)
     return QkvFrontVariant(n, num_kv_heads, tiles, stages, s, fixed_rows(m), pdl_trigger(n, s, target, tiles),
@@ -197,7 +202,8 @@ def recv_in_ring(n: int, split: int, target: Target, tiles: int, warp: str) -> b
 # NOTES "Every M: which path": the front where it measured faster than its alternative, cuBLAS's GEMM + the fused
 # epilogue, else that: above M = 16 where the grid is one wave at two CTAs per SM (TP8, TP4; TP2 up to 48 tokens), not
 # where CTAs run in waves (TP1).
-# e4m3 weights: the mma.sync builds only (M <= 16; wgmma has no e4m3 x bf16 form), the FP8 GEMM path above.
+# e4m3 weights: the mma.sync builds only (wgmma has no e4m3 x bf16 form), up to W8_WIDE_TILES where those CTAs are
+# alone on their SMs (TP8); the FP8 GEMM path above.
 def front_serves(n: int, m: int, target: Target, weight_dtype: str = "bf16") -> bool:
     """Does the fused front take a call with weight rows N and M tokens on `target` (pure)?"""
     if not 1 <= m <= FRONT_MAX_TOKENS:
@@ -205,7 +211,7 @@ def front_serves(n: int, m: int, target: Target, weight_dtype: str = "bf16") -> 
     if m <= MAX_TOKENS:
         return True
     if weight_dtype != "bf16":
-        return False
+        return m <= W8_WIDE_TILES * TOKEN_TILE and alone_on_sm(n, k_split(n, target, W8_WIDE_TILES), target)
     if m > SYNC_MAX_TILES * TOKEN_TILE and target.arch not in WGMMA_ARCHES:
         return False  # no wgmma: mma.sync builds stop at 4 tiles
     tiles = token_tiles(m, n, target)

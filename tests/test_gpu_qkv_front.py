@@ -616,9 +616,10 @@ def test_fp8_weight_front_bitwise_deterministic_20_launches(fp8_weights, tp, m, 
 
 
 # the GEMM path (every M above the e4m3 front's: 32 at TP8, 16 at TP4): just above the front, a tile-odd M (TP4: the
-# block GEMM's M padded to 4), and prefill sizes, at TP8 and TP4, no host sync. Both run vLLM's own arithmetic (x per token / per token and 128-group, _scaled_mm
-# row-wise / with 1x128 block scales): the error may differ from the exact-sum model of it by a bf16 rounding flip
-# (another summation order), so the bound is vLLM's error plus one bf16 step of the largest value.
+# block GEMM's M padded to 4), and prefill sizes, at TP8 and TP4, no host sync. Both run vLLM's own arithmetic (x per
+# token / per token and 128-group, _scaled_mm row-wise / with 1x128 block scales): the error may differ from the
+# exact-sum model of it by a bf16 rounding flip (another summation order), so the bound is vLLM's error plus one bf16
+# step of the largest value.
 @pytest.mark.parametrize("tp,m", [(8, 33), (8, 64), (8, 100), (8, 1024), (4, 17), (4, 64), (4, 100), (4, 1024)])
 @pytest.mark.parametrize("mode", ["channel", "block"])
 def test_fp8_weight_gemm_path(fp8_weights, record_property, tp, mode, m):
@@ -643,7 +644,8 @@ def test_fp8_weight_gemm_path(fp8_weights, record_property, tp, mode, m):
 @pytest.mark.parametrize("tp,m,mode", [(8, 4, "channel"), (8, 16, "block"), (8, 24, "channel"), (8, 64, "channel"),
                                        (4, 17, "block")])
 def test_fp8_weight_graph_replay_equals_eager(fp8_weights, tp, m, mode):
-    """The front (M <= 16) and the GEMM path (above) capture after prepare(weight_format=...) and replay bitwise."""
+    """The front (M <= 16, 32 at TP8) and the GEMM path (above) capture after prepare(weight_format=...) and replay
+    bitwise."""
     nkv, pw = SHARDS[tp].num_kv_heads, fp8_weights(tp, mode)
     p = problem(m, nkv, seed=21)
     eager = run_w8(p, pw, nkv).clone()

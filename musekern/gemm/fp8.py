@@ -113,11 +113,9 @@ def mm_block(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     m = x.shape[0]
     rows = -(-m // BLOCK_MM_ROWS) * BLOCK_MM_ROWS
     q, s = quantize(x, FP8_K_GROUP, rows)
-    if rows == m:
-        return form(q, weight, s, weight_scales_per_row(weight_scale), out)
-    y = form(q, weight, s, weight_scales_per_row(weight_scale), torch.empty(rows, out.shape[1], dtype=out.dtype,
-                                                                            device=out.device))
-    return out.copy_(y[:m])
+    y = out if rows == m else torch.empty(rows, out.shape[1], dtype=out.dtype, device=out.device)
+    form(q, weight, s, weight_scales_per_row(weight_scale), y)
+    return out if y is out else out.copy_(y[:m])
 
 
 def mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out: torch.Tensor,

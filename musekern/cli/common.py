@@ -48,9 +48,14 @@ def _parse_tp(ctx, param, value):
     return tps
 
 
+def option_flag(name: str, value) -> str:
+    """` --NAME VALUE` to put in a suggested fix command ("" where the option was not given: the config's value)."""
+    return f" --{name} {value}" if value else ""
+
+
 def tp_flag(tp) -> str:
     """The --tp spelling to put in a suggested fix command ("" when the config's sizes were used)."""
-    return f" --tp {','.join(map(str, tp))}" if tp else ""
+    return option_flag("tp", ",".join(map(str, tp)) if tp else None)
 
 
 tp_option = click.option(
@@ -59,46 +64,35 @@ tp_option = click.option(
          "names none plans TP 1 and warns).")
 
 
-def _parse_kv_cache_dtype(ctx, param, value):
-    if value is None:
-        return None
-    try:
-        return kv_cache.resolve(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
-
-
-def kv_cache_dtype_flag(kv) -> str:
-    """The --kv-cache-dtype spelling to put in a suggested fix command ("" for the config's or the default)."""
-    return f" --kv-cache-dtype {kv}" if kv else ""
+def _checked(parse):
+    """A click callback: None (not given) stays None, else parse(value), whose ValueError is the usage error."""
+    def callback(ctx, param, value):
+        if value is None:
+            return None
+        try:
+            return parse(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+    return callback
 
 
 kv_cache_dtype_option = click.option(
     "--kv-cache-dtype", "kv_cache_dtype", default=None, metavar="{" + ",".join(kv_cache.CHOICES) + "}",
-    callback=_parse_kv_cache_dtype,
+    callback=_checked(kv_cache.resolve),
     help="The KV cache the engine allocates, as vLLM's --kv-cache-dtype: auto / bf16 plan the builds that write "
          "bf16 caches, fp8 / fp8_e4m3 those that write e4m3 with per-tensor k_scale / v_scale (fp8_e5m2 is not "
          "served). Overrides the config's musekern.kv_cache_dtype.")
 
 
-def _parse_weight_format(ctx, param, value):
-    if value is None:
-        return None
-    try:
-        weight_formats.parse_override(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
+def _weight_format_spelling(value: str) -> str:
+    """The --weight-format value as given (lower case), once weights.formats.parse_override takes it."""
+    weight_formats.parse_override(value)
     return value.strip().lower()
-
-
-def weight_format_flag(wf) -> str:
-    """The --weight-format spelling to put in a suggested fix command ("" for the config's)."""
-    return f" --weight-format {wf}" if wf else ""
 
 
 weight_format_option = click.option(
     "--weight-format", "weight_format", default=None, metavar="{" + ",".join(weight_formats.OVERRIDE_CHOICES) + "}",
-    callback=_parse_weight_format,
+    callback=_checked(_weight_format_spelling),
     help="The checkpoint's weight format, instead of what the config's quantization_config says (auto): bf16, or "
          "e4m3 weights with 128x128 block (ue8m0: power-of-two), per-channel or per-tensor scales; FP8 formats plan "
          "the FP8-weight front builds (M <= 16, the GEMM path above).")

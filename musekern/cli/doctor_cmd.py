@@ -14,17 +14,16 @@ from .common import (
     emit_json,
     environment,
     json_option,
-    kv_cache_dtype_flag,
     kv_cache_dtype_option,
     load_model,
     log,
     model_option,
+    option_flag,
     resolve_targets,
     table,
     target_option,
     tp_flag,
     tp_option,
-    weight_format_flag,
     weight_format_option,
     wide_option,
 )
@@ -90,8 +89,8 @@ def _fix_command(model_path, tp, kv_cache_dtype, weight_format, cache_dir, missi
     """The one `musekern prepare` that builds every missing variant (same model, TP sizes, targets, cache)."""
     tnames = dict.fromkeys(m["target"] for m in missing)
     return ("musekern prepare" + (f" --model {model_path}" if model_path else "")
-            + "".join(f" --target {t}" for t in tnames) + tp_flag(tp) + kv_cache_dtype_flag(kv_cache_dtype)
-            + weight_format_flag(weight_format)
+            + "".join(f" --target {t}" for t in tnames) + tp_flag(tp)
+            + option_flag("kv-cache-dtype", kv_cache_dtype) + option_flag("weight-format", weight_format)
             + (f" --cache-dir {cache_dir}" if cache_dir else ""))
 
 

@@ -431,16 +431,25 @@ def test_fp8_compile_ptx(kmod, v):
     assert _count(r"st\.global\.v4\.b32", bf.ptx) == (3 * rounds if octets else 0)
 
 
+def _no_local_memory(cubin: bytes, tmp_path) -> dict:
+    """The cubin's resource usage (cuobjdump; the test skips where it is not installed), asserted free of local memory
+    and stack."""
+    import nvdump
+
+    usage = nvdump.resources(cubin, tmp_path)
+    if usage is None:
+        pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"local memory: {usage}"
+    return usage
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("v", [v for v in PLANNED_FP8 if v.tiles in (1, 8)], ids=lambda v: v.label)
 def test_fp8_sass(kmod, v, tmp_path):
     import nvdump
 
     ck, _ = _compile(kmod, v)
-    usage = nvdump.resources(ck.cubin, tmp_path)
-    if usage is None:
-        pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
-    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"local memory: {usage}"
+    usage = _no_local_memory(ck.cubin, tmp_path)
     if v.stages < 8:  # two CTAs per SM, as the bf16 build
         assert CTAS_PER_SM * THREADS * ((usage["REG"] + 7) // 8 * 8) <= SM90_REGS_PER_SM
     s = nvdump.dump(ck.cubin, tmp_path, "-sass").stdout
@@ -553,10 +562,7 @@ def test_w8_sass(kmod, v, tmp_path):
     from musekern.kernels.qkv_front.rules import one_wave_at_two_per_sm
 
     ck, _ = _compile(kmod, v)
-    usage = nvdump.resources(ck.cubin, tmp_path)
-    if usage is None:
-        pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
-    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"local memory: {usage}"
+    usage = _no_local_memory(ck.cubin, tmp_path)
     # planned for two CTAs per SM (the 4-tile builds serve only where their CTAs are alone on their SMs: rules.py
     # W8_WIDE_TILES)
     if one_wave_at_two_per_sm(v.n, v.k_split, get_target("h200")) and v.tiles <= 2:

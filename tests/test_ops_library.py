@@ -64,16 +64,22 @@ def test_schemas_name_the_mutated_caches_and_fresh_outputs():
 
 
 # ---------------------------------------------------------------- fake implementations
+def fake_front(s, m, weight_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, extra=lambda s: ()):
+    """y of torch.ops.musekern.qkv_front under FakeTensorMode for shard `s` and M = m (`extra(s)`: the optional
+    arguments after eps, made inside the mode)."""
+    with FakeTensorMode():
+        kv = torch.empty(2, 4, 16, s.num_kv_heads, D, dtype=cache_dtype)
+        return OPS.qkv_front(torch.empty(m, K, dtype=torch.bfloat16), torch.empty(s.n, K, dtype=weight_dtype),
+                             torch.empty(m, dtype=torch.int64), torch.empty(64, D), torch.empty(m, dtype=torch.int64),
+                             kv[0], kv[1], s.num_kv_heads, EPS, *extra(s))
+
+
 # Every planned N (TP 1..8), M at the kernels' edges (1, 16) and above them (17, 300: the M > 16 path).
 @pytest.mark.parametrize("tp", sorted(SHARDS))
 @pytest.mark.parametrize("m", [1, 16, 17, 300])
 def test_qkv_front_fake_shape(tp, m):
     s = SHARDS[tp]
-    with FakeTensorMode():
-        kv = torch.empty(2, 4, 16, s.num_kv_heads, D, dtype=torch.bfloat16)
-        y = OPS.qkv_front(torch.empty(m, K, dtype=torch.bfloat16), torch.empty(s.n, K, dtype=torch.bfloat16),
-                          torch.empty(m, dtype=torch.int64), torch.empty(64, D), torch.empty(m, dtype=torch.int64),
-                          kv[0], kv[1], s.num_kv_heads, EPS)
+    y = fake_front(s, m)
     assert (tuple(y.shape), y.stride(), y.dtype) == ((m, s.n), (s.n, 1), torch.bfloat16)
 
 
@@ -237,11 +243,7 @@ def test_opcheck_qkv_front_fp8_cpu(layout):
 
 def test_fp8_fake_shape_with_scales():
     s = SHARDS[4]
-    with FakeTensorMode():
-        kv = torch.empty(2, 4, 16, s.num_kv_heads, D, dtype=torch.uint8)
-        y = OPS.qkv_front(torch.empty(9, K, dtype=torch.bfloat16), torch.empty(s.n, K, dtype=torch.bfloat16),
-                          torch.empty(9, dtype=torch.int64), torch.empty(64, D), torch.empty(9, dtype=torch.int64),
-                          kv[0], kv[1], s.num_kv_heads, EPS, torch.empty(()), torch.empty(1))
+    y = fake_front(s, 9, cache_dtype=torch.uint8, extra=lambda s: (torch.empty(()), torch.empty(1)))
     assert (tuple(y.shape), y.dtype) == ((9, s.n), torch.bfloat16)
 
 
@@ -329,11 +331,7 @@ def test_fp8_weight_cpu_kernel_is_the_reference(mode):
 
 def test_fp8_weight_fake_shape():
     s = SHARDS[8]
-    with FakeTensorMode():
-        kv = torch.empty(2, 4, 16, s.num_kv_heads, D, dtype=torch.bfloat16)
-        y = OPS.qkv_front(torch.empty(40, K, dtype=torch.bfloat16), torch.empty(s.n, K, dtype=torch.float8_e4m3fn),
-                          torch.empty(40, dtype=torch.int64), torch.empty(64, D), torch.empty(40, dtype=torch.int64),
-                          kv[0], kv[1], s.num_kv_heads, EPS, None, None, torch.empty(s.n // D, 64))
+    y = fake_front(s, 40, weight_dtype=torch.float8_e4m3fn, extra=lambda s: (None, None, torch.empty(s.n // D, 64)))
     assert (tuple(y.shape), y.dtype) == ((40, s.n), torch.bfloat16)
 
 

@@ -26,6 +26,7 @@ import torch
 
 from bench.harness import report
 from bench.harness.pred import PredKernel
+from bench.harness.qkv_front import chain_inputs
 from bench.harness.timing import Graph, copy_bandwidth, log, loops_for, time_graphs
 from musekern.config import load_config
 from musekern.kernels.qkv_epilogue.variant import all_builds, epilogue_variant
@@ -59,12 +60,7 @@ def _scales(fp8: bool):
 def front_pair(tp: int, n: int, nkv: int, eps: float, theta: float, m: int, weights: list, pred, samples: int) -> dict:
     g = torch.Generator(device="cuda").manual_seed(1000 * m + tp)
     bf = torch.bfloat16
-    cos_sin = rope_cos_sin_table(MAX_POS, theta, "cuda")
-    pos = torch.randint(0, MAX_POS, (m,), device="cuda", generator=g)
-    x = torch.randn(m, HIDDEN, device="cuda", generator=g).to(bf)
-    res = [torch.randn(m, HIDDEN, device="cuda", generator=g).to(bf) for _ in range(LAYERS)]
-    gamma = (1.0 + 0.1 * torch.randn(HIDDEN, device="cuda", generator=g)).to(bf)
-    xs = [torch.empty_like(r) for r in res]
+    cos_sin, pos, x, res, gamma, xs = chain_inputs(m, theta, g)
     row = {"tp": tp, "N": n, "num_kv_heads": nkv, "M": m, "us": {}}
     graphs, outs = [], {}
     for kind in ("bf16", "fp8"):

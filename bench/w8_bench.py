@@ -29,6 +29,7 @@ import torch
 
 from bench.harness import report
 from bench.harness.pred import PredKernel
+from bench.harness.qkv_front import chain_inputs
 from bench.harness.timing import Graph, copy_bandwidth, log, loops_for, time_graphs
 from bench.w8_labels import SHARDS, builds
 from musekern.config import load_config
@@ -158,12 +159,7 @@ def exact(n: int, nkv: int, m: int, v, eps: float, theta: float) -> dict:
 def timing(n: int, nkv: int, m: int, table: dict, eps: float, theta: float, pred, samples: int) -> dict:
     g = torch.Generator(device="cuda").manual_seed(1000 * m + n)
     bf = torch.bfloat16
-    cs = rope_cos_sin_table(MAX_POS, theta, "cuda")
-    pos = torch.randint(0, MAX_POS, (m,), device="cuda", generator=g)
-    x = torch.randn(m, HIDDEN, device="cuda", generator=g).to(bf)
-    res = [torch.randn(m, HIDDEN, device="cuda", generator=g).to(bf) for _ in range(LAYERS)]
-    gamma = (1.0 + 0.1 * torch.randn(HIDDEN, device="cuda", generator=g)).to(bf)
-    xs = [torch.empty_like(r) for r in res]
+    cs, pos, x, res, gamma, xs = chain_inputs(m, theta, g)
     kc, vc, cap = _caches(nkv, m, g)
     slots = torch.randperm(cap, device="cuda", generator=g)[:m]
     o = torch.empty(LAYERS, m, n, dtype=bf, device="cuda")

@@ -79,6 +79,18 @@ def make_problem(shard: Shard, m: int, modes, seed: int = 1) -> Problem:
                    kv[0], kv[1], res, gamma, [torch.empty_like(r) for r in res], outs)
 
 
+def chain_inputs(m: int, theta: float, g: torch.Generator) -> tuple:
+    """(cos|sin table, positions, x, residuals, gamma, xs) for a bench of LAYERS chained fronts and their after-norm
+    form (an RMSNorm of residuals[j] with gamma into xs[j] before layer j), drawn from `g` in this order."""
+    bf = torch.bfloat16
+    cs = rope_cos_sin_table(MAX_POS, theta, "cuda")
+    pos = torch.randint(0, MAX_POS, (m,), device="cuda", generator=g)
+    x = torch.randn(m, report.HIDDEN, device="cuda", generator=g).to(bf)
+    res = [torch.randn(m, report.HIDDEN, device="cuda", generator=g).to(bf) for _ in range(LAYERS)]
+    gamma = (1.0 + 0.1 * torch.randn(report.HIDDEN, device="cuda", generator=g)).to(bf)
+    return cs, pos, x, res, gamma, [torch.empty_like(r) for r in res]
+
+
 # ---------------------------------------------------------------- launch closures
 def front_closure(shard: Shard, p: Problem, j: int, x: torch.Tensor, out: torch.Tensor, pdl: bool):
     """One layer's front through the product path (variant, cached kernel, launch_args, launch)."""

@@ -188,65 +188,56 @@ class QkvEpilogueKernel:
         w = bidx * EPI_BLOCK + tidx
         t = _Tensors(mY, mCS, mPos, mSlot, mK, mV, y_copy, cs_copy)
         for k in cutlass.range_constexpr(1, self.v.rounds):
-            self._prefetch(t, w + k * stride, total, row_units, heads, m, nq)
+            self._prefetch(t, w + k * stride, total, row_units, heads, m)
         kv = None  # an FP8 build: (k_scale, v_scale), read once per thread (predicated loads: nothing waits on them)
         if cutlass.const_expr(self.fp8):
             kv = (_fp8.kv_scale(scales[0], scales[1]), _fp8.kv_scale(scales[2], scales[3]))
         for k in cutlass.range_constexpr(self.v.rounds):
-            unit = self._load(t, w + k * stride, total, row_units, heads, m, nq)
+            unit = self._load(t, w + k * stride, total, row_units, heads, m)
             self._finish(t, unit, heads, nq, nkv, max_pos, block_size, num_blocks, eps, kv)
 
     @cute.jit
-    def _coords(self, w, total, row_units, m, nq):
+    def _coords(self, w, total, row_units, m):
         """(live, row r, lane j, first head h0) of unit w; a unit past the end maps to the last unit. bf16 builds:
-        row-major (a warp: four head groups of one or two rows). FP8 builds: the q-only groups (nq // vpt a row)
-        row-major as the bf16 build's, then the other groups (the k/v heads) head-group-major (a warp: one group of
-        four rows), so the k/v groups' stores (e4m3 quotients, fp8.py) run in warps of their own while a q warp
-        reads one row's position, slot and cos|sin as a bf16 warp does (variant.py)."""
+        row-major (a warp: four head groups of one or two rows). FP8 builds: head-group-major (a warp: one head
+        group of four rows), so the k/v groups' stores (e4m3 quotients, fp8.py) run in warps of their own instead of
+        holding up three q groups each (variant.py)."""
         live = w < total
         wc = Uint32(cutlass.min(w, total - 1))  # total >= 1: the grid is empty when M == 0
         r = Int32(0)
         j = Int32(0)
         g = Int32(0)
         if cutlass.const_expr(self.fp8):
-            gq = Uint32(nq // self.vpt)
-            q_units = Uint32(m) * gq * Uint32(EPI_LANES)  # the row-major ones; then head-group-major
-            if wc < q_units:
-                r, j, g = self._row_major(wc, gq * Uint32(EPI_LANES))
-            else:
-                wk = wc - q_units
-                t = wk // Uint32(EPI_LANES)
-                mu = Uint32(m)
-                g_u = t // mu
-                r = Int32(t - g_u * mu)
-                g = Int32(g_u + gq)
-                j = Int32(wk - t * Uint32(EPI_LANES))
+            t = wc // Uint32(EPI_LANES)
+            mu = Uint32(m)
+            g_u = t // mu
+            r = Int32(t - g_u * mu)
+            g = Int32(g_u)
+            j = Int32(wc - t * Uint32(EPI_LANES))
         else:
-            r, j, g = self._row_major(wc, Uint32(row_units))
+            ru = Uint32(row_units)
+            r_u = wc // ru
+            r = Int32(r_u)
+            rem = Int32(wc - r_u * ru)
+            j = rem % EPI_LANES
+            g = rem // EPI_LANES
         return live, r, j, g * self.vpt
 
     @cute.jit
-    def _row_major(self, wc, ru):
-        """(row, lane, group) of unit wc of a row-major flattening of ru units a row."""
-        r_u = wc // ru
-        rem = Int32(wc - r_u * ru)
-        return Int32(r_u), rem % EPI_LANES, rem // EPI_LANES
-
-    @cute.jit
-    def _prefetch(self, t, w, total, row_units, heads, m, nq):
+    def _prefetch(self, t, w, total, row_units, heads, m):
         """prefetch.global.L2 of what unit w's _load will read: position, slot, its heads' y vectors."""
-        _, r, j, h0 = self._coords(w, total, row_units, m, nq)  # (a unit past the end prefetches the last unit's lines)
+        _, r, j, h0 = self._coords(w, total, row_units, m)  # (a unit past the end prefetches the last unit's lines)
         _prefetch_l2(t.pos.iterator.toint() + Int64(r) * (Int64.width // 8))
         _prefetch_l2(t.slot.iterator.toint() + Int64(r) * (Int64.width // 8))
         for u in cutlass.range_constexpr(self.vpt):
             _prefetch_l2(t.y[r, cutlass.min(h0 + u, heads - 1) * EPI_LANES + j, None].iterator.toint())
 
     @cute.jit
-    def _load(self, t, w, total, row_units, heads, m, nq):
+    def _load(self, t, w, total, row_units, heads, m):
         """Unit w's row, lane and heads, and its loads issued: position, slot and every y vector, no branch
         between them. A unit past the end works on the last unit (in bounds) and stores nothing; so do the heads
         past the row's last v head (they load the last v head)."""
-        live, r, j, h0 = self._coords(w, total, row_units, m, nq)
+        live, r, j, h0 = self._coords(w, total, row_units, m)
         pos = t.pos[r]
         slot = t.slot[r]
         frags = []

@@ -23,11 +23,10 @@ from ..base import VariantMixin
 # row_units = EPI_LANES * ceil(H / vpt) units, flattened row-major with j fastest: the 8 lanes of one (row, head
 # group) are 8 consecutive, 8-aligned lanes that reduce each head's sum of squares with butterfly shuffles, and one
 # warp load reads 512 bytes of y: contiguous with vpt = 1, else 4 whole 128-byte heads vpt heads apart. An FP8 build
-# flattens the q-only groups (nq // vpt a row) so, then the other groups (the k/v heads) head-group-major (j fastest,
-# then the row): a warp there is one head group of four rows, so the k/v groups' e4m3 stores (fp8.py) run in warps of
-# their own rather than holding up three q groups (TP8: 1.32 -> 1.19x the bf16 time at M = 1024, bench/NOTES.md "FP8
-# KV cache"), while a q warp reads one row's position, slot and cos|sin as a bf16 warp does. Unit w of the M *
-# row_units is thread w % EPI_BLOCK of CTA (w % G) // EPI_BLOCK in round w // G, G = grid * EPI_BLOCK.
+# flattens them head-group-major instead (j fastest, then the row): a warp is one head group of four rows, so the k/v
+# groups' e4m3 stores (fp8.py) run in warps of their own rather than holding up three q groups (TP8: 1.32 -> 1.19x
+# the bf16 time at M = 1024, bench/NOTES.md "FP8 KV cache"). Unit w of the M * row_units is thread w % EPI_BLOCK of
+# CTA (w % G) // EPI_BLOCK in round w // G, G = grid * EPI_BLOCK.
 EPI_HEAD_DIM = HEAD_DIM  # columns per head (Muse Spark); 32 RoPE pairs
 EPI_VEC_ELEMS = 8  # bf16 elements per 16-byte vector: 4 RoPE pairs
 EPI_LANES = EPI_HEAD_DIM // EPI_VEC_ELEMS  # lanes (vectors) per head

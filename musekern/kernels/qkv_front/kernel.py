@@ -46,9 +46,8 @@ cache rows as e4m3(value / scale) bytes, half the bf16 stores' width (fp8.py); t
 v head read their scale once, after griddepcontrol.wait. y and everything else are the bf16 build's.
 
 e4m3-weight builds (variant weight_dtype "fp8_e4m3", w8.py): the ring streams e4m3 W (8 KiB a stage), the consumers
-convert it into an f16 MMA's A registers (x to f16 beside it; a stage whose x f16 cannot hold: the bf16 MMA), and the
-fp32 multipliers (the `weight_scale` launch value, in the bf16 builds' unread weight_ptr slot) scale the partials (per
-row) or each k-tile's sum (per 64 x 128 block).
+dequantize it into the bf16 MMA's A registers, and the fp32 multipliers (the `weight_scale` launch value, in the bf16
+builds' unread weight_ptr slot) scale the partials (per row) or each k-tile's sum (per 64 x 128 block).
 
 Out-of-range positions (p < 0 or p >= max_pos) are clamped to [0, max_pos - 1] for the cos|sin
 read (the reference does the same). Slots < 0 or >= num_blocks * block_size write nothing.
@@ -59,14 +58,14 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 from cutlass.cute.runtime import make_ptr
 from cutlass.memory import SmemAllocator
 from cutlass.utils import hopper_helpers as sm90_utils
 
 from ...store.keys import variant_tag
 from . import fp8 as _fp8
-from .mma import BAR_AUX, BAR_PARTIALS, BAR_RED, CONSUMER_THREADS, CtaPlace, FrontConsumers, warp_mma
+from .mma import BAR_AUX, BAR_PARTIALS, BAR_RED, CONSUMER_THREADS, CtaPlace, FrontConsumers
 from .octets import OCTET_MIN_OWNED, FrontOctetEpilogue
 from .variant import (
     CONSUMER_WARPS,
@@ -88,7 +87,6 @@ from .variant import (
 
 PRODUCER_WARP = CONSUMER_WARPS  # warp 4
 AUX_WARP = CONSUMER_WARPS + 1  # warp 5
-W8_PAIR_TILES = 2  # e4m3 builds of this many token tiles or fewer are bounded to two CTAs an SM (see __call__)
 
 
 def ring_tma(mW, mX, stages: int, tt: int, x_mcast: bool = False):
@@ -191,23 +189,24 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
         else:
             mX = cute.make_tensor(x_ptr, cute.make_layout((M, HIDDEN), stride=(HIDDEN, 1)))
         sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma = ring_tma(mW, mX, self.stages, self.tt, self.v.x_mcast)
-        tiled_mma = warp_mma(BFloat16, self.v.warp_split, self.tt)
+        mma_op = warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
+        if cutlass.const_expr(self.v.warp_split == "rows"):
+            # 4 warps along M (16 W rows each); every warp covers all TT tokens (tiles n8 atoms)
+            tiled_mma = cute.make_tiled_mma(mma_op, (CONSUMER_WARPS, 1, 1),
+                                            permutation_mnk=(16 * CONSUMER_WARPS, self.tt, 16))
+        else:
+            # one warp's MMA: sliced by lane; the 64 rows are 4 m16 repeats, the TT tokens 1 or 2 n8 atoms
+            tiled_mma = cute.make_tiled_mma(mma_op, (1, 1, 1), permutation_mnk=(16, self.tt, 16))
         assert self.Smem.size_in_bytes() == self.smem, (self.Smem.size_in_bytes(), self.smem)
         args = (tma_w, mW_tma, tma_x, mX_tma, w_slot, y_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, max_pos,
                 block_size, num_blocks, k_block_stride, v_block_stride, eps, tiled_mma, sW_layout, sX_layout)
-        # e4m3 builds of up to W8_PAIR_TILES tiles: .minnctapersm 2 (two CTAs an SM where the plan puts them; ptxas
-        # alone gave the f16 route's block-scale builds 179-191 registers). The carveout is the DSL launcher's (the
-        # loader sets its own); naming it keeps the DSL from asking a GPU for its default at compile time.
-        bound = ({"min_blocks_per_mp": 2, "max_number_threads": [THREADS, 1, 1], "preferred_smem_carveout": 100}
-                 if self.w8 and self.v.tiles <= W8_PAIR_TILES else {})
         if cutlass.const_expr(self.fp8):  # the scales (kv_cache.SCALE_PARAMS) after the bf16 build's parameters
             self.kernel_fp8(*args, *scales).launch(grid=list(launch_grid(self.v)), block=[THREADS, 1, 1],
                                                    cluster=[self.cluster, 1, 1], smem=self.smem, stream=stream,
-                                                   use_pdl=True, **bound)
+                                                   use_pdl=True)
         else:
             self.kernel(*args).launch(grid=list(launch_grid(self.v)), block=[THREADS, 1, 1],
-                                      cluster=[self.cluster, 1, 1], smem=self.smem, stream=stream, use_pdl=True,
-                                      **bound)
+                                      cluster=[self.cluster, 1, 1], smem=self.smem, stream=stream, use_pdl=True)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
@@ -38,16 +38,6 @@ def operand_copies(tiled_mma, tt: int, idx):
     cp_b = cute.make_tiled_copy_B(
         cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4 if tt >= 16 else 2), BFloat16), tiled_mma)
     return cp_a, cp_b, cp_a.get_slice(idx), cp_b.get_slice(idx)
-
-
-def warp_mma(ab_dtype, split: str, tt: int):
-    """The mma.sync m16n8k16 tiled MMA of the "rows" and "k" consumers: 4 warps along M (16 W rows each, every warp
-    on all TT tokens) or one warp's (sliced by lane; 64 rows = 4 m16 repeats, TT tokens 1 or 2 n8 atoms). bf16, or
-    f16 for an e4m3 weight's f16 route (w8.py)."""
-    op = warp.MmaF16BF16Op(ab_dtype, Float32, (16, 8, 16))
-    if split == "rows":
-        return cute.make_tiled_mma(op, (CONSUMER_WARPS, 1, 1), permutation_mnk=(16 * CONSUMER_WARPS, tt, 16))
-    return cute.make_tiled_mma(op, (1, 1, 1), permutation_mnk=(16, tt, 16))
 
 
 class W8State(NamedTuple):
@@ -148,10 +138,8 @@ class FrontConsumers:
 
     @cute.jit
     def _consumer_w8(self, tiled_mma, thr_mma, acc, cp_b, tBsX, tBrB, tCrB, full, empty, tidx, place, wq):
-        """`consumer` of an e4m3 W ring (1 or 2 token tiles): warp w's A registers converted (f16) from rows 16w..,
-        a k-tile's eight k16 steps into `part` (block scales: promoted into acc with the k-tile's multiplier), by
-        the f16 or, where the warp's x of the stage does not fit f16, the bf16 route (w8.py)."""
-        h_mma = warp_mma(Float16, "rows", self.tt)
+        """`consumer` of an e4m3 W ring (1 or 2 token tiles): warp w's A registers dequantized from rows 16w.., a
+        k-tile's eight k16 steps into `part` (block scales: promoted into acc with the k-tile's multiplier)."""
         tCrA = thr_mma.make_fragment_A(thr_mma.partition_shape_A((16 * CONSUMER_WARPS, K_TILE)))
         a32 = cute.recast_tensor(tCrA, Int32)
         lane = tidx % 32
@@ -171,26 +159,11 @@ class FrontConsumers:
                 cute.copy(cp_b, tBsX[None, None, kk, s], tBrB[None, None, kk])
             cute.arch.sync_warp()  # every lane's loads of stage s are done (in registers)
             self.release(empty + s, place)
-            wide = w8.x_to_f16(cute.recast_tensor(tCrB, Int32))
-            self._mma_w8(tiled_mma, h_mma, part, tCrA, tCrB, wide)
+            for kk in cutlass.range_constexpr(ksteps):
+                cute.gemm(tiled_mma, part, tCrA[None, None, kk], tCrB[None, None, kk], part)
             if cutlass.const_expr(self.block_scales):
                 w8.promote(acc, part, sc)
         return acc
-
-    @cute.jit
-    def _mma_w8(self, tiled_mma, h_mma, acc, rA, rB, wide):
-        """acc += the k16 steps of (rA, rB): f16 (rA's f16x2 pairs, x converted in place) where `wide` (x_to_f16's
-        ballot) is 0, else bf16 (rA converted in place, x as loaded); k order fixed either way."""
-        ksteps = cute.size(rA, mode=[2])
-        if wide == Int32(0):
-            hA = cute.recast_tensor(rA, Float16)
-            hB = cute.recast_tensor(rB, Float16)
-            for kk in cutlass.range_constexpr(ksteps):
-                cute.gemm(h_mma, acc, hA[None, None, kk], hB[None, None, kk], acc)
-        else:
-            w8.a_to_bf16(cute.recast_tensor(rA, Int32))
-            for kk in cutlass.range_constexpr(ksteps):
-                cute.gemm(tiled_mma, acc, rA[None, None, kk], rB[None, None, kk], acc)
 
     @cute.jit
     def consumer_wg(self, tiled_mma, sW, sX, full, empty, tidx, place):
@@ -258,38 +231,34 @@ class FrontConsumers:
 
     @cute.jit
     def _consumer_k_w8(self, tiled_mma, acc, rA, rB, cp_b, thr_b, tBsX, full, empty, warp_idx, lane, place, wq):
-        """`consumer_k` of an e4m3 W ring (1 or 2 token tiles), pipelined the same way over two register sets (each
-        with its route, `_mma_w8`); with block scales each k-tile's two k16 steps go to `part`, promoted into acc
-        with that k-tile's multiplier."""
-        h_mma = warp_mma(Float16, "k", self.tt)
+        """`consumer_k` of an e4m3 W ring (1 or 2 token tiles), pipelined the same way over two register sets; with
+        block scales each k-tile's two k16 steps go to `part`, promoted into acc with that k-tile's multiplier."""
         g = lane // 4
         bases = [w8.lane_base(16 * mi, lane) for mi in range(HEAD_COLS // 16)]
         part = acc
         if cutlass.const_expr(self.block_scales):
             part = cute.make_rmem_tensor(acc.layout, Float32)
             part.fill(0.0)
-        sc0, wide0 = self._load_k_w8(cp_b, thr_b, tBsX, rA[0], rB[0], full, empty, warp_idx, Int32(0), place,
-                                     wq, bases, g)
-        sc1, wide1 = sc0, wide0
+        sc0 = self._load_k_w8(cp_b, thr_b, tBsX, rA[0], rB[0], full, empty, warp_idx, Int32(0), place, wq, bases, g)
+        sc1 = sc0
         for p in cutlass.range(self.ntiles // 2, unroll=1):
             i = 2 * p + 1
-            sc1, wide1 = self._load_k_w8(cp_b, thr_b, tBsX, rA[1], rB[1], full, empty, warp_idx, i, place, wq,
-                                         bases, g)
-            self._mma_w8(tiled_mma, h_mma, part, rA[0], rB[0], wide0)
+            sc1 = self._load_k_w8(cp_b, thr_b, tBsX, rA[1], rB[1], full, empty, warp_idx, i, place, wq, bases, g)
+            self._mma_k(tiled_mma, part, rA[0], rB[0])
             if cutlass.const_expr(self.block_scales):
                 w8.promote(acc, part, sc0)
             if i + 1 < self.ntiles:
-                sc0, wide0 = self._load_k_w8(cp_b, thr_b, tBsX, rA[0], rB[0], full, empty, warp_idx, i + 1,
-                                             place, wq, bases, g)
-            self._mma_w8(tiled_mma, h_mma, part, rA[1], rB[1], wide1)
+                sc0 = self._load_k_w8(cp_b, thr_b, tBsX, rA[0], rB[0], full, empty, warp_idx, i + 1, place, wq,
+                                      bases, g)
+            self._mma_k(tiled_mma, part, rA[1], rB[1])
             if cutlass.const_expr(self.block_scales):
                 w8.promote(acc, part, sc1)
         return acc
 
     @cute.jit
     def _load_k_w8(self, cp_b, thr_b, tBsX, rA, rB, full, empty, warp_idx, i, place, wq, bases, g):
-        """`_load_k` from an e4m3 ring: this warp's 4 m16 x 2 k16 A blocks converted (f16) and its x (f16 where it
-        fits); returns k-tile i's block multiplier (1.0 with channel scales) and x_to_f16's route ballot."""
+        """`_load_k` from an e4m3 ring: this warp's 4 m16 x 2 k16 A blocks dequantized; returns k-tile i's block
+        multiplier (1.0 with channel scales)."""
         s = i % self.stages
         sc = self._tile_scale(wq, i)
         cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
@@ -302,7 +271,7 @@ class FrontConsumers:
             cute.copy(cp_b, tBsX[None, None, kk, s], tBrB[None, None, j])
         cute.arch.sync_warp()  # every lane's loads of stage s are done
         self.release(empty + s, place)
-        return sc, w8.x_to_f16(cute.recast_tensor(rB, Int32))
+        return sc
 
     @cute.jit
     def _load_k(self, cp_a, cp_b, thr_a, thr_b, tAsW, tBsX, rA, rB, full, empty, warp_idx, i, place):

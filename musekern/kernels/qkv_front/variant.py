@@ -43,8 +43,7 @@ PDL_TRIGGERS = ("early", "late", "exit")
 # swizzle): the whole k-tile in one accumulator, no reduction.
 WARP_SPLITS = ("rows", "k", "wg")
 # The weight the build streams (`weight_dtype`): bf16, or e4m3 (FP8 checkpoints, musekern/weights/pack.py's canonical
-# layout) converted exactly to f16 in registers for an f16 MMA, x to f16 beside it (W8A16: no activation rounding in
-# f16's range; a stage beyond it takes the bf16 MMA: w8.py).
+# layout) dequantized exactly to bf16 in registers for the bf16 MMA (W8A16: x stays bf16, no activation rounding).
 # `weight_scale` says how the fp32 dequant multipliers apply: "channel" one per row (per-tensor checkpoints pack to
 # it), applied to the fp32 partials; "block" one per (head, k-tile) = (64 rows, 128 K columns), applied to each
 # k-tile's fp32 sum before it joins the accumulator.

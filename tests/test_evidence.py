@@ -152,12 +152,17 @@ def test_bench_readme_names_every_script_and_only_scripts_that_exist():
 
 
 # ---------------------------------------------------------------- numbers in force, read back
-def _readme_perf_rows() -> list[tuple[int, list[str]]]:
+def _readme_perf_rows(table: int = 0, cites: str = "h200-bench.json") -> list[tuple[int, list[str]]]:
+    """The rows (M, cells) of the `table`-th table of the README's Performance section, whose text before it cites
+    `cites`."""
     text = (ROOT / README).read_text()
-    section = text[text.index("\n## Performance (H200)\n"):]
+    section = text[text.index("\n## Performance\n"):]
     section = section[:section.index("\n## ", 1)]
-    assert "`bench/results/h200-bench.json`" in section
-    rows = re.finditer(r"^\| (\d+) \|(.*)\|$", section, re.M)
+    blocks = section.split("\n\n")
+    tables = [(lead, block) for lead, block in zip(blocks, blocks[1:], strict=False) if block.startswith("| M |")]
+    lead, body = tables[table]
+    assert f"`bench/results/{cites}`" in lead
+    rows = re.finditer(r"^\| (\d+) \|(.*)\|$", body, re.M)
     return [(int(m[1]), [c.strip() for c in m[2].split("|")]) for m in rows]
 
 
@@ -181,3 +186,33 @@ def test_readme_performance_table_is_the_results_file():
             assert path == ("front" if r["path"] == "front" else "GEMM"), (tp, m, cell)
             for value, shown in ((r["us"]["musekern"], mk), (r["us"]["cublas"], mm), (r["us"]["unfused"], unfused)):
                 assert _shown(value, shown), f"TP{tp} M = {m}: README shows {shown}, the results file has {value:.3f}"
+
+
+def test_readme_fp8_weight_table_is_the_results_file():
+    """Each cell `e4m3 channel / block / bf16 / _scaled_mm alone` of the README's FP8-weight table is the H100 w8_bench
+    file's chain time (the fronts' M) or GEMM-path time (above), its path the rule's (kernels/qkv_front/rules.py)."""
+    from musekern.config import load_config
+    from musekern.kernels.qkv_front.rules import front_serves
+    from musekern.targets import get_target
+
+    bench = json.loads((RESULTS / "h100-w8-bench.json").read_text())
+    front = {(r["tp"], r["M"]): r["us"] for r in bench["timing"]}
+    gemm = {(r["tp"], r["M"]): r["us"] for r in bench["gemm"]}
+    model, h100 = load_config(), get_target("h100")
+    rows = _readme_perf_rows(1, "h100-w8-bench.json")
+    assert len(rows) >= 3
+    for m, cells in rows:
+        for tp, cell in zip((8, 1), cells, strict=True):
+            n = model.shard(tp).n
+            shown = re.fullmatch(r"(\S+) (front|GEMM) / (\S+) (front|GEMM) / (\S+) (front|GEMM) / (\S+)", cell).groups()
+            fp8_path = "front" if front_serves(n, m, h100, "fp8_e4m3") else "GEMM"
+            bf16_path = "front" if front_serves(n, m, h100) else "GEMM"
+            assert shown[1::2] == (fp8_path, fp8_path, bf16_path), (tp, m, cell)
+            if fp8_path == "front":
+                us = front[(tp, m)]
+                values = (us["chain_fp8_channel"], us["chain_fp8_block"], us["chain_bf16"], us["chain_scaled_mm"])
+            else:
+                us = gemm[(tp, m)]
+                values = (us["fp8_channel"], us["fp8_block"], us["bf16"], us["scaled_mm"])
+            for value, text in zip(values, shown[0::2], strict=True):
+                assert _shown(value, text), f"TP{tp} M = {m}: README shows {text}, the results file has {value:.3f}"

@@ -78,8 +78,8 @@ def main() -> int:
             musekern.qkv_front(x, w, pos, cs, slots, kv8[:, 0], kv8[:, 1], shard.num_kv_heads, 1e-5,
                                k_scale=torch.tensor(0.05, device="cuda"), v_scale=0.03)
             n_launch += 2
-            if _fused(shard.n, m, torch.cuda.current_device(), "fp8_e4m3"):  # the e4m3-weight builds (issue 30,
-                # both scale kinds; the second with FP8 caches too)
+            # the e4m3-weight builds where the front serves M (issue 30, both scale kinds; the second with FP8 caches)
+            if _fused(shard.n, m, torch.cuda.current_device(), "fp8_e4m3"):
                 w8 = (w.float() * 90).clamp(-448, 448).to(torch.float8_e4m3fn)
                 musekern.qkv_front(x, w8, pos, cs, slots, kv[:, 0], kv[:, 1], shard.num_kv_heads, 1e-5,
                                    weight_scale=torch.full((shard.n,), 1 / 90, device="cuda"))

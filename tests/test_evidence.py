@@ -6,7 +6,8 @@
   `bench/results/<file>@<commit>` must be in that commit (`git show <commit>:bench/results/<file>`).
 - bench/NOTES.md (one section per planner rule) stays under MAX_NOTES_LINES, the README under MAX_README_LINES;
   the measurement log left the tree (bench/HISTORY.md@43333d7).
-- Numbers: the README's performance table is read back from the results file it cites.
+- Numbers: the README's performance tables (bf16 on the H200, FP8 weights) are read back from the results files
+  they cite.
 """
 import fnmatch
 import json

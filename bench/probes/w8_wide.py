@@ -1,7 +1,8 @@
-"""Probe (issue 30): e4m3-weight front builds above M = 16. The planned e4m3 front stops at 2 token tiles (M <= 16);
-mma.sync builds take 4 and 8 tiles too (variant.SYNC_TILE_CHOICES), and the weight's conversion is paid once a CTA
-whatever M is, so wider builds may beat the FP8 GEMM path (x_quant + _scaled_mm + the epilogue: TP8 M = 64 26.6 us
-against the bf16 front's 17.7, bench/results/h100-w8-bench.json) at M = 17..64.
+"""Probe (issue 30): e4m3-weight front builds above M = 16. Written when the planned e4m3 front stopped at 2 token tiles
+(M <= 16); its run made TP8's 4-tile build planned (rules.W8_WIDE_TILES). mma.sync builds take 4 and 8 tiles too
+(variant.SYNC_TILE_CHOICES), and the weight's conversion is paid once a CTA whatever M is, so wider builds may beat
+the FP8 GEMM path (x_quant + _scaled_mm + the epilogue: TP8 M = 64 26.6 us against the bf16 front's 17.7,
+bench/results/h100-w8-bench.json@465683e) at M = 17..64.
 
 The builds: the bf16 plan's tiles and k_split at M = 32 / 64, warp_split "k" where its reduction fits the ring, else
 "rows", the e4m3 ring's stages. Checked as bench/w8_bench.py checks the planned ones (M at each build's ends), timed

@@ -78,3 +78,13 @@ def test_tail_trace_predecessor_keeps_the_bench_kernel_and_builds():
     except RuntimeError as e:
         pytest.skip(f"neither NVRTC nor nvcc here: {e}")
     assert cubin[:4] == b"\x7fELF" and pred.SYMBOL.encode() in cubin
+
+
+def test_w8_ksplit_builds_are_tp8_e4m3_fronts_at_k_split_4_serving_m_1_to_16():
+    # the probe's builds replace the planned TP8 e4m3 ones in w8_bench.timing's table: every M 1..16, both scale kinds
+    ks = _probe("w8_ksplit")
+    table = ks.table()
+    assert {(k[2], k[3]) for k in table} == {(kind, m) for kind in ks.KINDS for m in range(1, 17)}
+    for (n, wd, kind, _), v in table.items():
+        assert (n, v.n, v.k_split, v.tiles, v.weight_dtype, v.weight_scale) == (ks.N, ks.N, 4, 2, wd, kind)
+        assert v.n // 64 * v.k_split == 136  # 34 heads x 4: every SM of an H100 / H200 holds one CTA or two

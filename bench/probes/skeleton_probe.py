@@ -25,7 +25,6 @@ import sys
 from dataclasses import asdict, dataclass
 
 HIDDEN, HEAD_COLS, K_TILE = 8192, 64, 128
-K_TILES = HIDDEN // K_TILE
 W_STAGE = HEAD_COLS * K_TILE * 2
 THREADS = 160  # warps 0-3 consumers, warp 4 producer
 LAYERS = 8
@@ -48,9 +47,12 @@ class ProbeConfig:
     # any point past the ring prefill keeps at most two grids resident (the next one cannot pass its own
     # trigger before this one completes)
     ahead: int = 0
+    # the K streamed: 4096 bf16 columns a row move the bytes of 8192 e4m3 ones (issue 30's e4m3 weights), in half
+    # as many 16 KiB stages on the same grid
+    hidden: int = HIDDEN
 
     def __post_init__(self):
-        ntiles = K_TILES // self.k_split
+        ntiles = self.hidden // K_TILE // self.k_split
         if self.stash and self.mode != "before":
             raise ValueError(f"{self.name}: stash needs mode 'before'")
         if self.ahead and not (self.trigger == "late" and self.stages + self.stash <= ntiles - 1 - self.ahead):
@@ -88,7 +90,17 @@ AHEAD_CONFIGS = [ProbeConfig(f"tp8-a{a}-s{t}", 34, 2, 5, "before", "late", stash
        for a, t in ((0, 0), (5, 0), (5, 2), (5, 4), (8, 4))] \
     + [ProbeConfig("tp4-s1-st11-early", 68, 1, 11, "before", "early"),
        ProbeConfig("tp4-s2-st4-a2-s2", 68, 2, 4, "before", "late", stash=2, ahead=2)]
-CONFIG_SETS = {"planned": CONFIGS, "stash": STASH_CONFIGS, "ahead": AHEAD_CONFIGS}
+# issue 30: the e4m3 front's bytes (hidden 4096 bf16 = 8192 e4m3 a row) on TP8's grids, the planned e4m3 ring (10
+# stages of 8 KiB = 5 of 16, the last 10 k-tiles ahead of the trigger = 5), k_split 4 (8 stages of 8 KiB: 4), beside
+# the bf16 plan's skeleton (6 stages, trigger 6 ahead), all under the real dependency; TP1's planned e4m3 ring (20
+# stages of 8 KiB: 10)
+E4M3_CONFIGS = [ProbeConfig("tp8-bf16-plan", 34, 2, 6, "before", "late", ahead=6),
+                ProbeConfig("tp8-e4m3-s2", 34, 2, 5, "before", "late", ahead=5, hidden=HIDDEN // 2),
+                ProbeConfig("tp8-e4m3-s2-after", 34, 2, 5, "after", "late", ahead=5, hidden=HIDDEN // 2),
+                ProbeConfig("tp8-e4m3-s4", 34, 4, 4, "before", "exit", 16, hidden=HIDDEN // 2),
+                ProbeConfig("tp8-e4m3-s4-after", 34, 4, 4, "after", "exit", 16, hidden=HIDDEN // 2),
+                ProbeConfig("tp1-e4m3", 272, 1, 10, "before", "early", hidden=HIDDEN // 2)]
+CONFIG_SETS = {"planned": CONFIGS, "stash": STASH_CONFIGS, "ahead": AHEAD_CONFIGS, "e4m3": E4M3_CONFIGS}
 
 
 # ---------------------------------------------------------------------------------------------- build (CPU)
@@ -105,7 +117,7 @@ def _kernel_class():
     class SkeletonProbe:
         def __init__(self, c: ProbeConfig):
             self.c = c
-            self.ntiles = K_TILES // c.k_split
+            self.ntiles = c.hidden // K_TILE // c.k_split
 
             @cute.struct
             class Smem:
@@ -120,8 +132,8 @@ def _kernel_class():
         @cute.jit
         def __call__(self, w_ptr: cute.Pointer, x_ptr: cute.Pointer, o_ptr: cute.Pointer, stream: cuda.CUstream):
             c = self.c
-            mW = cute.make_tensor(w_ptr, cute.make_layout((c.heads * HEAD_COLS, HIDDEN), stride=(HIDDEN, 1)))
-            mX = cute.make_tensor(x_ptr, cute.make_layout((c.tt, HIDDEN), stride=(HIDDEN, 1)))
+            mW = cute.make_tensor(w_ptr, cute.make_layout((c.heads * HEAD_COLS, c.hidden), stride=(c.hidden, 1)))
+            mX = cute.make_tensor(x_ptr, cute.make_layout((c.tt, c.hidden), stride=(c.hidden, 1)))
             mO = cute.make_tensor(o_ptr, cute.make_layout(c.heads * c.k_split))
             sW_l, sX_l, tma_w, mW_t, tma_x, mX_t = ring_tma(mW, mX, c.stages, c.tt)  # the front's own ring
             sXs_l = ring_tma(mW, mX, max(c.stash, 1), c.tt)[1]  # the stashed tiles' x, same boxes
@@ -284,25 +296,26 @@ def run(outdir: str, out_json: str, only: str = "") -> int:
 
     bw = copy_bandwidth()
     man = json.load(open(os.path.join(outdir, "manifest.json")))
-    xs = {tt: torch.randn(tt, HIDDEN, device="cuda").to(torch.bfloat16) for tt in (8, 16)}
+    xs = {(tt, h): torch.randn(tt, h, device="cuda").to(torch.bfloat16)
+          for tt in (8, 16) for h in (HIDDEN, HIDDEN // 2)}
     rows, weights = [], {}
     for m in man:
         c = ProbeConfig(**m["config"])
         if not c.name.startswith(only):
             continue
-        if c.heads not in weights:
+        if (c.heads, c.hidden) not in weights:
             weights.clear()
-            weights[c.heads] = [(torch.randn(c.heads * HEAD_COLS, HIDDEN, device="cuda") / 90).to(torch.bfloat16)
-                                for _ in range(LAYERS)]
+            weights[c.heads, c.hidden] = [(torch.randn(c.heads * HEAD_COLS, c.hidden, device="cuda") / 90).to(
+                torch.bfloat16) for _ in range(LAYERS)]
         k = LoadedKernel(_Entry(m), open(os.path.join(outdir, f"{c.name}.cubin"), "rb").read(),
                          torch.cuda.current_device())
         out = torch.empty(c.heads * c.k_split, device="cuda")
         grid = (c.heads * c.k_split, 1, 1)
-        args = [{"weight": w, "x": xs[c.tt], "out": out.data_ptr()} for w in weights[c.heads]]
+        args = [{"weight": w, "x": xs[c.tt, c.hidden], "out": out.data_ptr()} for w in weights[c.heads, c.hidden]]
         graphs = [Graph(mode, [lambda a=a, p=pdl, k=k, g=grid: k.launch(g, a, pdl=p) for a in args],
                         loops_for(LAYERS * 15e-6), LAYERS) for mode, pdl in (("chain", True), ("isolated", False))]
         t = time_graphs(graphs, samples=7)
-        wbytes = c.heads * HEAD_COLS * HIDDEN * 2
+        wbytes = c.heads * HEAD_COLS * c.hidden * 2
         row = {**asdict(c), "floor_us": round(wbytes / (bw * 1e12) * 1e6, 3)}
         for g in ("chain", "isolated"):
             row[f"{g}_us"] = round(t[g]["us"], 3)

@@ -48,7 +48,7 @@ class ProbeConfig:
     # trigger before this one completes)
     ahead: int = 0
     # the K streamed: 4096 bf16 columns a row move the bytes of 8192 e4m3 ones (issue 30's e4m3 weights), in half
-    # as many 16 KiB stages on the same grid
+    # as many 16 KiB stages on the same grid (x then moves half the real front's bytes a CTA, from the L2)
     hidden: int = HIDDEN
 
     def __post_init__(self):

@@ -1,8 +1,8 @@
 """Probe (issue 30): TP8's e4m3 front at k_split 4. The planned e4m3 builds at TP8 (N = 2176) split K in 2: 34 heads x
-2 = 68 CTAs, so half the H100's / H200's SMs convert weights while the other half idle, and the conversion sets the
-e4m3 front's pace (bench/NOTES.md "e4m3 weights"). k_split 4 puts 136 CTAs on (nearly) every SM, each converting half
-the weights. Prediction: the chain's e4m3 / bf16 ratio at M = 1-16 drops by up to a third where the conversion paces
-it; less where the cluster's 4-way reduction and two CTAs on 4 SMs add their time.
+2 = 68 CTAs, so half the H100's / H200's SMs convert weights while the other half idle. k_split 4 puts 136 CTAs on
+(nearly) every SM, each converting half the weights. Written on the hypothesis that the conversion paces the front
+(predicted: the chain's e4m3 / bf16 ratio at M = 1-16 down by up to a third); its run refuted it (chain equal with
+channel scales, 8% slower with block: bench/results/h100-e4m3-bounds.json, bench/NOTES.md "e4m3 weights").
 
 The builds: the planned TP8 e4m3 build of M = 16 (2 token tiles; at k_split 4 one tile would give an owner 2 tokens,
 and the epilogue takes 4 a warp) with k_split 4 and the ring rules' stages, trigger and trigger_ahead for it, serving
@@ -36,7 +36,7 @@ def split4(kind: str) -> QkvFrontVariant:
 
 def table() -> dict:
     """{(n, weight_dtype, kind, m): variant} for M = 1..16 (w8_bench's table keys)."""
-    return {(N, "fp8_e4m3", kind, m): split4(kind) for kind in KINDS for m in range(1, 17)}
+    return {(N, "fp8_e4m3", kind, m): v for kind in KINDS for v in (split4(kind),) for m in range(1, 17)}
 
 
 def run() -> int:

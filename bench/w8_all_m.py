@@ -1,0 +1,135 @@
+"""Issue 30's all-M rows: the product call (`ops.qkv_front.launch`: the fused front where a planned build serves M, the
+GEMM path above) with e4m3 weights (channel and block scales) beside the same call with bf16 weights, torch.mm
+alone (bf16) and torch._scaled_mm alone (x already e4m3, per-token and per-row fp32 scales: cuBLAS's FP8 GEMM), at
+every M of the bf16 all-M table (bench/harness/all_m.py's edges) on TP8, TP4 and TP1. 8 layers of weights rotated
+past the L2, CUDA-graph replay, round-robin medians, one x for every layer (chain). Writes JSON and the plot
+`<out>.png` (us per layer against M, one panel a shard); the table last on stdout, progress on stderr.
+
+Usage (GPU machine, cache carried):
+  source bench/device_env.sh && python3 bench/w8_all_m.py --out $OUT/h100-w8-all-m.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from bench.harness import report
+from bench.harness.all_m import ALL_M
+from bench.harness.plot import _pyplot, _save
+from bench.harness.timing import Graph, log, loops_for, time_graphs
+from bench.w8_bench import LAYERS, MAX_POS, SCALES, TP_OF, _caches, e4m3_weight, scales
+from musekern.config import load_config
+from musekern.model import HIDDEN
+from musekern.ops import qkv_front as front
+from musekern.reference import rope_cos_sin_table
+
+SHARDS = ((2176, 1), (4352, 2), (17408, 8))  # TP8, TP4, TP1 (the bf16 all-M table's)
+SERIES = (("bf16", "o-", "musekern, bf16 weights"), ("fp8_channel", "s-", "musekern, e4m3 per-channel"),
+          ("fp8_block", "^-", "musekern, e4m3 block-128"), ("mm", "x--", "torch.mm alone (bf16)"),
+          ("scaled_mm", "d:", "_scaled_mm alone (x pre-quantized)"))
+
+
+def measure(n: int, nkv: int, m: int, eps: float, theta: float, samples: int) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(7000 + m + n)
+    bf = torch.bfloat16
+    cs = rope_cos_sin_table(MAX_POS, theta, "cuda")
+    pos = torch.randint(0, MAX_POS, (m,), device="cuda", generator=g)
+    x = torch.randn(m, HIDDEN, device="cuda", generator=g).to(bf)
+    kc, vc, cap = _caches(nkv, m, g)
+    slots = torch.randperm(cap, device="cuda", generator=g)[:m]
+    o = torch.empty(LAYERS, m, n, dtype=bf, device="cuda")
+    w8 = [e4m3_weight(n, g) for _ in range(LAYERS)]
+    wb = [(torch.randn(n, HIDDEN, device="cuda", generator=g) * 0.02).to(bf) for _ in range(LAYERS)]
+    # a replay's GPU work: the weights at ~3 TB/s or the bf16 GEMM at ~600 TFLOP/s, whichever is longer
+    seq_s = LAYERS * max(2 * n * HIDDEN / 3e12, 2 * m * n * HIDDEN / 600e12)
+    graphs = []
+
+    def add(name, call):
+        graphs.append(Graph(name, [(lambda j=j: call(j)) for j in range(LAYERS)], loops_for(seq_s), LAYERS))
+
+    front.prepare(n, [m], nkv)
+    add("bf16", lambda j: front.launch(x, wb[j], pos, cs, slots, kc, vc, nkv, eps, out=o[j]))
+    for kind in SCALES:
+        front.prepare(n, [m], nkv, weight_format=f"fp8-{kind}")
+        sc = [scales(n, kind, g) for _ in range(LAYERS)]
+        add(f"fp8_{kind}", lambda j, sc=sc: front.launch(x, w8[j], pos, cs, slots, kc, vc, nkv, eps, out=o[j],
+                                                         weight_scale=sc[j]))
+    add("mm", lambda j: torch.mm(x, wb[j].T, out=o[j]))
+    xq = x.to(torch.float8_e4m3fn)
+    sx = torch.ones(m, 1, device="cuda")
+    sw = [torch.rand(1, n, device="cuda", generator=g) + 0.5 for _ in range(LAYERS)]
+    add("scaled_mm", lambda j: torch._scaled_mm(xq, w8[j].T, scale_a=sx, scale_b=sw[j], out_dtype=bf, out=o[j]))
+    us = {k: round(v["us"], 3) for k, v in time_graphs(graphs, samples).items()}
+    return {"N": n, "tp": TP_OF[n], "M": m, "path": "front" if front._fused(n, m, 0, "fp8_e4m3") else "gemm",
+            "us": us, "channel_over_bf16": round(us["fp8_channel"] / us["bf16"], 3),
+            "block_over_bf16": round(us["fp8_block"] / us["bf16"], 3),
+            "channel_over_scaled_mm": round(us["fp8_channel"] / us["scaled_mm"], 3)}
+
+
+def table_text(doc: dict) -> str:
+    lines = ["TP     M path  | bf16 op | e4m3 ch / blk | mm  | scaled_mm | ch/bf16 blk/bf16 ch/scaled_mm"]
+    for r in doc["rows"]:
+        u = r["us"]
+        lines.append(f"TP{r['tp']} {r['M']:5d} {r['path']:5s} | {u['bf16']:7.1f} | {u['fp8_channel']:6.1f} / "
+                     f"{u['fp8_block']:6.1f} | {u['mm']:6.1f} | {u['scaled_mm']:6.1f} | {r['channel_over_bf16']:.3f} "
+                     f"{r['block_over_bf16']:.3f} {r['channel_over_scaled_mm']:.3f}")
+    return "\n".join(lines)
+
+
+def write_plot(doc: dict, path: str) -> str | None:
+    """One panel a shard: us per layer against M (log-log), each series of SERIES."""
+    plt = _pyplot() if doc["rows"] else None
+    if plt is None:
+        return None
+    ns = sorted({r["N"] for r in doc["rows"]})
+    fig, axes = plt.subplots(1, len(ns), figsize=(4.4 * len(ns), 3.8), squeeze=False)
+    for ax, n in zip(axes[0], ns, strict=True):
+        rows = sorted((r for r in doc["rows"] if r["N"] == n), key=lambda r: r["M"])
+        for key, style, label in SERIES:
+            ax.plot([r["M"] for r in rows], [r["us"][key] for r in rows], style, label=label, ms=4)
+        ax.set_title(f"TP{rows[0]['tp']}  N={n}")
+        ax.set_xlabel("M (tokens)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel("us per layer")
+    axes[0][0].legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"e4m3 and bf16 weights at every M on {doc['device']} ({doc['commit'][:7]})", fontsize=10)
+    base, name = path.rsplit("/", 1) if "/" in path else (".", path)
+    return _save(plt, fig, base, name)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/results/h100-w8-all-m.json")
+    ap.add_argument("--ms", default=",".join(str(m) for m in ALL_M if m <= 4096),
+                    help="M values (default: the bf16 all-M table's up to 4096)")
+    ap.add_argument("--samples", type=int, default=5)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("w8_all_m: needs a CUDA GPU; run it on the GPU machine with the cache carried", file=sys.stderr)
+        return 2
+    model = load_config()
+    t0 = time.time()
+    doc = dict(report.commit_info(), device=torch.cuda.get_device_name(), torch=torch.__version__,
+               time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), layers=LAYERS, samples=a.samples, rows=[])
+    for n, nkv in SHARDS:
+        for m in (int(s) for s in a.ms.split(",")):
+            r = measure(n, nkv, m, model.rms_norm_eps, model.rope_theta, a.samples)
+            doc["rows"].append(r)
+            log(f"{time.time() - t0:6.1f}s TP{r['tp']} M={m} {r['path']}: {r['us']}")
+        torch.cuda.empty_cache()
+        with open(a.out, "w") as f:  # after each shard: a cut run still leaves its rows
+            json.dump(doc, f, indent=1)
+    png = write_plot(doc, a.out.removesuffix(".json") + ".png")
+    log(f"wrote {a.out}" + (f" and {png}" if png else ""))
+    print(table_text(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,7 +6,7 @@ past the L2, CUDA-graph replay, round-robin medians, one x for every layer (chai
 `<out>.png` (us per layer against M, one panel a shard); the table last on stdout, progress on stderr.
 
 Usage (GPU machine, cache carried):
-  source bench/device_env.sh && python3 bench/w8_all_m.py --out $OUT/h100-w8-all-m.json
+  source bench/device_env.sh && python3 bench/w8_all_m.py --out $OUT/h200-w8-all-m.json
 """
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def write_plot(doc: dict, path: str) -> str | None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results/h100-w8-all-m.json")
+    ap.add_argument("--out", required=True, help="the JSON to write (the plot beside it), e.g. $OUT/h200-w8-all-m.json")
     ap.add_argument("--ms", default=",".join(str(m) for m in ALL_M if m <= 4096),
                     help="M values (default: the bf16 all-M table's up to 4096)")
     ap.add_argument("--samples", type=int, default=5)

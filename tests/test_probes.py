@@ -4,6 +4,7 @@ The probes are bench scripts, run on the GPU machine from a build made here; the
 front's warp roles with their exact signatures, so a kernel change that breaks it must fail here, not on the
 device.
 """
+import dataclasses
 import importlib.util
 import re
 from pathlib import Path
@@ -80,11 +81,25 @@ def test_tail_trace_predecessor_keeps_the_bench_kernel_and_builds():
     assert cubin[:4] == b"\x7fELF" and pred.SYMBOL.encode() in cubin
 
 
-def test_w8_ksplit_builds_are_tp8_e4m3_fronts_at_k_split_4_serving_m_1_to_16():
+def test_w8_alts_split4_builds_are_tp8_e4m3_fronts_at_k_split_4_serving_m_1_to_16():
     # the probe's builds replace the planned TP8 e4m3 ones in w8_bench.timing's table: every M 1..16, both scale kinds
-    ks = _probe("w8_ksplit")
-    table = ks.table()
-    assert {(k[2], k[3]) for k in table} == {(kind, m) for kind in ks.KINDS for m in range(1, 17)}
+    alts = _probe("w8_alts")
+    table = alts.table("split4")
+    assert {(k[2], k[3]) for k in table} == {(kind, m) for kind in alts.KINDS for m in range(1, 17)}
     for (n, wd, kind, _), v in table.items():
-        assert (n, v.n, v.k_split, v.tiles, v.weight_dtype, v.weight_scale) == (ks.N, ks.N, 4, 2, wd, kind)
+        assert (n, v.n, v.k_split, v.tiles, v.weight_dtype, v.weight_scale) == (alts.N, alts.N, 4, 2, wd, kind)
         assert v.n // 64 * v.k_split == 136  # 34 heads x 4: every SM of an H100 / H200 holds one CTA or two
+
+
+def test_w8_alts_k1_differs_from_the_plan_only_in_warp_split():
+    # M = 1..8 (one token tile): the planned build with warp_split "k" for "rows", nothing else moved
+    from musekern.kernels.qkv_front import rules
+    from musekern.targets import get_target
+
+    alts = _probe("w8_alts")
+    table = alts.table("k1")
+    assert {(k[2], k[3]) for k in table} == {(kind, m) for kind in alts.KINDS for m in range(1, 9)}
+    for (n, _, kind, m), v in table.items():
+        planned = rules.variant(n, m, alts.NKV, get_target("h200"), weight_dtype="fp8_e4m3", weight_scale=kind)
+        assert (planned.warp_split, v.warp_split) == ("rows", "k")
+        assert dataclasses.replace(v, warp_split="rows") == planned

@@ -1,0 +1,107 @@
+"""Probe (issue 30): e4m3 front builds that differ from the plan in one lever, checked and timed beside the planned
+ones in one process. Each alternative maps (shard, scale kind, M) to the build that would serve it:
+
+- "split4" (round 47): TP8 (N = 2176) at k_split 4. The planned TP8 e4m3 builds split K in 2: 34 heads x 2 = 68 CTAs,
+  so half the SMs convert weights while the other half idle; k_split 4 puts 136 CTAs on (nearly) every SM, each
+  converting half the weights (the M = 16 build, 2 token tiles: one tile would give an owner 2 tokens, and the
+  epilogue takes 4 a warp; the ring rules' stages, trigger and trigger_ahead for it), serving M = 1-16. Written on
+  the hypothesis that the conversion paces the front; its run refuted it (chain equal with channel scales, 8% slower
+  with block: bench/results/h100-e4m3-bounds.json, bench/NOTES.md "e4m3 weights").
+- "k1" (round 48): TP8's one-tile builds (M = 1-8) with warp_split "k" in place of the plan's "rows". Under "rows" a
+  warp's eight k16 steps of a k-tile are one dependent mma chain behind its own loads and conversions, with no
+  overlap across k-tiles (the SASS of the planned build: LDS -> F2FP -> HADD2 -> F2FP -> HMMA, one accumulator);
+  "k" gives a warp 4 independent chains of two and loads k-tile i + 1 before the MMAs of k-tile i.
+
+Usage: here `python3 bench/probes/w8_alts.py labels ALT` (for `musekern prepare --variant`); on the GPU machine
+`source bench/device_env.sh && python3 bench/probes/w8_alts.py run ALT` (table last; JSON to $OUT/w8-ALT.json).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from musekern.kernels.qkv_front import rules
+from musekern.kernels.qkv_front.variant import QkvFrontVariant
+from musekern.targets import get_target
+
+N, NKV = 2176, 1  # TP8
+KINDS = ("channel", "block")
+
+
+def split4(kind: str) -> QkvFrontVariant:
+    t = get_target("h200")
+    base = rules.variant(N, 16, NKV, t, weight_dtype="fp8_e4m3", weight_scale=kind)
+    st = rules.ring_stages(4, t, base.tiles, N, weight_dtype="fp8_e4m3", weight_scale=kind)
+    return dataclasses.replace(base, k_split=4, stages=st, trigger=rules.pdl_trigger(N, 4, t, base.tiles),
+                               trigger_ahead=rules.trigger_ahead(N, 4, t, base.tiles, st))
+
+
+def k1(kind: str, m: int) -> QkvFrontVariant:
+    base = rules.variant(N, m, NKV, get_target("h200"), weight_dtype="fp8_e4m3", weight_scale=kind)
+    return dataclasses.replace(base, warp_split="k")
+
+
+# name: (variant of (kind, m), the M it serves, the M it is checked at (the ends of its token tiles), the M timed)
+ALTS = {
+    "split4": (lambda kind, m: split4(kind), range(1, 17), (1, 8, 9, 16), (1, 8, 16)),
+    "k1": (k1, range(1, 9), (1, 5, 8), (1, 4, 8)),
+}
+
+
+def table(alt: str) -> dict:
+    """{(n, weight_dtype, kind, m): variant} (w8_bench's table keys) for every M the alternative serves."""
+    make, ms = ALTS[alt][:2]
+    return {(N, "fp8_e4m3", kind, m): make(kind, m) for kind in KINDS for m in ms}
+
+
+def run(alt: str) -> int:
+    import json
+    import os
+
+    import torch
+
+    from bench import w8_bench as wb
+    from bench.harness.pred import PredKernel
+    from bench.w8_labels import builds
+    from musekern.config import load_config
+
+    cfg = load_config()
+    eps, theta = cfg.rms_norm_eps, cfg.rope_theta
+    torch.zeros(1, device="cuda")
+    pred = PredKernel()
+    tab, planned = table(alt), builds()
+    check_ms, time_ms = ALTS[alt][2:]
+    doc = {"alt": alt, "builds": sorted({v.label for v in tab.values()}), "check": [], "timing": []}
+    for kind in KINDS:
+        for m in check_ms:
+            r = wb.check(N, NKV, kind, m, tab[(N, "fp8_e4m3", kind, m)], eps, theta)
+            doc["check"].append(r)
+            print(f"check {kind} M={m}: y {r['y_err']:.4f} (torch {r['torch_y_err']:.4f}) ok={r['ok']}",
+                  file=sys.stderr, flush=True)
+    for m in time_ms:
+        for name, t in (("planned", planned), (alt, {**planned, **tab})):
+            r = wb.timing(N, NKV, m, t, eps, theta, pred, 7)
+            r["builds"] = name
+            doc["timing"].append(r)
+            print(f"time {name} M={m}: {r['us']}", file=sys.stderr, flush=True)
+    doc["ok"] = all(c["ok"] for c in doc["check"])
+    with open(os.path.join(os.environ.get("OUT", "."), f"w8-{alt}.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    print("M builds | bf16 chain | e4m3 ch / blk chain | ratio ch / blk | after-norm ratio ch / blk")
+    for r in doc["timing"]:
+        u, q = r["us"], r["ratio"]
+        print(f"{r['M']:2d} {r['builds']:7s} | {u['chain_bf16']:.2f} | {u['chain_fp8_channel']:.2f} / "
+              f"{u['chain_fp8_block']:.2f} | {q['chain_channel']:.3f} / {q['chain_block']:.3f} | "
+              f"{q['after_norm_channel']:.3f} / {q['after_norm_block']:.3f}")
+    print(f"checks ok: {doc['ok']}")
+    return 0 if doc["ok"] else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "labels" and sys.argv[2] in ALTS:
+        print("\n".join(sorted({v.label for v in table(sys.argv[2]).values()})))
+        sys.exit(0)
+    if len(sys.argv) == 3 and sys.argv[1] == "run" and sys.argv[2] in ALTS:
+        sys.exit(run(sys.argv[2]))
+    print(f"usage: w8_alts.py labels|run {'|'.join(ALTS)}", file=sys.stderr)
+    sys.exit(2)

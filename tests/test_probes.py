@@ -103,3 +103,4 @@ def test_w8_alts_k1_differs_from_the_plan_only_in_warp_split():
         planned = rules.variant(n, m, alts.NKV, get_target("h200"), weight_dtype="fp8_e4m3", weight_scale=kind)
         assert (planned.warp_split, v.warp_split) == ("rows", "k")
         assert dataclasses.replace(v, warp_split="rows") == planned
+        assert alts.table("plan")[(n, "fp8_e4m3", kind, m)] == planned  # "plan": the planned builds themselves

@@ -11,6 +11,9 @@ ones in one process. Each alternative maps (shard, scale kind, M) to the build t
   warp's eight k16 steps of a k-tile are one dependent mma chain behind its own loads and conversions, with no
   overlap across k-tiles (the SASS of the planned build: LDS -> F2FP -> HADD2 -> F2FP -> HMMA, one accumulator);
   "k" gives a warp 4 independent chains of two and loads k-tile i + 1 before the MMAs of k-tile i.
+- "plan": the planned builds themselves, M = 1-8, for a run on kernel sources other than the tree's (the loader keys
+  a build by its sources, so the same labels launch the other sources' builds): its "planned" and "plan" rows are
+  then the same builds, and the comparison is with another run's ratios.
 
 Usage: here `python3 bench/probes/w8_alts.py labels ALT` (for `musekern prepare --variant`); on the GPU machine
 `source bench/device_env.sh && python3 bench/probes/w8_alts.py run ALT` (table last; JSON to $OUT/w8-ALT.json).
@@ -45,6 +48,8 @@ def k1(kind: str, m: int) -> QkvFrontVariant:
 ALTS = {
     "split4": (lambda kind, m: split4(kind), range(1, 17), (1, 8, 9, 16), (1, 8, 16)),
     "k1": (k1, range(1, 9), (1, 5, 8), (1, 4, 8)),
+    "plan": (lambda kind, m: rules.variant(N, m, NKV, get_target("h200"), weight_dtype="fp8_e4m3", weight_scale=kind),
+             range(1, 9), (1, 5, 8), (1, 4, 8)),
 }
 
 

@@ -19,7 +19,7 @@ import torch
 
 from bench.harness import report
 from bench.harness.all_m import ALL_M
-from bench.harness.plot import _pyplot, _save
+from bench.harness.plot import plot_us_against_m
 from bench.harness.timing import Graph, log, loops_for, time_graphs
 from bench.w8_bench import LAYERS, MAX_POS, SCALES, TP_OF, _caches, e4m3_weight, scales
 from musekern.config import load_config
@@ -82,25 +82,9 @@ def table_text(doc: dict) -> str:
 
 def write_plot(doc: dict, path: str) -> str | None:
     """One panel a shard: us per layer against M (log-log), each series of SERIES."""
-    plt = _pyplot() if doc["rows"] else None
-    if plt is None:
-        return None
-    ns = sorted({r["N"] for r in doc["rows"]})
-    fig, axes = plt.subplots(1, len(ns), figsize=(4.4 * len(ns), 3.8), squeeze=False)
-    for ax, n in zip(axes[0], ns, strict=True):
-        rows = sorted((r for r in doc["rows"] if r["N"] == n), key=lambda r: r["M"])
-        for key, style, label in SERIES:
-            ax.plot([r["M"] for r in rows], [r["us"][key] for r in rows], style, label=label, ms=4)
-        ax.set_title(f"TP{rows[0]['tp']}  N={n}")
-        ax.set_xlabel("M (tokens)")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3, which="both")
-    axes[0][0].set_ylabel("us per layer")
-    axes[0][0].legend(fontsize=7, loc="upper left")
-    fig.suptitle(f"e4m3 and bf16 weights at every M on {doc['device']} ({doc['commit'][:7]})", fontsize=10)
     base, name = path.rsplit("/", 1) if "/" in path else (".", path)
-    return _save(plt, fig, base, name)
+    return plot_us_against_m(doc["rows"], SERIES, f"e4m3 and bf16 weights at every M on {doc['device']} "
+                             f"({doc['commit'][:7]})", base, name)
 
 
 def main() -> int:

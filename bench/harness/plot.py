@@ -62,9 +62,9 @@ ALL_M_SERIES = (("musekern", "o-", "musekern (planner's path)"), ("cublas", "x--
                 ("compiled", "v:", "cuBLAS + torch.compile epilogue"))
 
 
-def write_all_m_plot(doc: dict, out_dir: str, name: str = "qkv_front_all_m.png") -> str | None:
-    """One panel per N of the all-M table: us per layer against M (log-log), every path side by side."""
-    rows = doc.get("all_m") or []
+def plot_us_against_m(rows: list, series, title: str, out_dir: str, name: str) -> str | None:
+    """One panel per N of `rows` ({"N", "tp", "M", "us": {key: us}}): us per layer against M (log-log), one line per
+    (key, style, label) of `series` (points without that key left out)."""
     plt = _pyplot() if rows else None
     if plt is None:
         return None
@@ -72,7 +72,7 @@ def write_all_m_plot(doc: dict, out_dir: str, name: str = "qkv_front_all_m.png")
     fig, axes = plt.subplots(1, len(ns), figsize=(4.4 * len(ns), 3.8), squeeze=False)
     for ax, n in zip(axes[0], ns, strict=True):
         tp = next(r["tp"] for r in rows if r["N"] == n)
-        for key, style, label in ALL_M_SERIES:
+        for key, style, label in series:
             pts = sorted((r["M"], r["us"][key]) for r in rows if r["N"] == n and r["us"].get(key))
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, ms=4)
@@ -83,5 +83,11 @@ def write_all_m_plot(doc: dict, out_dir: str, name: str = "qkv_front_all_m.png")
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel("us per layer")
     axes[0][0].legend(fontsize=7, loc="upper left")
-    fig.suptitle(f"the attention front at every M on {doc.get('device')}", fontsize=10)
+    fig.suptitle(title, fontsize=10)
     return _save(plt, fig, out_dir, name)
+
+
+def write_all_m_plot(doc: dict, out_dir: str, name: str = "qkv_front_all_m.png") -> str | None:
+    """One panel per N of the all-M table: us per layer against M (log-log), every path side by side."""
+    return plot_us_against_m(doc.get("all_m") or [], ALL_M_SERIES, f"the attention front at every M on "
+                             f"{doc.get('device')}", out_dir, name)

@@ -21,11 +21,10 @@ from bench.harness import report
 from bench.harness.all_m import ALL_M
 from bench.harness.plot import plot_us_against_m
 from bench.harness.timing import Graph, log, loops_for, time_graphs
-from bench.w8_bench import LAYERS, MAX_POS, SCALES, TP_OF, _caches, e4m3_weight, scales
+from bench.w8_bench import LAYERS, SCALES, TP_OF, add_scaled_mm, layer_inputs, scales
 from musekern.config import load_config
 from musekern.model import HIDDEN
 from musekern.ops import qkv_front as front
-from musekern.reference import rope_cos_sin_table
 
 SHARDS = ((2176, 1), (4352, 2), (17408, 8))  # TP8, TP4, TP1 (the bf16 all-M table's)
 SERIES = (("bf16", "o-", "musekern, bf16 weights"), ("fp8_channel", "s-", "musekern, e4m3 per-channel"),
@@ -34,16 +33,7 @@ SERIES = (("bf16", "o-", "musekern, bf16 weights"), ("fp8_channel", "s-", "musek
 
 
 def measure(n: int, nkv: int, m: int, eps: float, theta: float, samples: int) -> dict:
-    g = torch.Generator(device="cuda").manual_seed(7000 + m + n)
-    bf = torch.bfloat16
-    cs = rope_cos_sin_table(MAX_POS, theta, "cuda")
-    pos = torch.randint(0, MAX_POS, (m,), device="cuda", generator=g)
-    x = torch.randn(m, HIDDEN, device="cuda", generator=g).to(bf)
-    kc, vc, cap = _caches(nkv, m, g)
-    slots = torch.randperm(cap, device="cuda", generator=g)[:m]
-    o = torch.empty(LAYERS, m, n, dtype=bf, device="cuda")
-    w8 = [e4m3_weight(n, g) for _ in range(LAYERS)]
-    wb = [(torch.randn(n, HIDDEN, device="cuda", generator=g) * 0.02).to(bf) for _ in range(LAYERS)]
+    g, cs, pos, x, kc, vc, slots, o, w8, wb = layer_inputs(n, nkv, m, theta, 7000)
     # a replay's GPU work: the weights at ~3 TB/s or the bf16 GEMM at ~600 TFLOP/s, whichever is longer
     seq_s = LAYERS * max(2 * n * HIDDEN / 3e12, 2 * m * n * HIDDEN / 600e12)
     graphs = []
@@ -59,10 +49,7 @@ def measure(n: int, nkv: int, m: int, eps: float, theta: float, samples: int) ->
         add(f"fp8_{kind}", lambda j, sc=sc: front.launch(x, w8[j], pos, cs, slots, kc, vc, nkv, eps, out=o[j],
                                                          weight_scale=sc[j]))
     add("mm", lambda j: torch.mm(x, wb[j].T, out=o[j]))
-    xq = x.to(torch.float8_e4m3fn)
-    sx = torch.ones(m, 1, device="cuda")
-    sw = [torch.rand(1, n, device="cuda", generator=g) + 0.5 for _ in range(LAYERS)]
-    add("scaled_mm", lambda j: torch._scaled_mm(xq, w8[j].T, scale_a=sx, scale_b=sw[j], out_dtype=bf, out=o[j]))
+    add_scaled_mm(add, x, w8, o, g)
     us = {k: round(v["us"], 3) for k, v in time_graphs(graphs, samples).items()}
     return {"N": n, "tp": TP_OF[n], "M": m, "path": "front" if front._fused(n, m, 0, "fp8_e4m3") else "gemm",
             "us": us, "channel_over_bf16": round(us["fp8_channel"] / us["bf16"], 3),

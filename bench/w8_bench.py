@@ -227,14 +227,10 @@ def x_quant_exact(m: int, group: int) -> dict:
     return {"M": m, "group": group, "mismatches": bad, "ok": bad == 0}
 
 
-def gemm_timing(n: int, nkv: int, m: int, eps: float, theta: float, samples: int) -> dict:
-    """The op's FP8 GEMM path (ops.qkv_front.launch_gemm_epilogue, whatever M the front serves: x_quant per token /
-    per group + _scaled_mm row-wise / block-scaled + the fused epilogue) beside the bf16 op and _scaled_mm alone (x
-    already e4m3; the block form too where torch serves it), 8 layers rotated, CUDA-graph replay."""
-    from musekern.gemm import fp8 as gemm_fp8
-    from musekern.ops import qkv_epilogue
-
-    g = torch.Generator(device="cuda").manual_seed(5000 + m + n)
+def layer_inputs(n: int, nkv: int, m: int, theta: float, seed: int):
+    """A timing's inputs, drawn in this order from one generator seeded seed + m + n: (g, cos|sin table, positions,
+    x, key / value caches, slots, the LAYERS outputs, LAYERS e4m3 weights, LAYERS bf16 weights)."""
+    g = torch.Generator(device="cuda").manual_seed(seed + m + n)
     bf = torch.bfloat16
     cs = rope_cos_sin_table(MAX_POS, theta, "cuda")
     pos = torch.randint(0, MAX_POS, (m,), device="cuda", generator=g)
@@ -244,6 +240,29 @@ def gemm_timing(n: int, nkv: int, m: int, eps: float, theta: float, samples: int
     o = torch.empty(LAYERS, m, n, dtype=bf, device="cuda")
     w8 = [e4m3_weight(n, g) for _ in range(LAYERS)]
     wb = [(torch.randn(n, HIDDEN, device="cuda", generator=g) * 0.02).to(bf) for _ in range(LAYERS)]
+    return g, cs, pos, x, kc, vc, slots, o, w8, wb
+
+
+def add_scaled_mm(add, x, w8, o, g):
+    """Add the graph "scaled_mm" (torch._scaled_mm alone: x already e4m3, unit per-token and random per-row fp32
+    scales, bf16 out into o[j]); returns the e4m3 x."""
+    m, n = x.shape[0], o.shape[2]
+    xq = x.to(torch.float8_e4m3fn)
+    sx = torch.ones(m, 1, device="cuda")
+    sw = [torch.rand(1, n, device="cuda", generator=g) + 0.5 for _ in range(LAYERS)]
+    add("scaled_mm", lambda j: torch._scaled_mm(xq, w8[j].T, scale_a=sx, scale_b=sw[j], out_dtype=torch.bfloat16,
+                                                out=o[j]))
+    return xq
+
+
+def gemm_timing(n: int, nkv: int, m: int, eps: float, theta: float, samples: int) -> dict:
+    """The op's FP8 GEMM path (ops.qkv_front.launch_gemm_epilogue, whatever M the front serves: x_quant per token /
+    per group + _scaled_mm row-wise / block-scaled + the fused epilogue) beside the bf16 op and _scaled_mm alone (x
+    already e4m3; the block form too where torch serves it), 8 layers rotated, CUDA-graph replay."""
+    from musekern.gemm import fp8 as gemm_fp8
+    from musekern.ops import qkv_epilogue
+
+    g, cs, pos, x, kc, vc, slots, o, w8, wb = layer_inputs(n, nkv, m, theta, 5000)
     graphs = []
     seq_s = LAYERS * 2 * m * n * HIDDEN / 600e12
 
@@ -257,10 +276,7 @@ def gemm_timing(n: int, nkv: int, m: int, eps: float, theta: float, samples: int
         sc = [scales(n, kind, g) for _ in range(LAYERS)]
         add(f"fp8_{kind}", lambda j, sc=sc: front.launch_gemm_epilogue(x, w8[j], pos, cs, slots, kc, vc, nkv, eps,
                                                                        o[j], weight_scale=sc[j]))
-    xq = x.to(torch.float8_e4m3fn)
-    sx = torch.ones(m, 1, device="cuda")
-    sw = [torch.rand(1, n, device="cuda", generator=g) + 0.5 for _ in range(LAYERS)]
-    add("scaled_mm", lambda j: torch._scaled_mm(xq, w8[j].T, scale_a=sx, scale_b=sw[j], out_dtype=bf, out=o[j]))
+    xq = add_scaled_mm(add, x, w8, o, g)
     block_mm = gemm_fp8.block_scaled_mm(x.device)  # the block path's GEMM alone (x already quantized per group)
     if block_mm is not None:
         sxg = torch.ones(HIDDEN // 128, m, device="cuda").t()

@@ -51,8 +51,13 @@ class ProbeConfig:
     # as many 16 KiB stages on the same grid (x then moves half the real front's bytes a CTA, from the L2)
     hidden: int = HIDDEN
 
+    @property
+    def ntiles(self) -> int:
+        """The k-tiles a CTA streams."""
+        return self.hidden // K_TILE // self.k_split
+
     def __post_init__(self):
-        ntiles = self.hidden // K_TILE // self.k_split
+        ntiles = self.ntiles
         if self.stash and self.mode != "before":
             raise ValueError(f"{self.name}: stash needs mode 'before'")
         if self.ahead and not (self.trigger == "late" and self.stages + self.stash <= ntiles - 1 - self.ahead):
@@ -117,7 +122,7 @@ def _kernel_class():
     class SkeletonProbe:
         def __init__(self, c: ProbeConfig):
             self.c = c
-            self.ntiles = c.hidden // K_TILE // c.k_split
+            self.ntiles = c.ntiles
 
             @cute.struct
             class Smem:

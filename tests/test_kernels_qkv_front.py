@@ -524,9 +524,10 @@ def test_w8_variant_rules():
 
 
 # each build: the ABI is the PTX .entry's; W arrives as one 128-byte-wide box a stage (8 KiB + x in expect_tx); every
-# weight of a stage is loaded once per CTA as 16-bit words (4 per m16 x k16 block a lane: 8 blocks a k-tile with
-# "rows", 4 m16 x 2 k16 with "k") and converted by w8.bf16x2 (cvt.rn.f16x2.e4m3x2 a word), no A ldmatrix; the MMAs
-# are the bf16 build's; block scales: staged in shared memory once, no global load inside the k-tile loop
+# weight of a stage is loaded once per CTA by ldmatrix.x4 (an m16 block's two k16 steps: 4 a warp a k-tile, 1 m16 x 4
+# pairs with "rows", 4 m16 x 1 pair with "k") and converted by w8.bf16x2_half (cvt.rn.f16x2.e4m3x2, 8 an ldmatrix);
+# x by 8-byte loads (one a k16 step and token tile), no x ldmatrix; the MMAs are the bf16 build's, over two register
+# sets where the bf16 build writes one; block scales: staged in shared memory once, no global load in the k-tile loop
 @pytest.mark.slow
 @pytest.mark.parametrize("v", PLANNED_W8, ids=lambda v: v.label)
 def test_w8_compile_ptx(kmod, v):
@@ -541,17 +542,73 @@ def test_w8_compile_ptx(kmod, v):
     stage_tx = W_STAGE_BYTES // 2 + tt * K_TILE * 2
     assert re.search(rf"mov\.b32\s+%r\d+, {stage_tx};\s*\n\s*mbarrier\.arrive\.expect_tx", ptx)
     mma = r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32"
-    # (4 tiles, "k": the bf16 build writes its k-tile loop once, one register set; the e4m3 one twice, two sets)
-    sets = 2 if v.warp_split == "k" and v.tiles > 2 else 1
+    sets = 2 if v.warp_split == "rows" or v.tiles > 2 else 1
     assert _count(mma, ptx) == _count(mma, bf.ptx) * sets
-    blocks = 8 if v.warp_split == "rows" else 2 * 4  # m16 x k16 blocks a lane converts per k-tile
-    per_tile = 4 * blocks
-    loop_copies = 2 if v.warp_split == "k" else 1  # "k": the two register sets' loads are written out twice
-    loads = _count(r"ld\.shared\.[bs]16", ptx)
-    assert loads == per_tile * (loop_copies + (1 if v.warp_split == "k" else 0))
-    assert _count(r"cvt\.rn\.f16x2\.e4m3x2", ptx) == loads
-    x_ldm = r"ldmatrix\.sync\.aligned\.m8n8\.x[24]\.shared\.b16"
-    assert _count(x_ldm, ptx) < _count(x_ldm, bf.ptx) * sets  # x only
+    copies = 3  # a k-tile's loads are written out three times: before the loop and once for each register set
+    a_ldm = _count(r"ldmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16", ptx)
+    assert a_ldm == copies * 4 and _count(r"ldmatrix\.sync\.aligned\.m8n8\.x2", ptx) == 0
+    assert _count(r"cvt\.rn\.f16x2\.e4m3x2", ptx) == 8 * a_ldm
+    steps = 8 if v.warp_split == "rows" else 2  # k16 steps a warp reads of a k-tile
+    x64 = r"ld\.shared\.[bu]64"
+    assert _count(x64, ptx) - _count(x64, bf.ptx) == copies * steps * tt // 8
+    assert _count(r"ld\.shared\.[bsu]16", ptx) == 0
+
+
+# the e4m3 consumers' register mapping (w8.load_a2 / load_b, at w8.a_byte / b_byte), emulated lane by lane: the
+# swizzled W and x stages as TMA writes them, ldmatrix.x4's distribution, load_b's 8-byte reads and mma.sync
+# m16n8k16's register semantics; every m16 x n8 block of a k-tile must come out as W x^T (the k permutation is the
+# same for A and B)
+def _w8_w_stage(w8, w):  # [64, 128] bytes -> the 8 KiB stage: 16-byte chunks XOR row % 8
+    out = w.new_zeros(w8.STAGE_BYTES)
+    for r in range(HEAD_COLS):
+        for c in range(K_TILE):
+            out[r * w8.ROW_BYTES + (((c // 16) ^ (r % 8)) << 4) + c % 16] = w[r, c]
+    return out
+
+
+def _w8_x_stage(w8, x):  # [tt, 128] -> the stage in bf16 slots: 8 x 64 atoms rows first, chunks XOR row % 8
+    tt = x.shape[0]
+    out = x.new_zeros(tt * K_TILE)
+    for n in range(tt):
+        for c in range(K_TILE):
+            b = (c % 64) * 2
+            atom = (c // 64) * (tt // 8) + n // 8
+            out[(atom * w8.ATOM_BYTES + (n % 8) * w8.ROW_BYTES + (((b // 16) ^ (n % 8)) << 4) + b % 16) // 2] = x[n, c]
+    return out
+
+
+@pytest.mark.parametrize("tt", [8, 16, 32])  # the e4m3 builds' token tiles: 1, 2 and 4
+def test_w8_lane_mapping_gives_w_times_x(tt):
+    pytest.importorskip("cutlass")
+    import torch
+
+    from musekern.kernels.qkv_front import w8
+
+    g0 = torch.Generator().manual_seed(tt)
+    # values standing for the bytes: only where each one goes matters
+    w = torch.randn(HEAD_COLS, K_TILE, generator=g0, dtype=torch.float64)
+    x = torch.randn(tt, K_TILE, generator=g0, dtype=torch.float64)
+    sw, sx = _w8_w_stage(w8, w), _w8_x_stage(w8, x)
+    got = torch.zeros(HEAD_COLS, tt, dtype=torch.float64)
+    lanes = [w8.LaneRows(L) for L in range(32)]
+    for row0 in range(0, HEAD_COLS, 16):
+        for kk in range(0, K_TILE // 16, 2):
+            addr = [w8.a_byte(0, row0, lr, kk) for lr in lanes]
+            # ldmatrix.x4: matrix j's row i at lane 8j + i's address; lane (g, t) gets bytes 4t..4t+3 of row g
+            d = [[sw[addr[8 * j + L // 4] + 4 * (L % 4):][:4] for j in range(4)] for L in range(32)]
+            for step in (0, 1):
+                k = kk + step
+                a, b = torch.zeros(16, 16, dtype=torch.float64), torch.zeros(16, tt, dtype=torch.float64)
+                for L in range(32):
+                    g, t = L // 4, L % 4
+                    lo, hi = d[L][2 * step], d[L][2 * step + 1]  # rows g, g + 8: a0, a2 halves / a1, a3 halves
+                    a[g, [2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9]] = lo
+                    a[g + 8, [2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9]] = hi
+                    for nt in range(tt // 8):
+                        byte = w8.b_byte(0, g, t, k, nt, tt)
+                        b[[2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9], 8 * nt + g] = sx[byte // 2:byte // 2 + 4]
+                got[row0:row0 + 16] += a @ b  # mma.sync: D += A B over the 16 register slots of the step
+    torch.testing.assert_close(got, w @ x.T, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
@@ -41,10 +41,11 @@ def operand_copies(tiled_mma, tt: int, idx):
 
 
 class W8State(NamedTuple):
-    """An e4m3-weight build's consumer state (w8.py): the ring as 16-bit words, the canonical multipliers, and the
-    per-row ones this thread's partials take ("channel": a register tensor like the accumulator ("rows") or one value
-    ("k"); None with block scales)."""
-    w16: object
+    """An e4m3-weight build's consumer state (w8.py): the W ring's shared address, the x ring as 8-byte words, the
+    canonical multipliers, and the per-row ones this thread's partials take ("channel": a register tensor like the
+    accumulator ("rows") or one value ("k"); None with block scales)."""
+    ring: object
+    x64: object
     scales: object  # global; block scales: the CTA's k-tiles' in shared memory, i-th k-tile at i
     row_scales: object
 
@@ -82,7 +83,9 @@ class FrontConsumers:
                     rows[i] = scales[place.head * HEAD_COLS + m]
             else:  # reduce_send: thread tidx sums and sends column tidx % 64 of every token
                 rows = scales[place.head * HEAD_COLS + tidx % HEAD_COLS]
-        return W8State(w8.ring_halves(st.sW.data_ptr(), self.stages), scales, rows)
+        x64 = cute.make_tensor(cute.recast_ptr(st.sX.data_ptr(), dtype=Int64),
+                               cute.make_layout(self.stages * self.tt * w8.X_ROW_BYTES // 8))
+        return W8State(Int32(st.sW.data_ptr().toint()), x64, scales, rows)
 
     @cute.jit
     def _stage_scales(self, scales, staged, tidx, place):
@@ -104,14 +107,14 @@ class FrontConsumers:
     @cute.jit
     def consumer(self, tiled_mma, sW, sX, full, empty, tidx, place, wq=None):
         thr_mma = tiled_mma.get_slice(tidx)
-        tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sX[None, None, 0]))
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((16 * CONSUMER_WARPS, self.tt)), Float32)
         acc.fill(0.0)
+        if cutlass.const_expr(self.w8):
+            return self._consumer_w8(tiled_mma, thr_mma, acc, sX, full, empty, tidx, place, wq)
+        tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sX[None, None, 0]))
         cp_a, cp_b, thr_a, thr_b = operand_copies(tiled_mma, self.tt, tidx)
         tBsX = thr_b.partition_S(sX)  # (CPY, TT/8 or 1, 8 k-steps, stages)
         tBrB = thr_b.retile(tCrB)
-        if cutlass.const_expr(self.w8):
-            return self._consumer_w8(tiled_mma, thr_mma, acc, cp_b, tBsX, tBrB, tCrB, full, empty, tidx, place, wq)
         tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sW[None, None, 0]))
         tAsW = thr_a.partition_S(sW)  # (CPY, 1, 8 k-steps, stages)
         tArA = thr_a.retile(tCrA)
@@ -137,33 +140,63 @@ class FrontConsumers:
         return acc
 
     @cute.jit
-    def _consumer_w8(self, tiled_mma, thr_mma, acc, cp_b, tBsX, tBrB, tCrB, full, empty, tidx, place, wq):
+    def _consumer_w8(self, tiled_mma, thr_mma, acc, sX, full, empty, tidx, place, wq):
         """`consumer` of an e4m3 W ring (1 or 2 token tiles): warp w's A registers dequantized from rows 16w.., a
-        k-tile's eight k16 steps into `part` (block scales: promoted into acc with the k-tile's multiplier)."""
-        tCrA = thr_mma.make_fragment_A(thr_mma.partition_shape_A((16 * CONSUMER_WARPS, K_TILE)))
-        a32 = cute.recast_tensor(tCrA, Int32)
+        k-tile's eight k16 steps into two accumulators (even and odd steps: two dependent mma chains of four, not
+        one of eight), summed at the end; block scales promote each k-tile's two sums with its multiplier.
+        Pipelined over two register sets as consumer_k is: k-tile i + 1 is loaded and converted before the MMAs of
+        k-tile i are issued, so its shared loads and conversions overlap the mma chains."""
+        rA = [thr_mma.make_fragment_A(thr_mma.partition_shape_A((16 * CONSUMER_WARPS, K_TILE))) for _ in range(2)]
+        rB = [thr_mma.make_fragment_B(thr_mma.partition_B(sX[None, None, 0])) for _ in range(2)]
         lane = tidx % 32
-        g = lane // 4
-        base = w8.lane_base(16 * (tidx // 32), lane)
-        part = acc
+        lr = w8.LaneRows(lane)
+        odd = cute.make_rmem_tensor(acc.layout, Float32)
+        odd.fill(0.0)
+        even = acc
         if cutlass.const_expr(self.block_scales):
-            part = cute.make_rmem_tensor(acc.layout, Float32)
-            part.fill(0.0)
-        ksteps = cute.size(tCrA, mode=[2])
-        for i in cutlass.range(self.ntiles, unroll=1):
-            s = i % self.stages
-            sc = self._tile_scale(wq, i)
-            cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
-            for kk in cutlass.range_constexpr(ksteps):
-                w8.load_a(wq.w16, a32[None, 0, kk], s, base, g, kk)
-                cute.copy(cp_b, tBsX[None, None, kk, s], tBrB[None, None, kk])
-            cute.arch.sync_warp()  # every lane's loads of stage s are done (in registers)
-            self.release(empty + s, place)
-            for kk in cutlass.range_constexpr(ksteps):
-                cute.gemm(tiled_mma, part, tCrA[None, None, kk], tCrB[None, None, kk], part)
+            even = cute.make_rmem_tensor(acc.layout, Float32)
+            even.fill(0.0)
+        sc0 = self._load_w8(rA[0], rB[0], full, empty, Int32(0), place, wq, lr, tidx)
+        sc1 = sc0
+        for p in cutlass.range(self.ntiles // 2, unroll=1):
+            i = 2 * p + 1
+            sc1 = self._load_w8(rA[1], rB[1], full, empty, i, place, wq, lr, tidx)
+            self._mma_w8(tiled_mma, even, odd, rA[0], rB[0])
             if cutlass.const_expr(self.block_scales):
-                w8.promote(acc, part, sc)
+                w8.promote2(acc, even, odd, sc0)
+            if i + 1 < self.ntiles:
+                sc0 = self._load_w8(rA[0], rB[0], full, empty, i + 1, place, wq, lr, tidx)
+            self._mma_w8(tiled_mma, even, odd, rA[1], rB[1])
+            if cutlass.const_expr(self.block_scales):
+                w8.promote2(acc, even, odd, sc1)
+        if cutlass.const_expr(not self.block_scales):
+            for k in cutlass.range_constexpr(cute.size(acc)):
+                acc[k] = acc[k] + odd[k]
         return acc
+
+    @cute.jit
+    def _load_w8(self, rA, rB, full, empty, i, place, wq, lr, tidx):
+        """Wait for k-tile i, dequantize this warp's 16 rows of it into rA (w8.load_a2) and load x into rB
+        (w8.load_b), release the stage; returns k-tile i's block multiplier (1.0 with channel scales)."""
+        s = i % self.stages
+        sc = self._tile_scale(wq, i)
+        cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
+        a32 = cute.recast_tensor(rA, Int32)
+        b64 = cute.recast_tensor(rB, Int64)
+        lane = tidx % 32
+        for kk in cutlass.range_constexpr(0, cute.size(rA, mode=[2]), 2):
+            w8.load_a2(wq.ring, a32[None, 0, kk], a32[None, 0, kk + 1], s, 16 * (tidx // 32), lr, kk)
+        for kk in cutlass.range_constexpr(cute.size(rA, mode=[2])):
+            w8.load_b(wq.x64, b64[None, None, kk], s, lane // 4, lane % 4, kk, self.tt)
+        cute.arch.sync_warp()  # every lane's loads of stage s are done (in registers)
+        self.release(empty + s, place)
+        return sc
+
+    @cute.jit
+    def _mma_w8(self, tiled_mma, even, odd, rA, rB):
+        for kk in cutlass.range_constexpr(cute.size(rA, mode=[2]) // 2):  # k order fixed within each chain
+            cute.gemm(tiled_mma, even, rA[None, None, 2 * kk], rB[None, None, 2 * kk], even)
+            cute.gemm(tiled_mma, odd, rA[None, None, 2 * kk + 1], rB[None, None, 2 * kk + 1], odd)
 
     @cute.jit
     def consumer_wg(self, tiled_mma, sW, sX, full, empty, tidx, place):
@@ -207,8 +240,7 @@ class FrontConsumers:
         rB = [thr_mma.make_fragment_B(thr_mma.partition_B(mine_x)) for _ in range(2)]
         if cutlass.const_expr(self.w8):
             rA = [thr_mma.make_fragment_A(thr_mma.partition_shape_A((HEAD_COLS, WARP_K))) for _ in range(2)]
-            return self._consumer_k_w8(tiled_mma, acc, rA, rB, cp_b, thr_b, tBsX, full, empty, warp_idx, lane,
-                                       place, wq)
+            return self._consumer_k_w8(tiled_mma, acc, rA, rB, full, empty, warp_idx, lane, place, wq)
         mine_w = cute.local_tile(sW[None, None, 0], (HEAD_COLS, WARP_K), (0, 0))
         tAsW = thr_a.partition_S(sW)  # (CPY, 4 m16, 8 k16, stages)
         rA = [thr_mma.make_fragment_A(thr_mma.partition_A(mine_w)) for _ in range(2)]
@@ -230,45 +262,44 @@ class FrontConsumers:
         return acc
 
     @cute.jit
-    def _consumer_k_w8(self, tiled_mma, acc, rA, rB, cp_b, thr_b, tBsX, full, empty, warp_idx, lane, place, wq):
+    def _consumer_k_w8(self, tiled_mma, acc, rA, rB, full, empty, warp_idx, lane, place, wq):
         """`consumer_k` of an e4m3 W ring (1 or 2 token tiles), pipelined the same way over two register sets; with
         block scales each k-tile's two k16 steps go to `part`, promoted into acc with that k-tile's multiplier."""
-        g = lane // 4
-        bases = [w8.lane_base(16 * mi, lane) for mi in range(HEAD_COLS // 16)]
+        lr = w8.LaneRows(lane)
         part = acc
         if cutlass.const_expr(self.block_scales):
             part = cute.make_rmem_tensor(acc.layout, Float32)
             part.fill(0.0)
-        sc0 = self._load_k_w8(cp_b, thr_b, tBsX, rA[0], rB[0], full, empty, warp_idx, Int32(0), place, wq, bases, g)
+        sc0 = self._load_k_w8(rA[0], rB[0], full, empty, warp_idx, Int32(0), place, wq, lr, lane)
         sc1 = sc0
         for p in cutlass.range(self.ntiles // 2, unroll=1):
             i = 2 * p + 1
-            sc1 = self._load_k_w8(cp_b, thr_b, tBsX, rA[1], rB[1], full, empty, warp_idx, i, place, wq, bases, g)
+            sc1 = self._load_k_w8(rA[1], rB[1], full, empty, warp_idx, i, place, wq, lr, lane)
             self._mma_k(tiled_mma, part, rA[0], rB[0])
             if cutlass.const_expr(self.block_scales):
                 w8.promote(acc, part, sc0)
             if i + 1 < self.ntiles:
-                sc0 = self._load_k_w8(cp_b, thr_b, tBsX, rA[0], rB[0], full, empty, warp_idx, i + 1, place, wq,
-                                      bases, g)
+                sc0 = self._load_k_w8(rA[0], rB[0], full, empty, warp_idx, i + 1, place, wq, lr, lane)
             self._mma_k(tiled_mma, part, rA[1], rB[1])
             if cutlass.const_expr(self.block_scales):
                 w8.promote(acc, part, sc1)
         return acc
 
     @cute.jit
-    def _load_k_w8(self, cp_b, thr_b, tBsX, rA, rB, full, empty, warp_idx, i, place, wq, bases, g):
-        """`_load_k` from an e4m3 ring: this warp's 4 m16 x 2 k16 A blocks dequantized; returns k-tile i's block
-        multiplier (1.0 with channel scales)."""
+    def _load_k_w8(self, rA, rB, full, empty, warp_idx, i, place, wq, lr, lane):
+        """`_load_k` from an e4m3 ring: this warp's 4 m16 x 2 k16 A blocks dequantized (an ldmatrix.x4 each,
+        w8.load_a2) and its two k16 steps of x (w8.load_b); returns k-tile i's block multiplier (1.0 with channel
+        scales)."""
         s = i % self.stages
         sc = self._tile_scale(wq, i)
         cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
         a32 = cute.recast_tensor(rA, Int32)
-        tBrB = thr_b.retile(rB)
+        b64 = cute.recast_tensor(rB, Int64)
+        kk = warp_idx * (WARP_K // 16)
+        for mi in cutlass.range_constexpr(HEAD_COLS // 16):
+            w8.load_a2(wq.ring, a32[None, mi, 0], a32[None, mi, 1], s, 16 * mi, lr, kk)
         for j in cutlass.range_constexpr(WARP_K // 16):
-            kk = warp_idx * (WARP_K // 16) + j
-            for mi in cutlass.range_constexpr(HEAD_COLS // 16):
-                w8.load_a(wq.w16, a32[None, mi, j], s, bases[mi], g, kk)
-            cute.copy(cp_b, tBsX[None, None, kk, s], tBrB[None, None, j])
+            w8.load_b(wq.x64, b64[None, None, j], s, lane // 4, lane % 4, kk + j, self.tt)
         cute.arch.sync_warp()  # every lane's loads of stage s are done
         self.release(empty + s, place)
         return sc

@@ -6,10 +6,14 @@ is exactly a bf16 one, so the MMA's products are exact and only the fp32 accumul
 
 - The ring: one 128B-swizzled TMA box of 64 rows x 128 e4m3 a stage (8 KiB; the swizzle XORs the 16-byte chunk of a
   row with the row mod 8, as the bf16 ring's boxes do with 64 bf16 a row).
-- The fragment (`load_a`): mma.sync m16n8k16's A registers of lane (g, t) = (lane / 4, lane % 4) hold rows g and
-  g + 8, k columns 2t, 2t + 1 and 2t + 8, 2t + 9 of a k16 step; each is one 16-bit shared load of two e4m3 bytes
-  (both the row's chunk XOR g, since every row a lane reads is g mod 8) and one conversion.
-- The conversion (`bf16x2`): sm_90 has no e4m3 -> bf16 cvt: cvt.rn.f16x2.e4m3x2 (exact: e4m3 is in f16, subnormals
+- The fragments (`load_a2`, `load_b`), k permuted within each k16 step: mma.sync m16n8k16's A registers of lane
+  (g, t) = (lane / 4, lane % 4) hold rows g and g + 8 at k slots 2t, 2t + 1 and 2t + 8, 2t + 9, its B registers x's
+  token g at the same slots. An ldmatrix.x4 of e4m3 rows gives lane (g, t) bytes 4t..4t+3 of a 16-byte chunk (one
+  k16 step of a row): slots (2t, 2t + 1) take bytes 4t, 4t + 1 and (2t + 8, 2t + 9) bytes 4t + 2, 4t + 3, and x's
+  slots the same columns, 16 kk + 4t..+3, one 8-byte load (a dot product does not depend on the order of its
+  terms). One ldmatrix.x4 serves an m16 block's two k16 steps, where 16-bit loads took eight (tests/
+  test_kernels_qkv_front.py emulates the mapping lane by lane).
+- The conversion (`bf16x2_half`): sm_90 has no e4m3 -> bf16 cvt: cvt.rn.f16x2.e4m3x2 (exact: e4m3 is in f16, subnormals
   too), two cvt.f32.f16, cvt.rn.bf16x2.f32 (exact: 4 mantissa bits fit bf16's 8). research/fp8.md section 4; Marlin's
   bit route (integer ops and a bf16x2 multiply by 2^120) measured 8-10% slower at every shard (bench/NOTES.md).
 - The multipliers (musekern/weights/pack.py's canonical fp32 `weight_scale`): "channel" ([N], per row) scale each
@@ -23,45 +27,16 @@ is exactly a bf16 one, so the MMA's products are exact and only the fp32 accumul
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int16, Int32
+from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
 from .variant import HEAD_COLS, K_TILE
 
 ROW_BYTES = K_TILE  # one e4m3 ring row: 128 bytes = one 128B swizzle row
-STAGE_HALVES = HEAD_COLS * K_TILE // 2  # 16-bit words a stage
-
-
-@dsl_user_op
-def bf16x2(pair: Int16, *, loc=None, ip=None) -> Int32:
-    """Two e4m3 bytes (the lower address in the low byte) -> bf16x2 (the first in the low half), exactly."""
-    asm = ("{\n.reg .b32 f;\n.reg .b16 lo, hi;\n.reg .f32 a, b;\ncvt.rn.f16x2.e4m3x2 f, $1;\nmov.b32 {lo, hi}, f;\n"
-           "cvt.f32.f16 a, lo;\ncvt.f32.f16 b, hi;\ncvt.rn.bf16x2.f32 $0, b, a;\n}")
-    r = llvm.inline_asm(Int32.mlir_type, [Int16(pair).ir_value(loc=loc, ip=ip)], asm, "=r,h",
-                        has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return Int32(r)
-
-
-def ring_halves(ring_ptr, stages: int):
-    """The e4m3 W ring as a flat tensor of 16-bit words (stage s, row r, byte b at (s 8192 + r 128 + b) / 2)."""
-    return cute.make_tensor(cute.recast_ptr(ring_ptr, dtype=Int16), cute.make_layout(stages * STAGE_HALVES))
-
-
-def lane_base(row0, lane):
-    """The byte offset of (row row0 + lane / 4, column 2 (lane % 4)) in a stage, unswizzled (row0 a multiple of 8)."""
-    return (row0 + lane // 4) * ROW_BYTES + 2 * (lane % 4)
-
-
-@cute.jit
-def load_a(w16: cute.Tensor, a32: cute.Tensor, stage, base, g, kstep: cutlass.Constexpr):
-    """The four A registers (a32[0..3], mma.sync register order) of one m16 x k16 block: rows of `base` (lane_base
-    of the block's first row) and 8 further, k columns 16 kstep + 2t (+1) and + 8 (+9)."""
-    off = stage * (2 * STAGE_HALVES) + base + ((g ^ kstep) << 4)
-    a32[0] = bf16x2(w16[off // 2])
-    a32[1] = bf16x2(w16[(off + 8 * ROW_BYTES) // 2])
-    a32[2] = bf16x2(w16[(off + 8) // 2])
-    a32[3] = bf16x2(w16[(off + 8 * ROW_BYTES + 8) // 2])
+STAGE_BYTES = HEAD_COLS * K_TILE
+X_ROW_BYTES = 2 * K_TILE  # one token's bf16 row of an x stage: two 128-byte rows of two 64-column swizzle atoms
+ATOM_BYTES = 1024  # one 128B swizzle atom: 8 rows of 128 bytes
 
 
 def scale_tensor(ptr, n: int):
@@ -76,3 +51,82 @@ def promote(acc: cute.Tensor, tile_acc: cute.Tensor, s: Float32):
     for i in cutlass.range_constexpr(cute.size(acc)):
         acc[i] = acc[i] + tile_acc[i] * s
     tile_acc.fill(0.0)
+
+
+@cute.jit
+def promote2(acc: cute.Tensor, even: cute.Tensor, odd: cute.Tensor, s: Float32):
+    """acc += s * (even + odd) (a k-tile's two fp32 sums times its block scale), then both = 0 for the next k-tile."""
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        acc[i] = acc[i] + (even[i] + odd[i]) * s
+    even.fill(0.0)
+    odd.fill(0.0)
+
+
+@dsl_user_op
+def ldsm_x4(addr: Int32, *, loc=None, ip=None):
+    """ldmatrix.sync.aligned.m8n8.x4.shared.b16 from this lane's row address (a 32-bit shared address): lane
+    (g, t) = (lane / 4, lane % 4) gets bytes 4t..4t+3 of row g of each of the four 8 x 16-byte matrices, whose row
+    addresses lanes 8j..8j+7 give. Volatile: it must not move above the mbarrier wait that makes the stage valid."""
+    i32 = Int32.mlir_type
+    r = llvm.inline_asm(llvm.StructType.get_literal([i32, i32, i32, i32]), [Int32(addr).ir_value(loc=loc, ip=ip)],
+                        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
+                        has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Int32(llvm.extractvalue(i32, r, [k], loc=loc, ip=ip)) for k in range(4)]
+
+
+@dsl_user_op
+def bf16x2_half(word: Int32, high: cutlass.Constexpr, *, loc=None, ip=None) -> Int32:
+    """Two e4m3 bytes, the low (high = 0) or high 16 bits of a word (the lower address in the low byte) -> bf16x2
+    (the first in the low half), exactly."""
+    pick = "h" if high else "l"
+    asm = ("{\n.reg .b32 f;\n.reg .b16 l, h, lo, hi;\n.reg .f32 a, b;\nmov.b32 {l, h}, $1;\n"
+           f"cvt.rn.f16x2.e4m3x2 f, {pick};\nmov.b32 {{lo, hi}}, f;\n"
+           "cvt.f32.f16 a, lo;\ncvt.f32.f16 b, hi;\ncvt.rn.bf16x2.f32 $0, b, a;\n}")
+    r = llvm.inline_asm(Int32.mlir_type, [Int32(word).ir_value(loc=loc, ip=ip)], asm, "=r,r",
+                        has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return Int32(r)
+
+
+class LaneRows:
+    """What a lane's ldmatrix row address needs (fixed for the launch): the byte offset of its row within an m16
+    block (lanes 8j..8j+7 address matrix j: rows 0-7 (j even) or 8-15 (j odd) of the block, k16 step kk + j / 2)
+    and its row mod 8 (the swizzle)."""
+
+    def __init__(self, lane):
+        mat, self.rr = lane // 8, lane % 8
+        self.row_off = (self.rr + 8 * (mat % 2)) * ROW_BYTES
+        self.step = mat // 2
+
+
+def a_byte(stage, row0, lr: LaneRows, kk):
+    """The byte offset in the W ring of this lane's ldmatrix row for `load_a2` (plain arithmetic: the kernel traces
+    it, the tests evaluate it)."""
+    return stage * STAGE_BYTES + row0 * ROW_BYTES + lr.row_off + (((kk + lr.step) ^ lr.rr) << 4)
+
+
+def b_byte(stage, g, t, kk, nt, tt: int):
+    """The byte offset in the x ring of `load_b`'s 8-byte word for lane (g, t), k16 step kk, token tile nt."""
+    return (stage * (tt * X_ROW_BYTES) + ((kk // 4) * (tt // 8) + nt) * ATOM_BYTES + g * ROW_BYTES
+            + (((2 * (kk % 4) + t // 2) ^ g) << 4) + 8 * (t % 2))
+
+
+@cute.jit
+def load_a2(ring: Int32, a0: cute.Tensor, a1: cute.Tensor, stage, row0, lr: LaneRows, kk):
+    """The A registers of one m16 block (rows row0..row0 + 15) for k16 steps kk and kk + 1, one ldmatrix.x4 and
+    eight conversions, k permuted within each step: register slots (2t, 2t + 1) and (2t + 8, 2t + 9) hold bytes
+    4t, 4t + 1 and 4t + 2, 4t + 3 of the step's 16 (`load_b` reads x in the same order; a dot product does not
+    depend on the order of its terms)."""
+    d = ldsm_x4(ring + a_byte(stage, row0, lr, kk))
+    for j, a in ((0, a0), (1, a1)):
+        a[0] = bf16x2_half(d[2 * j], 0)
+        a[1] = bf16x2_half(d[2 * j + 1], 0)
+        a[2] = bf16x2_half(d[2 * j], 1)
+        a[3] = bf16x2_half(d[2 * j + 1], 1)
+
+
+@cute.jit
+def load_b(x64: cute.Tensor, b64: cute.Tensor, stage, g, t, kk, tt: cutlass.Constexpr):
+    """x's B registers of k16 step kk, k permuted as `load_a2`'s: for token g of each 8-token tile, bf16 columns
+    16 kk + 4t .. + 3 in one 8-byte load from the swizzled x stage (tile nt's atoms at nt, 64-column half kk / 4)."""
+    for nt in cutlass.range_constexpr(tt // 8):
+        b64[nt] = x64[b_byte(stage, g, t, kk, nt, tt) // 8]

@@ -77,6 +77,19 @@ def _prefetch_l2(addr: Int64, *, loc=None, ip=None):
                     has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
+@dsl_user_op
+def _pack_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
+    """bf16x2 of two floats (`lo` in the low half), round to nearest even: one F2FP.BF16.F32.PACK_AB. Opaque to
+    ptxas on purpose: where the rounded values are also read back as floats (an FP8 build's cache quotients),
+    ptxas otherwise rounds each value alone (F2F.BF16.F32: a conversion-unit instruction, 16 results a clock an SM
+    against the FMA pipe's 128 in the CUDA programming guide's throughput table; 8 a head in every thread of the
+    grid, q threads too) and packs the halves with PRMT."""
+    r = llvm.inline_asm(Uint32.mlir_type, [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+                        "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", has_side_effects=False,
+                        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return Uint32(r)
+
+
 class _Tensors(NamedTuple):
     """The global tensors of one launch and the two copy atoms (built once in the kernel)."""
     y: object
@@ -309,7 +322,14 @@ class QkvEpilogueKernel:
         """bf16 vector of the lane's 4 RoPE pairs, normed by rs: (a, b) -> (a c - b s, a s + b c), one rounding."""
         cv = cos_f.load()
         sv = sin_f.load()
-        o = cute.make_rmem_tensor(cute.make_layout(_VEC), BFloat16)
+        if cutlass.const_expr(self.fp8):  # its k values are read back as floats: a pair a packed word
+            w = cute.make_rmem_tensor(cute.make_layout(_PAIRS), Uint32)
+            for i in cutlass.range_constexpr(_PAIRS):
+                a = xf[2 * i] * rs
+                b = xf[2 * i + 1] * rs
+                w[i] = _pack_bf16x2(a * cv[i] - b * sv[i], a * sv[i] + b * cv[i])
+            return cute.recast_tensor(w, BFloat16)
+        o = cute.make_rmem_tensor(cute.make_layout(_VEC), BFloat16)  # (the bf16 builds: ptxas pairs these itself)
         for i in cutlass.range_constexpr(_PAIRS):
             a = xf[2 * i] * rs
             b = xf[2 * i + 1] * rs

@@ -46,8 +46,8 @@ EPI_ROUNDS_CHOICES = (1, 2)  # 4 rounds of two vectors measured slower than 2 ev
 EPI_CTAS_PER_SM = {(1, 1): 8, (2, 1): 5, (4, 1): 3, (8, 1): 2, (1, 2): 5, (2, 2): 4, (4, 2): 2, (8, 2): 1}
 # The FP8-cache builds (kv_cache_dtype "fp8_e4m3") are compiled with .minnctapersm of the same count (ptxas left
 # alone gives (2, 1) 57 registers and (2, 2) 69: 4 and 3 CTAs an SM, and with PDL two launches of 288 CTAs, TP8 M =
-# 1024, no longer fit the GPU together); bounded, they take the bf16 builds' 32 / 48 / 77 / 122 and 48 / 64 / 111 /
-# 164 registers with no local memory (tests/test_kernels_qkv_epilogue.py)
+# 1024, no longer fit the GPU together); bounded, they take 32 / 48 / 80 / 126 and 48 / 63 / 113 / 165 registers with
+# no local memory and no stack (tests/test_kernels_qkv_epilogue.py)
 # The rule (measured, bench/NOTES.md "qkv_epilogue"), by the 16-byte vectors of the input (M * H * 8):
 #   <= EPI_SMALL_VECTORS: one vector, one round: as fast as any on small inputs and up to 0.16 us faster on some
 #   (TP4 M <= 64), where a call costs 1.2-1.3 us;

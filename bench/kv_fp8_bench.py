@@ -171,7 +171,7 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results/h200-kv-fp8-bench.json")
     ap.add_argument("--tps", default="8,1")
     ap.add_argument("--ms", default="1,8,16,64")
-    ap.add_argument("--epi-ms", default="1024,16384")
+    ap.add_argument("--epi-ms", default="1024,16384", help="the epilogue's M values (empty: none)")
     ap.add_argument("--samples", type=int, default=9)
     ap.add_argument("--sweep", action="store_true", help="every epilogue build of both cache dtypes too")
     ap.add_argument("--no-front", action="store_true", help="the epilogue only")
@@ -199,7 +199,7 @@ def main() -> int:
             doc["front"].append(r)
             log(f"{time.time() - t0:6.1f}s front TP{tp} M={m}: {r['fp8_over_bf16']} y_equal={r['y_equal']}")
         del weights
-        for m in (int(v) for v in a.epi_ms.split(",")):
+        for m in (int(v) for v in a.epi_ms.split(",") if v):  # --epi-ms= : the front only
             r = epilogue_pair(tp, s.n, s.num_kv_heads, model.rms_norm_eps, model.rope_theta, m, a.samples, a.sweep,
                               a.slots)
             doc["epilogue"].append(r)

@@ -21,7 +21,7 @@ from bench.harness import report
 from bench.harness.all_m import ALL_M
 from bench.harness.plot import plot_us_against_m
 from bench.harness.timing import Graph, log, loops_for, time_graphs
-from bench.w8_bench import LAYERS, SCALES, TP_OF, add_scaled_mm, layer_inputs, scales
+from bench.w8_bench import LAYERS, TP_OF, add_op_graphs, add_scaled_mm, layer_inputs
 from musekern.config import load_config
 from musekern.model import HIDDEN
 from musekern.ops import qkv_front as front
@@ -41,13 +41,8 @@ def measure(n: int, nkv: int, m: int, eps: float, theta: float, samples: int) ->
     def add(name, call):
         graphs.append(Graph(name, [(lambda j=j: call(j)) for j in range(LAYERS)], loops_for(seq_s), LAYERS))
 
-    front.prepare(n, [m], nkv)
-    add("bf16", lambda j: front.launch(x, wb[j], pos, cs, slots, kc, vc, nkv, eps, out=o[j]))
-    for kind in SCALES:
-        front.prepare(n, [m], nkv, weight_format=f"fp8-{kind}")
-        sc = [scales(n, kind, g) for _ in range(LAYERS)]
-        add(f"fp8_{kind}", lambda j, sc=sc: front.launch(x, w8[j], pos, cs, slots, kc, vc, nkv, eps, out=o[j],
-                                                         weight_scale=sc[j]))
+    add_op_graphs(add, n, nkv, m, g, lambda j: front.launch(x, wb[j], pos, cs, slots, kc, vc, nkv, eps, out=o[j]),
+                  lambda j, sc: front.launch(x, w8[j], pos, cs, slots, kc, vc, nkv, eps, out=o[j], weight_scale=sc))
     add("mm", lambda j: torch.mm(x, wb[j].T, out=o[j]))
     add_scaled_mm(add, x, w8, o, g)
     us = {k: round(v["us"], 3) for k, v in time_graphs(graphs, samples).items()}

@@ -255,6 +255,17 @@ def add_scaled_mm(add, x, w8, o, g):
     return xq
 
 
+def add_op_graphs(add, n: int, nkv: int, m: int, g, bf16_call, fp8_call):
+    """Add the graphs "bf16" (bf16_call(j)) and "fp8_channel" / "fp8_block" (fp8_call(j, layer j's weight_scale), the
+    scales drawn from g in that order), each after front.prepare of its weight format."""
+    front.prepare(n, [m], nkv)
+    add("bf16", bf16_call)
+    for kind in SCALES:
+        front.prepare(n, [m], nkv, weight_format=f"fp8-{kind}")
+        sc = [scales(n, kind, g) for _ in range(LAYERS)]
+        add(f"fp8_{kind}", lambda j, sc=sc: fp8_call(j, sc[j]))
+
+
 def gemm_timing(n: int, nkv: int, m: int, eps: float, theta: float, samples: int) -> dict:
     """The op's FP8 GEMM path (ops.qkv_front.launch_gemm_epilogue, whatever M the front serves: x_quant per token /
     per group + _scaled_mm row-wise / block-scaled + the fused epilogue) beside the bf16 op and _scaled_mm alone (x
@@ -269,13 +280,9 @@ def gemm_timing(n: int, nkv: int, m: int, eps: float, theta: float, samples: int
     def add(name, call):
         graphs.append(Graph(name, [(lambda j=j: call(j)) for j in range(LAYERS)], loops_for(seq_s), LAYERS))
 
-    front.prepare(n, [m], nkv)
-    add("bf16", lambda j: front.qkv_front(x, wb[j], pos, cs, slots, kc, vc, nkv, eps, out=o[j]))
-    for kind in SCALES:
-        front.prepare(n, [m], nkv, weight_format=f"fp8-{kind}")
-        sc = [scales(n, kind, g) for _ in range(LAYERS)]
-        add(f"fp8_{kind}", lambda j, sc=sc: front.launch_gemm_epilogue(x, w8[j], pos, cs, slots, kc, vc, nkv, eps,
-                                                                       o[j], weight_scale=sc[j]))
+    add_op_graphs(add, n, nkv, m, g, lambda j: front.qkv_front(x, wb[j], pos, cs, slots, kc, vc, nkv, eps, out=o[j]),
+                  lambda j, sc: front.launch_gemm_epilogue(x, w8[j], pos, cs, slots, kc, vc, nkv, eps, o[j],
+                                                           weight_scale=sc))
     xq = add_scaled_mm(add, x, w8, o, g)
     block_mm = gemm_fp8.block_scaled_mm(x.device)  # the block path's GEMM alone (x already quantized per group)
     if block_mm is not None:

@@ -394,26 +394,30 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
         recv = self.recv(st)
         cs = st.cs.get_tensor(cute.make_layout(self.owned * 64))
         slots = st.slots.get_tensor(cute.make_layout(self.owned))
-        if cutlass.const_expr(self.k_split > 1):
-            cute.arch.mbarrier_wait(recv_bar, 0)  # all partials sent to my tokens by st.async have landed
-        if cutlass.const_expr(self.k_split == 1 or self.local_partials):
-            # this CTA's own partials, stored by every consumer warp with plain stores
-            cute.arch.barrier(barrier_id=BAR_PARTIALS, number_of_threads=CONSUMER_THREADS)
-        cute.arch.barrier(barrier_id=BAR_AUX, number_of_threads=CONSUMER_THREADS + 32)
-        cute.arch.griddepcontrol_wait()  # before any global store
         is_qk = head < self.nq + self.nkv
         is_k = head >= self.nq and head < self.nq + self.nkv
         is_v = head >= self.nq + self.nkv and head < self.nq + 2 * self.nkv
         kv_head = head - self.nq
         if is_v:
             kv_head = head - self.nq - self.nkv
+        # before any global read or store here. It returns at once (the producer's wait came before x, which every
+        # consumer has used), so it goes before the partials' waits: an FP8 build's scale load (the k or v head's
+        # one) then lands while they last, not after them
+        cute.arch.griddepcontrol_wait()
         kv_scale = None
-        if cutlass.const_expr(self.fp8):  # this head's cache scale (k or v heads only read one)
+        if cutlass.const_expr(self.fp8):
             kv_scale = Float32(1.0)
             if is_k:
                 kv_scale = _fp8.kv_scale(scales[0], scales[1])
             if is_v:
                 kv_scale = _fp8.kv_scale(scales[2], scales[3])
+        if cutlass.const_expr(self.k_split > 1):
+            cute.arch.mbarrier_wait(recv_bar, 0)  # all partials sent to my tokens by st.async have landed
+        if cutlass.const_expr(self.k_split == 1 or self.local_partials):
+            # this CTA's own partials, stored by every consumer warp with plain stores
+            cute.arch.barrier(barrier_id=BAR_PARTIALS, number_of_threads=CONSUMER_THREADS)
+        cute.arch.barrier(barrier_id=BAR_AUX, number_of_threads=CONSUMER_THREADS + 32)
+        if cutlass.const_expr(self.fp8):
             kv_scale = _fp8.divisor(kv_scale)  # (scale, 1 / scale, ...): once a thread
         if cutlass.const_expr(self.v.warp_split == "wg" and self.owned >= OCTET_MIN_OWNED):
             # eight lanes a token, 16-byte vectors, where every warp takes a group of four tokens

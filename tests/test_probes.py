@@ -91,16 +91,20 @@ def test_w8_alts_split4_builds_are_tp8_e4m3_fronts_at_k_split_4_serving_m_1_to_1
         assert v.n // 64 * v.k_split == 136  # 34 heads x 4: every SM of an H100 / H200 holds one CTA or two
 
 
-def test_w8_alts_k1_differs_from_the_plan_only_in_warp_split():
-    # M = 1..8 (one token tile): the planned build with warp_split "k" for "rows", nothing else moved
+# the one-tile e4m3 builds (M = 1..8) of TP8 and TP2: "rows1" / "rows1tp2" are the plan's builds with "rows" for its
+# "k", nothing else moved; "k1" / "k1tp2" (the rounds that chose "k") are the plan's builds themselves now
+@pytest.mark.parametrize("alt,k_alt,n", [("rows1", "k1", 2176), ("rows1tp2", "k1tp2", 8704)])
+def test_w8_alts_rows1_differs_from_the_plan_only_in_warp_split(alt, k_alt, n):
     from musekern.kernels.qkv_front import rules
     from musekern.targets import get_target
 
     alts = _probe("w8_alts")
-    table = alts.table("k1")
-    assert {(k[2], k[3]) for k in table} == {(kind, m) for kind in alts.KINDS for m in range(1, 9)}
-    for (n, _, kind, m), v in table.items():
-        planned = rules.variant(n, m, alts.NKV, get_target("h200"), weight_dtype="fp8_e4m3", weight_scale=kind)
-        assert (planned.warp_split, v.warp_split) == ("rows", "k")
-        assert dataclasses.replace(v, warp_split="rows") == planned
-        assert alts.table("plan")[(n, "fp8_e4m3", kind, m)] == planned  # "plan": the planned builds themselves
+    table = alts.table(alt)
+    assert {(k[0], k[2], k[3]) for k in table} == {(n, kind, m) for kind in alts.KINDS for m in range(1, 9)}
+    nkv = alts.ALTS[alt][4][1]
+    for (_, _, kind, m), v in table.items():
+        planned = rules.variant(n, m, nkv, get_target("h200"), weight_dtype="fp8_e4m3", weight_scale=kind)
+        assert (planned.warp_split, v.warp_split) == ("k", "rows")
+        assert dataclasses.replace(v, warp_split="k") == planned == alts.table(k_alt)[(n, "fp8_e4m3", kind, m)]
+        if n == alts.N:
+            assert alts.table("plan")[(n, "fp8_e4m3", kind, m)] == planned  # "plan": the planned builds themselves

@@ -7,10 +7,12 @@ ones in one process. Each alternative maps (shard, scale kind, M) to the build t
   epilogue takes 4 a warp; the ring rules' stages, trigger and trigger_ahead for it), serving M = 1-16. Written on
   the hypothesis that the conversion paces the front; its run refuted it (chain equal with channel scales, 8% slower
   with block: bench/results/h100-e4m3-bounds.json, bench/NOTES.md "e4m3 weights").
-- "k1" (round 48): TP8's one-tile builds (M = 1-8) with warp_split "k" in place of the plan's "rows". Under "rows" a
-  warp's eight k16 steps of a k-tile are one dependent mma chain behind its own loads and conversions, with no
-  overlap across k-tiles (the SASS of the planned build: LDS -> F2FP -> HADD2 -> F2FP -> HMMA, one accumulator);
-  "k" gives a warp 4 independent chains of two and loads k-tile i + 1 before the MMAs of k-tile i.
+- "k1" (round 48), "k1tp2" (round 53): TP8's (TP2's) one-tile builds (M = 1-8) with warp_split "k" in place of
+  "rows", which the plan then took for them (one token tile under the late trigger). Under "rows" a warp's eight k16
+  steps of a k-tile are one dependent mma chain behind its own loads and conversions (pipelined over two register sets
+  since 7d19236); "k" gives a warp 4 independent chains of two and loads k-tile i + 1 before the MMAs of k-tile i.
+  Round 53 (H100, ldmatrix.x4 consumers): TP8 chain e4m3 / bf16 0.769 / 0.763 -> 0.738 / 0.719 (channel / block).
+- "rows1", "rows1tp2": the same pairs the other way round, once the plan takes "k" for them.
 - "plan": the planned builds themselves, M = 1-8, for a run on kernel sources other than the tree's (the loader keys
   a build by its sources, so the same labels launch the other sources' builds): its "planned" and "plan" rows are
   then the same builds, and the comparison is with another run's ratios.
@@ -39,24 +41,29 @@ def split4(kind: str) -> QkvFrontVariant:
                                trigger_ahead=rules.trigger_ahead(N, 4, t, base.tiles, st))
 
 
-def k1(kind: str, m: int) -> QkvFrontVariant:
-    base = rules.variant(N, m, NKV, get_target("h200"), weight_dtype="fp8_e4m3", weight_scale=kind)
-    return dataclasses.replace(base, warp_split="k")
+def split_as(warp: str, kind: str, m: int, n: int = N, nkv: int = NKV) -> QkvFrontVariant:
+    base = rules.variant(n, m, nkv, get_target("h200"), weight_dtype="fp8_e4m3", weight_scale=kind)
+    return dataclasses.replace(base, warp_split=warp)
 
 
-# name: (variant of (kind, m), the M it serves, the M it is checked at (the ends of its token tiles), the M timed)
+# name: (variant of (kind, m), the M it serves, the M it is checked at (the ends of its token tiles), the M timed,
+# the shard (N, KV heads))
 ALTS = {
-    "split4": (lambda kind, m: split4(kind), range(1, 17), (1, 8, 9, 16), (1, 8, 16)),
-    "k1": (k1, range(1, 9), (1, 5, 8), (1, 4, 8)),
+    "split4": (lambda kind, m: split4(kind), range(1, 17), (1, 8, 9, 16), (1, 8, 16), (N, NKV)),
+    "k1": (lambda kind, m: split_as("k", kind, m), range(1, 9), (1, 5, 8), (1, 4, 8), (N, NKV)),
+    "k1tp2": (lambda kind, m: split_as("k", kind, m, 8704, 4), range(1, 9), (1, 5, 8), (1, 4, 8), (8704, 4)),
+    "rows1": (lambda kind, m: split_as("rows", kind, m), range(1, 9), (1, 5, 8), (1, 4, 8), (N, NKV)),
+    "rows1tp2": (lambda kind, m: split_as("rows", kind, m, 8704, 4), range(1, 9), (1, 5, 8), (1, 4, 8), (8704, 4)),
     "plan": (lambda kind, m: rules.variant(N, m, NKV, get_target("h200"), weight_dtype="fp8_e4m3", weight_scale=kind),
-             range(1, 9), (1, 5, 8), (1, 4, 8)),
+             range(1, 9), (1, 5, 8), (1, 4, 8), (N, NKV)),
 }
 
 
 def table(alt: str) -> dict:
     """{(n, weight_dtype, kind, m): variant} (w8_bench's table keys) for every M the alternative serves."""
     make, ms = ALTS[alt][:2]
-    return {(N, "fp8_e4m3", kind, m): make(kind, m) for kind in KINDS for m in ms}
+    n = ALTS[alt][4][0]
+    return {(n, "fp8_e4m3", kind, m): make(kind, m) for kind in KINDS for m in ms}
 
 
 def run(alt: str) -> int:
@@ -75,17 +82,17 @@ def run(alt: str) -> int:
     torch.zeros(1, device="cuda")
     pred = PredKernel()
     tab, planned = table(alt), builds()
-    check_ms, time_ms = ALTS[alt][2:]
+    check_ms, time_ms, (n, nkv) = ALTS[alt][2:]
     doc = {"alt": alt, "builds": sorted({v.label for v in tab.values()}), "check": [], "timing": []}
     for kind in KINDS:
         for m in check_ms:
-            r = wb.check(N, NKV, kind, m, tab[(N, "fp8_e4m3", kind, m)], eps, theta)
+            r = wb.check(n, nkv, kind, m, tab[(n, "fp8_e4m3", kind, m)], eps, theta)
             doc["check"].append(r)
             print(f"check {kind} M={m}: y {r['y_err']:.4f} (torch {r['torch_y_err']:.4f}) ok={r['ok']}",
                   file=sys.stderr, flush=True)
     for m in time_ms:
         for name, t in (("planned", planned), (alt, {**planned, **tab})):
-            r = wb.timing(N, NKV, m, t, eps, theta, pred, 7)
+            r = wb.timing(n, nkv, m, t, eps, theta, pred, 7)
             r["builds"] = name
             doc["timing"].append(r)
             print(f"time {name} M={m}: {r['us']}", file=sys.stderr, flush=True)

@@ -151,13 +151,14 @@ def trigger_ahead(n: int, split: int, target: Target, tiles: int, stages: int) -
     return stages
 
 
-# NOTES "warp_split": "k" everywhere except one token tile under the late trigger; wgmma ("wg") above two tiles,
+# NOTES "warp_split": "k" everywhere except one bf16 token tile under the late trigger; wgmma ("wg") above two tiles,
 # where mma.sync's consumer cannot keep up with the stream (not for an e4m3 weight: wgmma has no e4m3 x bf16 form).
 def warp_split(n: int, split: int, target: Target, tiles: int, weight_dtype: str = "bf16") -> str:
     """How the consumer warps share a k-tile."""
     if tiles >= WG_FROM_TILES and target.arch in WGMMA_ARCHES and weight_dtype == "bf16":
         return "wg"
-    return "rows" if tiles == 1 and pdl_trigger(n, split, target, tiles) == "late" else "k"
+    late_one = tiles == 1 and pdl_trigger(n, split, target, tiles) == "late"
+    return "rows" if late_one and weight_dtype == "bf16" else "k"
 
 
 def variant(n: int, m: int, num_kv_heads: int, target: Target, kv_cache_dtype: str = BF16,

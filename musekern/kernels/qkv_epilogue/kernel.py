@@ -212,21 +212,33 @@ class QkvEpilogueKernel:
     @cute.jit
     def _coords(self, w, total, row_units, m):
         """(live, row r, lane j, first head h0) of unit w; a unit past the end maps to the last unit. bf16 builds:
-        row-major (a warp: four head groups of one or two rows). FP8 builds: head-group-major (a warp: one head
-        group of four rows), so the k/v groups' stores (e4m3 quotients, fp8.py) run in warps of their own instead of
-        holding up three q groups each (variant.py)."""
+        row-major (a warp: four head groups of one or two rows). FP8 builds: a warp is one head group of four rows
+        (so the k/v groups' e4m3 stores, fp8.py, run in warps of their own instead of holding up three q groups
+        each), the warps of four rows taking the row's head groups in turn (so those heavier warps spread evenly
+        over the grid's CTAs, not gathered in its last ones); a last block of M % 4 rows likewise with fewer rows
+        (variant.py)."""
         live = w < total
         wc = Uint32(cutlass.min(w, total - 1))  # total >= 1: the grid is empty when M == 0
         r = Int32(0)
         j = Int32(0)
         g = Int32(0)
         if cutlass.const_expr(self.fp8):
-            t = wc // Uint32(EPI_LANES)
-            mu = Uint32(m)
-            g_u = t // mu
-            r = Int32(t - g_u * mu)
-            g = Int32(g_u)
+            t = wc // Uint32(EPI_LANES)  # the unit's 8-lane group, of m * groups
             j = Int32(wc - t * Uint32(EPI_LANES))
+            groups = Uint32(row_units // EPI_LANES)
+            mu = Uint32(m)
+            full = (mu >> 2) * groups * Uint32(4)  # 8-lane groups in whole blocks of four rows
+            tail = t >= full  # the last M % 4 rows: one block of fewer rows
+            rows = Uint32(4)
+            base = Uint32(0)
+            if tail:
+                rows = mu & Uint32(3)
+                base = full
+            u = t - base
+            q = u // rows  # a warp: (block of four rows, head group), the group fastest; the tail: one block
+            blk = q // groups
+            g = Int32(q - blk * groups)
+            r = Int32(base // groups + (blk << 2) + (u - q * rows))
         else:
             ru = Uint32(row_units)
             r_u = wc // ru

@@ -22,11 +22,12 @@ from ..base import VariantMixin
 # of row r (vpt = vecs_per_thread), so its vectors share one position, one slot and one cos|sin piece. A row is
 # row_units = EPI_LANES * ceil(H / vpt) units, flattened row-major with j fastest: the 8 lanes of one (row, head
 # group) are 8 consecutive, 8-aligned lanes that reduce each head's sum of squares with butterfly shuffles, and one
-# warp load reads 512 bytes of y: contiguous with vpt = 1, else 4 whole 128-byte heads vpt heads apart. An FP8 build
-# flattens them head-group-major instead (j fastest, then the row): a warp is one head group of four rows, so the k/v
-# groups' e4m3 stores (fp8.py) run in warps of their own rather than holding up three q groups (TP8: 1.32 -> 1.19x
-# the bf16 time at M = 1024, bench/NOTES.md "FP8 KV cache"). Unit w of the M * row_units is thread w % EPI_BLOCK of
-# CTA (w % G) // EPI_BLOCK in round w // G, G = grid * EPI_BLOCK.
+# warp load reads 512 bytes of y: contiguous with vpt = 1, else 4 whole 128-byte heads vpt heads apart. In an FP8
+# build a warp is one head group of four rows (j fastest, then the row), so the k/v groups' e4m3 stores (fp8.py) run
+# in warps of their own rather than holding up three q groups (TP8: 1.32 -> 1.19x the bf16 time at M = 1024,
+# bench/NOTES.md "FP8 KV cache"); the warps of four rows take the row's head groups in turn (the group fastest), so
+# those heavier warps spread over every CTA, and the last M % 4 rows form one block of fewer rows. Unit w of the
+# M * row_units is thread w % EPI_BLOCK of CTA (w % G) // EPI_BLOCK in round w // G, G = grid * EPI_BLOCK.
 EPI_HEAD_DIM = HEAD_DIM  # columns per head (Muse Spark); 32 RoPE pairs
 EPI_VEC_ELEMS = 8  # bf16 elements per 16-byte vector: 4 RoPE pairs
 EPI_LANES = EPI_HEAD_DIM // EPI_VEC_ELEMS  # lanes (vectors) per head

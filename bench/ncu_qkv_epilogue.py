@@ -6,7 +6,8 @@
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --csv \\
       python3 bench/ncu_qkv_epilogue.py 17408 16384 [--variants "LABEL;..."]     (N, then the M values; 3 launches of
       each kernel per M, after the bf16 conversion of y, an elementwise kernel too; --variants: 3 launches of each of
-      these qkv_epilogue builds too, after the planned one's: raise --launch-count to 40)
+      these qkv_epilogue builds too, after the planned one's: raise --launch-count to 40; --fp8: 3 launches of the
+      planned FP8-KV build too, e4m3 caches and device scales, after the bf16 one's)
 """
 import sys
 
@@ -21,6 +22,8 @@ from musekern.reference import rope_cos_sin_table
 
 def main(argv) -> int:
     builds = []
+    fp8 = "--fp8" in argv
+    argv = [a for a in argv if a != "--fp8"]
     if "--variants" in argv:
         i = argv.index("--variants")
         builds = [variant_from_label(lbl) for lbl in argv[i + 1].split(";")]
@@ -41,6 +44,12 @@ def main(argv) -> int:
         dst = torch.empty_like(src)
         for _ in range(3):
             qkv_epilogue(y, pos, cs, slots, kv[0], kv[1], nkv, model.rms_norm_eps)
+        if fp8:
+            kv8 = torch.zeros(2, blocks, 16, nkv, 64, dtype=torch.uint8, device="cuda")
+            scales = torch.tensor([0.0371, 0.0517], device="cuda")  # not powers of two: the quotient path
+            for _ in range(3):
+                qkv_epilogue(y, pos, cs, slots, kv8[0], kv8[1], nkv, model.rms_norm_eps, k_scale=scales[0],
+                             v_scale=scales[1])
         for v in builds:
             for _ in range(3):
                 launch(y, pos, cs, slots, kv[0], kv[1], nkv, model.rms_norm_eps, variant=v)

@@ -7,12 +7,13 @@ ones in one process. Each alternative maps (shard, scale kind, M) to the build t
   epilogue takes 4 a warp; the ring rules' stages, trigger and trigger_ahead for it), serving M = 1-16. Written on
   the hypothesis that the conversion paces the front; its run refuted it (chain equal with channel scales, 8% slower
   with block: bench/results/h100-e4m3-bounds.json, bench/NOTES.md "e4m3 weights").
-- "k1" (round 48), "k1tp2" (round 53): TP8's (TP2's) one-tile builds (M = 1-8) with warp_split "k" in place of
-  "rows", which the plan then took for them (one token tile under the late trigger). Under "rows" a warp's eight k16
-  steps of a k-tile are one dependent mma chain behind its own loads and conversions (pipelined over two register sets
-  since 7d19236); "k" gives a warp 4 independent chains of two and loads k-tile i + 1 before the MMAs of k-tile i.
-  Round 53 (H100, ldmatrix.x4 consumers): TP8 chain e4m3 / bf16 0.769 / 0.763 -> 0.738 / 0.719 (channel / block).
-- "rows1", "rows1tp2": the same pairs the other way round, once the plan takes "k" for them.
+- "k1" (rounds 48, 52), "k1tp2": TP8's (TP2's) one-tile builds (M = 1-8) with warp_split "k" in place of "rows",
+  which the plan then took for them (one token tile under the late trigger). Under "rows" a warp's eight k16 steps of
+  a k-tile are one dependent mma chain behind its own loads and conversions (pipelined over two register sets since
+  7d19236); "k" gives a warp 4 independent chains of two and loads k-tile i + 1 before the MMAs of k-tile i. Round 52
+  (H100, ldmatrix.x4 consumers): TP8 chain e4m3 / bf16 0.769 / 0.763 -> 0.738 / 0.719 (channel / block); the plan
+  takes "k" since 1a3b17d.
+- "rows1", "rows1tp2" (round 54): the same pairs the other way round, once the plan took "k" for them.
 - "plan": the planned builds themselves, M = 1-8, for a run on kernel sources other than the tree's (the loader keys
   a build by its sources, so the same labels launch the other sources' builds): its "planned" and "plan" rows are
   then the same builds, and the comparison is with another run's ratios.

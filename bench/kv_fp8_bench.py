@@ -103,14 +103,16 @@ def front_pair(tp: int, n: int, nkv: int, eps: float, theta: float, m: int, weig
 
 
 def epilogue_pair(tp: int, n: int, nkv: int, eps: float, theta: float, m: int, samples: int, sweep: bool,
-                  slots_mode: str = "random") -> dict:
+                  slots_mode: str = "random", y_buffers: int = 0) -> dict:
     """The rule's build of each cache dtype (`epi_bf16`, `epi_fp8`); with `sweep` also every build of both
     (`bf16_<vpt>x<rounds>`, `fp8_...`) and the FP8 rule's build with float scales (`fp8_float_scales`) and with scales
     of 1.0 (`fp8_unit_scales`: vLLM's default, a power of two: no quotient, kernels/qkv_front/fp8.py)."""
     g = torch.Generator(device="cuda").manual_seed(7 * m + tp)
     cos_sin = rope_cos_sin_table(MAX_POS, theta, "cuda")
     pos = torch.randint(0, MAX_POS, (m,), device="cuda", generator=g)
-    nbuf = max(2, min(8, math.ceil(ROTATE_BYTES / (m * n * 2))))
+    # past the L2 at every shape (TP8 M = 1024: 22 buffers; 8, the former cap, left 36 MB of y in the L2, where the bf16
+    # build's time moved 2.06-2.47 us run to run); y_buffers = 1: y hot in the L2, as the GEMM leaves it
+    nbuf = y_buffers or max(2, min(64, math.ceil(ROTATE_BYTES / (m * n * 2))))
     ys = [torch.randn(m, n, device="cuda", generator=g).to(torch.bfloat16) for _ in range(nbuf)]
     row = {"tp": tp, "N": n, "num_kv_heads": nkv, "M": m, "y_buffers": nbuf, "us": {},
            "build": {k: epilogue_variant(n, m, nkv, kv).label for k, kv in (("bf16", BF16), ("fp8", FP8_E4M3))}}
@@ -175,6 +177,7 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=9)
     ap.add_argument("--sweep", action="store_true", help="every epilogue build of both cache dtypes too")
     ap.add_argument("--no-front", action="store_true", help="the epilogue only")
+    ap.add_argument("--y-buffers", type=int, default=0, help="the epilogue's y buffers (0: past the L2; 1: y hot)")
     ap.add_argument("--slots", choices=("random", "sorted", "none"), default="random",
                     help="the epilogue's slots: a random permutation (an engine's), sorted, or all -1 (no cache write)")
     a = ap.parse_args()
@@ -201,7 +204,7 @@ def main() -> int:
         del weights
         for m in (int(v) for v in a.epi_ms.split(",") if v):  # --epi-ms= : the front only
             r = epilogue_pair(tp, s.n, s.num_kv_heads, model.rms_norm_eps, model.rope_theta, m, a.samples, a.sweep,
-                              a.slots)
+                              a.slots, a.y_buffers)
             doc["epilogue"].append(r)
             log(f"{time.time() - t0:6.1f}s epilogue TP{tp} M={m}: {r['fp8_over_bf16']}")
         torch.cuda.empty_cache()

@@ -257,6 +257,53 @@ ALL_FP8 = list(all_builds("fp8_e4m3"))
 SCALE_NAMES = ["k_scale_ptr", "k_scale", "v_scale_ptr", "v_scale"]
 
 
+def fp8_units(v, m, n, nkv):
+    """An FP8 build's unit mapping (kernel.py `_coords`), vectorized over the units every thread of the grid works on
+    in its rounds: (live, row r, lane j, first head h0) a unit."""
+    groups = row_units(v, n, nkv) // EPI_LANES
+    total = m * groups * EPI_LANES
+    threads = launch_grid(v, m, n, nkv)[0] * EPI_BLOCK
+    w = (torch.arange(v.rounds)[:, None] * threads + torch.arange(threads)).reshape(-1)  # round k: thread t + k G
+    live = w < total
+    wc = w.clamp(max=total - 1)
+    t, j = wc // EPI_LANES, wc % EPI_LANES
+    full = (m >> 2) * groups * 4  # 8-lane groups in whole blocks of four rows
+    tail = t >= full  # the last M % 4 rows: one block of fewer rows
+    rows = torch.where(tail, m & 3, 4)
+    base = torch.where(tail, full, 0)
+    u = t - base
+    q = u // rows
+    blk = q // groups
+    g = q - blk * groups
+    r = base // groups + blk * 4 + (u - q * rows)
+    return live, r, j, g * v.vecs_per_thread
+
+
+# Every FP8 build; TP8 (16 q heads, one k, one v: k and v share a group at vpt >= 2), TP4, TP1, the smallest layout;
+# M from one row to whole blocks of four rows with and without a last block of 1-3 rows, grids that end mid-CTA.
+# The GPU tests check the bytes; this checks the mapping alone: every (row, head, lane) once, every load in y, the
+# 8 lanes of a group together, and a warp of whole blocks one head group (the k/v groups' e4m3 stores in warps of
+# their own).
+@pytest.mark.parametrize("v", ALL_FP8, ids=lambda v: v.label)
+@pytest.mark.parametrize("m,n,nkv", [(1, 2176, 1), (7, 2176, 1), (1024, 2176, 1), (1027, 2176, 1), (33, 4352, 2),
+                                     (6, 17408, 8), (5, 256, 1), (13, 1280, 2)])
+def test_fp8_units_cover_every_head_once(v, m, n, nkv):
+    live, r, j, h0 = fp8_units(v, m, n, nkv)
+    nq, _ = head_counts(n, nkv)
+    heads = nq + 2 * nkv
+    assert bool(((r >= 0) & (r < m) & (h0 < heads)).all()), "a load outside y"  # a head past the last loads it
+    cover = torch.zeros(m, heads, EPI_LANES, dtype=torch.int32)
+    for u in range(v.vecs_per_thread):
+        sel = live & (h0 + u < heads)
+        cover.index_put_((r[sel], (h0 + u)[sel], j[sel]), torch.tensor(1, dtype=torch.int32), accumulate=True)
+    assert bool((cover == 1).all()), "a (row, head, lane) not worked on exactly once"
+    for x in (r, h0, live):  # the 8 lanes of a (row, head group): consecutive, all live or all dead
+        assert bool((x.view(-1, EPI_LANES) == x.view(-1, EPI_LANES)[:, :1]).all())
+    whole = (live & (r < m - m % 4)).view(-1, 32).all(1)
+    warp_h0 = h0.view(-1, 32)
+    assert bool((warp_h0[whole] == warp_h0[whole][:, :1]).all()), "a warp of whole blocks holds two head groups"
+
+
 def test_fp8_abi_is_the_bf16_abi_then_the_scales():
     pytest.importorskip("cutlass")
     from musekern.kernels.qkv_epilogue.abi import abi_for

@@ -42,29 +42,36 @@ def split4(kind: str) -> QkvFrontVariant:
                                trigger_ahead=rules.trigger_ahead(N, 4, t, base.tiles, st))
 
 
-def split_as(warp: str, kind: str, m: int, n: int = N, nkv: int = NKV) -> QkvFrontVariant:
-    base = rules.variant(n, m, nkv, get_target("h200"), weight_dtype="fp8_e4m3", weight_scale=kind)
-    return dataclasses.replace(base, warp_split=warp)
+def split_as(warp: str):
+    """The planned e4m3 build of (kind, m, n, nkv) with warp_split `warp`."""
+    def make(kind: str, m: int, n: int, nkv: int) -> QkvFrontVariant:
+        return dataclasses.replace(plan(kind, m, n, nkv), warp_split=warp)
+    return make
 
 
-# name: (variant of (kind, m), the M it serves, the M it is checked at (the ends of its token tiles), the M timed,
-# the shard (N, KV heads))
+def plan(kind: str, m: int, n: int, nkv: int) -> QkvFrontVariant:
+    """The planned e4m3 build of (kind, m, n, nkv)."""
+    return rules.variant(n, m, nkv, get_target("h200"), weight_dtype="fp8_e4m3", weight_scale=kind)
+
+
+ONE_TILE = (range(1, 9), (1, 5, 8), (1, 4, 8))  # M served, checked (the ends of its token tile), timed
+TP2 = (8704, 4)
+# name: (variant of (kind, m, n, nkv), the M it serves, the M it is checked at (the ends of its token tiles), the M
+# timed, the shard (N, KV heads))
 ALTS = {
-    "split4": (lambda kind, m: split4(kind), range(1, 17), (1, 8, 9, 16), (1, 8, 16), (N, NKV)),
-    "k1": (lambda kind, m: split_as("k", kind, m), range(1, 9), (1, 5, 8), (1, 4, 8), (N, NKV)),
-    "k1tp2": (lambda kind, m: split_as("k", kind, m, 8704, 4), range(1, 9), (1, 5, 8), (1, 4, 8), (8704, 4)),
-    "rows1": (lambda kind, m: split_as("rows", kind, m), range(1, 9), (1, 5, 8), (1, 4, 8), (N, NKV)),
-    "rows1tp2": (lambda kind, m: split_as("rows", kind, m, 8704, 4), range(1, 9), (1, 5, 8), (1, 4, 8), (8704, 4)),
-    "plan": (lambda kind, m: rules.variant(N, m, NKV, get_target("h200"), weight_dtype="fp8_e4m3", weight_scale=kind),
-             range(1, 9), (1, 5, 8), (1, 4, 8), (N, NKV)),
+    "split4": (lambda kind, m, n, nkv: split4(kind), range(1, 17), (1, 8, 9, 16), (1, 8, 16), (N, NKV)),
+    "k1": (split_as("k"), *ONE_TILE, (N, NKV)),
+    "k1tp2": (split_as("k"), *ONE_TILE, TP2),
+    "rows1": (split_as("rows"), *ONE_TILE, (N, NKV)),
+    "rows1tp2": (split_as("rows"), *ONE_TILE, TP2),
+    "plan": (plan, *ONE_TILE, (N, NKV)),
 }
 
 
 def table(alt: str) -> dict:
     """{(n, weight_dtype, kind, m): variant} (w8_bench's table keys) for every M the alternative serves."""
-    make, ms = ALTS[alt][:2]
-    n = ALTS[alt][4][0]
-    return {(n, "fp8_e4m3", kind, m): make(kind, m) for kind in KINDS for m in ms}
+    make, ms, _, _, (n, nkv) = ALTS[alt]
+    return {(n, "fp8_e4m3", kind, m): make(kind, m, n, nkv) for kind in KINDS for m in ms}
 
 
 def run(alt: str) -> int:

@@ -35,6 +35,15 @@ EPS = 1e-5
 
 
 # ---------------------------------------------------------------- the intended math, on CPU
+def grid_units(v, m, n, nkv):
+    """(live, w clamped to the last unit) of every unit index the grid's threads take in their rounds (round k: thread
+    t's unit t + k G, G the grid's threads); a unit past the end works on the last one."""
+    total = m * row_units(v, n, nkv)
+    threads = launch_grid(v, m, n, nkv)[0] * EPI_BLOCK
+    w = (torch.arange(v.rounds)[:, None] * threads + torch.arange(threads)).reshape(-1)
+    return w < total, w.clamp(max=total - 1)
+
+
 def simulate(y, positions, cs, slots, kc, vc, nkv, eps, v):
     """Runs the kernel's unit mapping (the formulas of kernels/qkv_epilogue.py), vectorized over the units every
     thread of the grid works on in its rounds, on CPU: returns the new y, and counts of how often each element of y
@@ -44,11 +53,7 @@ def simulate(y, positions, cs, slots, kc, vc, nkv, eps, v):
     heads = nq + 2 * nkv
     vpt = v.vecs_per_thread
     ru = row_units(v, n, nkv)
-    total = m * ru
-    threads = launch_grid(v, m, n, nkv)[0] * EPI_BLOCK
-    w = (torch.arange(v.rounds)[:, None] * threads + torch.arange(threads)).reshape(-1)  # round k: thread t + k G
-    live = w < total
-    wc = w.clamp(max=total - 1)
+    live, wc = grid_units(v, m, n, nkv)
     r, rem = wc // ru, wc % ru
     j, h0 = rem % EPI_LANES, (rem // EPI_LANES) * vpt
     # the 8 lanes of a (row, head group) are consecutive and 8-aligned, and all live or all dead
@@ -261,11 +266,7 @@ def fp8_units(v, m, n, nkv):
     """An FP8 build's unit mapping (kernel.py `_coords`), vectorized over the units every thread of the grid works on
     in its rounds: (live, row r, lane j, first head h0) a unit."""
     groups = row_units(v, n, nkv) // EPI_LANES
-    total = m * groups * EPI_LANES
-    threads = launch_grid(v, m, n, nkv)[0] * EPI_BLOCK
-    w = (torch.arange(v.rounds)[:, None] * threads + torch.arange(threads)).reshape(-1)  # round k: thread t + k G
-    live = w < total
-    wc = w.clamp(max=total - 1)
+    live, wc = grid_units(v, m, n, nkv)
     t, j = wc // EPI_LANES, wc % EPI_LANES
     full = (m >> 2) * groups * 4  # 8-lane groups in whole blocks of four rows
     tail = t >= full  # the last M % 4 rows: one block of fewer rows

@@ -41,6 +41,7 @@ from musekern.kernels.qkv_front.variant import launch_grid
 from musekern.model import HIDDEN
 from musekern.ops import qkv_front as front
 from musekern.reference import (
+    bf16_step,
     fused_qknorm_rope_kv_insert,
     rope_cos_sin_table,
     vllm_fp8_gemm,
@@ -133,8 +134,8 @@ def check(n: int, nkv: int, kind: str, m: int, v, eps: float, theta: float) -> d
     if w8a8:  # its exact sums rounded once, plus one bf16 step of the largest value (fp32 sums in another order)
         e_m = err(outs["model_sums"][0], ref)
         e_kv_m = max(err(outs["model_sums"][1], kr), err(outs["model_sums"][2], vr))
-        bound = e_m + 2.0 ** -8 * float(ref.float().abs().max())
-        bound_kv = e_kv_m + 2.0 ** -8 * max(float(kr.float().abs().max()), float(vr.float().abs().max()))
+        bound = e_m + bf16_step(float(ref.float().abs().max()))
+        bound_kv = e_kv_m + bf16_step(max(float(kr.float().abs().max()), float(vr.float().abs().max())))
     else:
         bound, bound_kv = 2 * e_t + 1e-2, 2 * e_kv_t + 1e-2
     row = {"N": n, "tp": TP_OF[n], "scale": kind, "M": m, "build": v.label, "y_err": e_y, "torch_y_err": e_t,

@@ -1,6 +1,8 @@
 """Plain-torch references (CPU or GPU): what the kernels must equal."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .kernels.x_quant.variant import XQ_GROUP as FP8_K_GROUP
@@ -154,6 +156,12 @@ def qkv_front_reference(x: torch.Tensor, weight: torch.Tensor, positions: torch.
 FP8_MIN_SCALE = 1.0 / (E4M3_MAX * 512.0)  # vLLM's min_scaling_factor of a per-token x scale (csrc utils.cuh)
 # FP8_GROUP_EPS: vLLM's floor on a 128-group's amax (per_token_group_quant_fp8); FP8_K_GROUP: columns of one x group
 # / weight block in K (both the x_quant kernel's constants)
+
+
+def bf16_step(v: float) -> float:
+    """The gap between neighbouring bf16 values at |v| (2^(e - 7) for 2^e <= |v| < 2^(e + 1)): the size of a
+    rounding flip, where two sums of the same products in another order round to the two sides of a boundary."""
+    return math.ldexp(1.0, math.frexp(abs(v))[1] - 8)
 
 
 def fp8_gemm_fp64(x: torch.Tensor, packed) -> torch.Tensor:

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from musekern.reference import (  # noqa: E402
     FP8_MIN_SCALE,
+    bf16_step,
     e4m3_rows,
     fp8_gemm_fp64,
     fused_qknorm_rope_kv_insert,
@@ -348,6 +349,14 @@ def test_vllm_fp8_gemm_block_scales_apply_per_block():
     ulp = 2.0 ** -23 * float(base.abs().max())  # the results are fp32: each rounded once
     assert float((diff[:, 64:128] - blk).abs().max()) <= 2 * ulp
     assert float(diff[:, :64].abs().max()) == 0 and float(diff[:, 128:].abs().max()) == 0
+
+
+# values at, inside and just below binade edges, small and large, negative: the step is the distance to the next bf16
+@pytest.mark.parametrize("v", [1.0, 1.5, 1.9921875, 2.0, 1800.0, -1800.0, 2.0 ** -20 * 3, 65280.0])
+def test_bf16_step_is_the_gap_to_the_next_bf16_value(v):
+    b = torch.tensor([abs(v)], dtype=torch.bfloat16)
+    up = b.view(torch.int16) + 1
+    assert bf16_step(v) == float(up.view(torch.bfloat16)) - float(b)
 
 
 def test_w8a8_x_is_vllms_group_scale_times_its_reciprocal():

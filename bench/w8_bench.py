@@ -4,8 +4,11 @@ check: for each shard (TP8, TP4, TP2, TP1 of the bundled model), scale kind (cha
   e4m3 build (launched by the loader) against the fp64 chain on the dequantized weight (y_gemm = bf16(x @ W^T) in
   fp64, then musekern.reference's norm, RoPE and inserts): y's max error no more than twice torch's own (cuBLAS bf16
   GEMM on the bf16-rounded dequantized weight, the same fp64 epilogue) + 1e-2, the caches' rows within the same bound
-  and untouched outside the slots, two launches bit-identical. Weights: random e4m3 bytes over the whole finite range
-  (subnormals included) with scales 2^U(-12, -4), x N(0, 1).
+  and untouched outside the slots, two launches bit-identical; a W8A8 build ("wg": x quantized in the kernel) against
+  the same chain on its own arithmetic (musekern.reference.w8a8_gemm's x, the GEMM exact): no more than that GEMM's
+  fp32 sums (w8a8_gemm) + one bf16 step of the largest value; vLLM's chain's error (reference.vllm_fp8_gemm)
+  beside. Weights: random e4m3 bytes over the whole finite range (subnormals included) with scales 2^U(-12, -4),
+  x N(0, 1).
 time: per shard and M in --ms, 8 layers of weights rotated past the L2, CUDA-graph replay, round-robin medians,
   chain (8 fronts with PDL on one x) and after-norm (an RMSNorm predecessor per layer; the front's share = total -
   predecessors): the bf16 front (the op), the e4m3 front (channel, block), and torch._scaled_mm alone (x already
@@ -24,6 +27,7 @@ import json
 import math
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -36,7 +40,14 @@ from musekern.config import load_config
 from musekern.kernels.qkv_front.variant import launch_grid
 from musekern.model import HIDDEN
 from musekern.ops import qkv_front as front
-from musekern.reference import fused_qknorm_rope_kv_insert, rope_cos_sin_table
+from musekern.reference import (
+    bf16_step,
+    fused_qknorm_rope_kv_insert,
+    rope_cos_sin_table,
+    vllm_fp8_gemm,
+    w8a8_gemm,
+    w8a8_x_dequantized,
+)
 from musekern.runtime import get_kernel
 
 LAYERS, BLOCK, MAX_POS = 8, 16, 4096
@@ -93,9 +104,14 @@ def check(n: int, nkv: int, kind: str, m: int, v, eps: float, theta: float) -> d
         slots[1] = -1  # a padded token: written nowhere
     wd = dequant(w, sc)
     yg = (x.double() @ wd.T).to(torch.bfloat16)
-    yt = torch.mm(x, wd.to(torch.bfloat16).T)  # torch's own bf16 chain, the error yardstick
+    yt = torch.mm(x, wd.to(torch.bfloat16).T)  # torch's own bf16 chain, the W8A16 builds' error yardstick
+    packed = SimpleNamespace(weight=w, weight_scale=sc, n=n, fmt=SimpleNamespace(granularity=kind, ue8m0=False))
+    yv = vllm_fp8_gemm(x, packed).to(torch.bfloat16)  # vLLM's W8A8 chain, recorded beside
+    w8a8 = v.warp_split == "wg"  # x quantized in the kernel: held to its own arithmetic, exact and in fp32 sums
+    ym = (w8a8_x_dequantized(x) @ wd.T).to(torch.bfloat16) if w8a8 else yg
+    yms = w8a8_gemm(x, packed).to(torch.bfloat16) if w8a8 else yg
     outs = {}
-    for name, yy in (("ref", yg), ("torch", yt)):
+    for name, yy in (("ref", yg), ("torch", yt), ("vllm", yv), ("model", ym), ("model_sums", yms)):
         kr, vr = kc.clone(), vc.clone()
         outs[name] = (fused_qknorm_rope_kv_insert(yy.clone(), pos, cs, slots, kr, vr, nkv, eps), kr, vr)
     runs = []
@@ -106,20 +122,28 @@ def check(n: int, nkv: int, kind: str, m: int, v, eps: float, theta: float) -> d
         torch.cuda.synchronize()
         runs.append((y, k2, v2))
     y, k2, v2 = runs[0]
-    ref, kr, vr = outs["ref"]
+    ref, kr, vr = outs["model"]  # the exact GEMM of the arithmetic the build performs (yg's unless W8A8)
 
     def err(a, b):
         return float((a.float() - b.float()).abs().max())
 
-    e_y, e_t = err(y, ref), err(outs["torch"][0], ref)
-    e_kv = max(err(k2, kr), err(v2, vr))
-    e_kv_t = max(err(outs["torch"][1], kr), err(outs["torch"][2], vr))
-    bound = 2 * e_t + 1e-2
+    e_y, e_kv = err(y, ref), max(err(k2, kr), err(v2, vr))
+    gref, gkr, gvr = outs["ref"]  # torch's and vLLM's chains against the exact GEMM on x itself
+    e_t, e_kv_t = err(outs["torch"][0], gref), max(err(outs["torch"][1], gkr), err(outs["torch"][2], gvr))
+    e_v, e_kv_v = err(outs["vllm"][0], gref), max(err(outs["vllm"][1], gkr), err(outs["vllm"][2], gvr))
+    if w8a8:  # its exact sums rounded once, plus one bf16 step of the largest value (fp32 sums in another order)
+        e_m = err(outs["model_sums"][0], ref)
+        e_kv_m = max(err(outs["model_sums"][1], kr), err(outs["model_sums"][2], vr))
+        bound = e_m + bf16_step(float(ref.float().abs().max()))
+        bound_kv = e_kv_m + bf16_step(max(float(kr.float().abs().max()), float(vr.float().abs().max())))
+    else:
+        bound, bound_kv = 2 * e_t + 1e-2, 2 * e_kv_t + 1e-2
     row = {"N": n, "tp": TP_OF[n], "scale": kind, "M": m, "build": v.label, "y_err": e_y, "torch_y_err": e_t,
-           "kv_err": e_kv, "torch_kv_err": e_kv_t, "bound": bound,
+           "vllm_y_err": e_v, "kv_err": e_kv, "torch_kv_err": e_kv_t, "vllm_kv_err": e_kv_v, "bound": bound,
+           "against": "w8a8_gemm" if w8a8 else "x @ W",
            "deterministic": all(torch.equal(a, b) for a, b in zip(runs[0], runs[1], strict=True)),
            "finite": bool(y.isfinite().all())}
-    row["ok"] = bool(row["finite"] and row["deterministic"] and e_y <= bound and e_kv <= 2 * e_kv_t + 1e-2)
+    row["ok"] = bool(row["finite"] and row["deterministic"] and e_y <= bound and e_kv <= bound_kv)
     return row
 
 
@@ -304,10 +328,10 @@ def table_text(doc: dict) -> str:
     lines = [f"exact (every e4m3 byte): {sum(r['mismatches'] for r in doc['exact'])} mismatches in "
              f"{len(doc['exact'])} builds; x_quant against the reference: "
              f"{sum(r['mismatches'] for r in doc['x_quant'])} mismatches",
-             "check: shard scale M  y_err (torch) kv_err  ok"]
+             "check: shard scale M  y_err (torch / vLLM) kv_err  bound  ok"]
     for r in doc["check"]:
-        lines.append(f"  TP{r['tp']} {r['scale']:7s} {r['M']:2d}  {r['y_err']:.4f} ({r['torch_y_err']:.4f}) "
-                     f"{r['kv_err']:.4f}  {r['ok']}")
+        lines.append(f"  TP{r['tp']} {r['scale']:7s} {r['M']:2d}  {r['y_err']:.4f} ({r['torch_y_err']:.4f} / "
+                     f"{r['vllm_y_err']:.4f}) {r['kv_err']:.4f}  {r['bound']:.4f} {r['ok']}")
     lines.append("time (us): TP M | bf16 chain | fp8 ch/blk chain | ratio ch/blk | after-norm ratio ch/blk | "
                  "scaled_mm | floor8")
     for r in doc["timing"]:

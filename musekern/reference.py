@@ -1,6 +1,8 @@
 """Plain-torch references (CPU or GPU): what the kernels must equal."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .kernels.x_quant.variant import XQ_GROUP as FP8_K_GROUP
@@ -156,6 +158,12 @@ FP8_MIN_SCALE = 1.0 / (E4M3_MAX * 512.0)  # vLLM's min_scaling_factor of a per-t
 # / weight block in K (both the x_quant kernel's constants)
 
 
+def bf16_step(v: float) -> float:
+    """The gap between neighbouring bf16 values at |v| (2^(e - 7) for 2^e <= |v| < 2^(e + 1)): the size of a
+    rounding flip, where two sums of the same products in another order round to the two sides of a boundary."""
+    return math.ldexp(1.0, math.frexp(abs(v))[1] - 8)
+
+
 def fp8_gemm_fp64(x: torch.Tensor, packed) -> torch.Tensor:
     """float64 [M, N]: x @ dequant(W)^T exactly (x bf16 or float; the products and sums in fp64)."""
     from .weights.pack import dequantize
@@ -178,18 +186,32 @@ def quantize_x_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s
 
 
-def quantize_x_per_group(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_x_per_group(x: torch.Tensor, ue8m0: bool = False,
+                         by_reciprocal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's per-token-group x quantization of block checkpoints (per_token_group_quant_fp8, groups of 128
     columns): s = max(amax, FP8_GROUP_EPS) / 448 per (row, group), rounded up to a power of two with ue8m0;
-    q = e4m3(clamp(x / s)). Returns (q [M, K], s [M, K / 128])."""
+    q = e4m3(clamp(x / s)), or e4m3(clamp(x * fl(1 / s))) with by_reciprocal (the W8A8 front's: one correctly
+    rounded reciprocal per group, a multiply per value). Returns (q [M, K], s [M, K / 128])."""
     xf = x.float()
     m, k = xf.shape
     g = xf.reshape(m, k // FP8_K_GROUP, FP8_K_GROUP)
     s = _over_e4m3_max(torch.clamp(g.abs().amax(dim=-1), min=FP8_GROUP_EPS))
     if ue8m0:
         s = torch.exp2(torch.ceil(torch.log2(s)))
-    q = (g / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(m, k)
+    v = g * torch.reciprocal(s)[..., None] if by_reciprocal else g / s[..., None]
+    q = v.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(m, k)
     return q, s
+
+
+def _group_scaled_sums(q: torch.Tensor, s: torch.Tensor, packed) -> torch.Tensor:
+    """float32 [M, N]: sum over the 128-column blocks kb of (q[:, kb] . w[:, kb]) * s[:, kb] * s_w (s_w per row, or
+    per (head, kb) for block weights), in fp64, rounded once."""
+    m, n, kb = q.shape[0], packed.n, q.shape[1] // FP8_K_GROUP
+    parts = torch.einsum("mkc,nkc->mnk", q.double().reshape(m, kb, FP8_K_GROUP),
+                         packed.weight.double().reshape(n, kb, FP8_K_GROUP))
+    sw = packed.weight_scale.double()
+    sw = sw.repeat_interleave(HEAD_DIM, 0)[None] if packed.fmt.granularity == "block" else sw[None, :, None]
+    return (parts * s.double()[:, None, :] * sw).sum(-1).float()
 
 
 def vllm_fp8_gemm(x: torch.Tensor, packed) -> torch.Tensor:
@@ -200,13 +222,27 @@ def vllm_fp8_gemm(x: torch.Tensor, packed) -> torch.Tensor:
     (w8a8_block_fp8_matmul); the canonical layout's [N / 64, 64] block scales are the checkpoint's 128-row ones.
     Per-tensor checkpoints: the per-row scales as packed (vLLM first requantizes a fused q|k|v to the largest shard
     scale, one more rounding: this bound is the stricter one)."""
-    w = packed.weight.double()
     if packed.fmt.granularity == "block":
-        q, s = quantize_x_per_group(x, packed.fmt.ue8m0)
-        m, n, kb = q.shape[0], packed.n, q.shape[1] // FP8_K_GROUP
-        parts = torch.einsum("mkc,nkc->mnk", q.double().reshape(m, kb, FP8_K_GROUP),
-                             w.reshape(n, kb, FP8_K_GROUP))
-        sw = packed.weight_scale.double().repeat_interleave(HEAD_DIM, 0)  # [N, K / 128]
-        return (parts * s.double()[:, None, :] * sw[None, :, :]).sum(-1).float()
+        return _group_scaled_sums(*quantize_x_per_group(x, packed.fmt.ue8m0), packed)
     q, s = quantize_x_per_token(x)
-    return ((q.double() @ w.t()) * s.double() * packed.weight_scale.double()[None, :]).float()
+    return ((q.double() @ packed.weight.double().t()) * s.double() * packed.weight_scale.double()[None, :]).float()
+
+
+def w8a8_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as musekern's W8A8 front builds (warp_split "wg") quantize it, whatever the weights' granularity: per
+    (token, 128-column group), vLLM's group scale, each value times the scale's reciprocal (w8.group_scale)."""
+    return quantize_x_per_group(x, by_reciprocal=True)
+
+
+def w8a8_gemm(x: torch.Tensor, packed) -> torch.Tensor:
+    """float32 [M, N]: the W8A8 front builds' arithmetic in exact sums (w8a8_x's x, each k-tile's product times its
+    x scale and the weight scale). For block weights it is vLLM's up to the x division; for per-row weights its x
+    groups are finer than vLLM's per-token scale: another rounding of x, no larger on average (test_reference)."""
+    return _group_scaled_sums(*w8a8_x(x), packed)
+
+
+def w8a8_x_dequantized(x: torch.Tensor) -> torch.Tensor:
+    """float64 [M, K]: w8a8_x's bytes times their scales, exactly (the W8A8 builds' own fp64 truth starts here)."""
+    q, s = w8a8_x(x)
+    m, k = q.shape
+    return (q.double().reshape(m, k // FP8_K_GROUP, FP8_K_GROUP) * s.double()[..., None]).reshape(m, k)

@@ -16,7 +16,7 @@ from qkv_front_builds import front_candidates, other_warp_split, same_bits_alter
 
 from musekern.config import load_config
 from musekern.ops import qkv_front as ops
-from musekern.reference import qkv_front_reference, rope_cos_sin_table
+from musekern.reference import bf16_step, qkv_front_reference, rope_cos_sin_table
 
 pytestmark = pytest.mark.gpu
 
@@ -561,31 +561,70 @@ def run_w8(p, pw, nkv, out=None):
     return out
 
 
+def max_abs(d):
+    return d.abs().max().item()
+
+
+def rms(d):
+    return d.pow(2).mean().sqrt().item()
+
+
+def w8_chain(p, pw, nkv, gemm):
+    """(y, key_cache, value_cache) of a GEMM model's fp32 y rounded to bf16, then the fused epilogue reference on
+    fresh copies of the caches (vLLM's order: the GEMM's bf16 output is what its norm / RoPE / insert read)."""
+    from musekern.reference import fused_qknorm_rope_kv_insert
+
+    caches = (p["key_cache"].clone(), p["value_cache"].clone())
+    y = fused_qknorm_rope_kv_insert(gemm(p["x"], pw).to(torch.bfloat16), p["positions"], p["cos_sin_cache"],
+                                    p["slot_mapping"], *caches, nkv, EPS)
+    return (y, *caches)
+
+
+def chain_errors(p, outs, truth, stat=max_abs):
+    """{name: (stat of each output's error)} against the fp64 truth (y, k rows, v rows), for y and the caches'
+    written rows; outs = [(y, key_cache, value_cache), ...]."""
+    assert not any(torch.isnan(o[0]).any() for o in outs), "y not fully written"
+    errs = {"y": tuple(stat(o[0].double() - truth[0]) for o in outs)}
+    for i, name in enumerate(("key_cache", "value_cache")):
+        toks = cache_rows(outs[0][i + 1], p["slot_mapping"])[1]
+        if toks:
+            errs[name] = tuple(stat(cache_rows(o[i + 1], p["slot_mapping"])[0].double() - truth[i + 1][toks])
+                               for o in outs)
+    return errs
+
+
 def w8_errors(p, pw, nkv, y, record_property):
     """{name: (kernel error, reference error, vLLM chain error)} against fp64, for y and the two caches' written rows
     (and every other cache row still the sentinel), each recorded in the junit XML."""
-    from musekern.reference import fused_qknorm_rope_kv_insert, vllm_fp8_gemm
+    from musekern.reference import vllm_fp8_gemm
 
-    truth = dict(zip(("y", "key_cache", "value_cache"), truth64(p, dequant64(pw), nkv), strict=True))
-    args = (p["positions"], p["cos_sin_cache"], p["slot_mapping"])
+    truth = truth64(p, dequant64(pw), nkv)
     ref_c = (p["key_cache"].clone(), p["value_cache"].clone())
-    y_ref = qkv_front_reference(p["x"], pw.weight, *args, *ref_c, nkv, EPS, weight_scale=pw.weight_scale)
-    vllm_c = (p["key_cache"].clone(), p["value_cache"].clone())
-    y_vllm = fused_qknorm_rope_kv_insert(vllm_fp8_gemm(p["x"], pw).to(torch.bfloat16), *args, *vllm_c, nkv, EPS)
-    assert not torch.isnan(y).any(), "y not fully written"
-    errs = {"y": tuple((t.double() - truth["y"]).abs().max().item() for t in (y, y_ref, y_vllm))}
-    for i, name in enumerate(("key_cache", "value_cache")):
+    y_ref = qkv_front_reference(p["x"], pw.weight, p["positions"], p["cos_sin_cache"], p["slot_mapping"], *ref_c,
+                                nkv, EPS, weight_scale=pw.weight_scale)
+    for name in ("key_cache", "value_cache"):
         check_untouched(p[name], p["slot_mapping"], name)
-        rows, toks = cache_rows(p[name], p["slot_mapping"])
-        if toks:
-            want = truth[name][toks]
-            errs[name] = tuple((cache_rows(c, p["slot_mapping"])[0].double() - want).abs().max().item()
-                               for c in (p[name], ref_c[i], vllm_c[i]))
+    outs = [(y, p["key_cache"], p["value_cache"]), (y_ref, *ref_c), w8_chain(p, pw, nkv, vllm_fp8_gemm)]
+    errs = chain_errors(p, outs, truth)
     for name, (e_k, e_ref, e_vllm) in errs.items():
         record_property(f"{name}_err", e_k)
         record_property(f"{name}_ref_err", e_ref)
         record_property(f"{name}_vllm_err", e_vllm)
-    return errs, truth
+    return errs, dict(zip(("y", "key_cache", "value_cache"), truth, strict=True))
+
+
+def w8a8_model_errors(p, pw, nkv, y, record_property):
+    """{name: (kernel error, model chain error)} against the fp64 truth of the W8A8 builds' own x (x quantized per
+    token and 128-group, reference.w8a8_x, dequantized exactly): the arithmetic the build performs, so the kernel
+    is held to it as a split-K bf16 kernel is to torch's chain."""
+    from musekern.reference import w8a8_gemm, w8a8_x_dequantized
+
+    truth = truth64(dict(p, x=w8a8_x_dequantized(p["x"])), dequant64(pw), nkv)
+    errs = chain_errors(p, [(y, p["key_cache"], p["value_cache"]), w8_chain(p, pw, nkv, w8a8_gemm)], truth)
+    for name, (e_k, e_m) in errs.items():
+        record_property(f"{name}_w8a8_err", e_k)
+        record_property(f"{name}_w8a8_model_err", e_m)
+    return errs
 
 
 # the FP8 front builds' M (tiles 1 with its tails, the M == 8 build, tiles 2 with its tails) x each granularity x
@@ -594,19 +633,53 @@ def w8_errors(p, pw, nkv, y, record_property):
 W8_FRONT_MS = [(tp, m) for tp in (8, 1) for m in (1, 2, 7, 8, 9, 16)] + [(8, m) for m in (17, 24, 25, 32)]
 
 
+# W8A16 builds ("k"): both bounds. W8A8 builds ("wg", TP8 M <= 7: x quantized per token and k-tile in the kernel):
+# held to their own arithmetic (reference.w8a8_gemm) as a bf16 kernel is to torch's; their error against vLLM's
+# chain is recorded here and bounded over many inputs below (one input's largest error falls either side of vLLM's).
 @pytest.mark.parametrize("tp,m", W8_FRONT_MS)
 @pytest.mark.parametrize("layout", ["vllm", "flashinfer"])
 @pytest.mark.parametrize("mode", ["channel", "block"])
 def test_fp8_weight_front(fp8_weights, record_property, tp, layout, mode, m):
     nkv, pw = SHARDS[tp].num_kv_heads, fp8_weights(tp, mode)
-    assert ops._fused(pw.n, m, torch.cuda.current_device(), "fp8_e4m3")
+    dev = torch.cuda.current_device()
+    assert ops._fused(pw.n, m, dev, "fp8_e4m3")
+    w8a8 = ops._variant(pw.n, m, nkv, dev, "bf16", "fp8_e4m3", mode).warp_split == "wg"
+    record_property("w8a8", w8a8)
     p = problem(m, nkv, layout=layout, pad_every=3, seed=900 * tp + m)
     y = run_w8(p, pw, nkv)
     torch.cuda.synchronize()
     errs, _ = w8_errors(p, pw, nkv, y, record_property)
+    if w8a8:
+        for name, (e_k, e_m) in w8a8_model_errors(p, pw, nkv, y, record_property).items():
+            assert e_k <= 2 * e_m + ATOL, f"{name}: W8A8 error {e_k:.3e} > 2 x its model chain's {e_m:.3e} + {ATOL}"
+        return
     for name, (e_k, e_ref, e_vllm) in errs.items():
         assert e_k <= 2 * e_ref + ATOL, f"{name}: kernel error {e_k:.3e} > 2 x the reference's {e_ref:.3e} + {ATOL}"
         assert e_k <= e_vllm + ATOL, f"{name}: kernel error {e_k:.3e} > vLLM's chain {e_vllm:.3e} + {ATOL}"
+
+
+# W8A8 against vLLM's chain over many inputs: its x groups are finer than vLLM's per-token scale (block weights: the
+# same groups), another rounding of x, so one input's largest error falls either side of vLLM's; the mean RMS error
+# over 24 inputs may not exceed vLLM's by more than 1% (the model: 0.968x channel, 0.9995x block, the mean of 32
+# inputs spreading 0.005; test_reference). TP8 (the builds' shard), M at the tile's ends and inside.
+@pytest.mark.parametrize("m", [1, 4, 7])
+@pytest.mark.parametrize("mode", ["channel", "block"])
+def test_fp8_weight_front_w8a8_error_vs_vllm_on_average(fp8_weights, record_property, mode, m):
+    from musekern.reference import vllm_fp8_gemm
+
+    nkv, pw = SHARDS[8].num_kv_heads, fp8_weights(8, mode)
+    if ops._variant(pw.n, m, nkv, torch.cuda.current_device(), "bf16", "fp8_e4m3", mode).warp_split != "wg":
+        pytest.skip("no W8A8 build planned for TP8 on this GPU")
+    sums = {}
+    for seed in range(24):
+        p = problem(m, nkv, seed=5000 + 31 * m + seed)
+        y = run_w8(p, pw, nkv)
+        outs = [(y, p["key_cache"], p["value_cache"]), w8_chain(p, pw, nkv, vllm_fp8_gemm)]
+        for name, e in chain_errors(p, outs, truth64(p, dequant64(pw), nkv), rms).items():
+            sums[name] = [a + b for a, b in zip(sums.get(name, (0.0, 0.0)), e, strict=True)]
+    for name, (e_k, e_vllm) in sums.items():
+        record_property(f"{name}_rms_ratio", e_k / e_vllm)
+        assert e_k <= 1.01 * e_vllm, f"{name}: W8A8 mean RMS error {e_k / 24:.3e} > vLLM's {e_vllm / 24:.3e} x 1.01"
 
 
 @pytest.mark.parametrize("tp,m,mode", [(8, 1, "channel"), (8, 8, "block"), (8, 16, "block"), (1, 9, "channel")])
@@ -642,7 +715,7 @@ def test_fp8_weight_gemm_path(fp8_weights, record_property, tp, mode, m):
     torch.cuda.synchronize()
     errs, truth = w8_errors(p, pw, nkv, y, record_property)
     for name, (e_k, _, e_vllm) in errs.items():
-        slack = 2.0 ** -8 * truth[name].abs().max().item()
+        slack = bf16_step(truth[name].abs().max().item())
         assert e_k <= e_vllm + slack, f"{name}: error {e_k:.3e} > vLLM's chain {e_vllm:.3e} + {slack:.1e}"
 
 

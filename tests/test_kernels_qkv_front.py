@@ -481,6 +481,7 @@ def _w8_plan():
 
 
 PLANNED_W8 = _w8_plan()
+PLANNED_W8A8 = [v for v in PLANNED_W8 if v.warp_split == "wg"]  # W8A8: TP8's one-tile runtime-M builds
 
 
 # the grid: every planned e4m3 build (mma.sync "rows" and "k", 1, 2 and 4 tiles, S = 1 and 2, both scale kinds)
@@ -502,7 +503,7 @@ def test_w8_variant_rules():
         QkvFrontVariant(2176, 1, 1, 4, 2, 0, weight_dtype="fp8_e4m3")
     with pytest.raises(ValueError, match="weight_scale of a bf16 weight"):
         QkvFrontVariant(2176, 1, 1, 4, 2, 0, weight_scale="block")
-    with pytest.raises(ValueError, match="mma.sync build"):
+    with pytest.raises(ValueError, match="wgmma build \\(W8A8\\) holds one token tile"):
         QkvFrontVariant(2176, 1, 4, 4, 2, 0, warp_split="wg", weight_dtype="fp8_e4m3", weight_scale="channel")
     from musekern.kernels.qkv_front.rules import front_serves, variant
 
@@ -515,22 +516,30 @@ def test_w8_variant_rules():
         "qkv_front[fixed_rows=0,k_split=2,n=2176,num_kv_heads=1,stages=6,tiles=4,trigger=late,trigger_ahead=6,"
         "warp_split=k,weight_dtype=fp8_e4m3,weight_scale=block]"}  # the build bench/probes/w8_wide.py checked and timed
     # up to the same W bytes in flight: up to twice the stages of half the size, as shared memory allows; the bf16
-    # build's split and trigger; its warp split "k" always (wgmma has no e4m3 form; "rows", the bf16 builds' one tile
-    # under the late trigger, measured slower for e4m3: bench/probes/w8_alts.py k1, k1tp2)
+    # build's split and trigger; warp split "k" ("rows", the bf16 builds' one tile under the late trigger, measured
+    # slower for e4m3: bench/probes/w8_alts.py k1, k1tp2), except W8A8's "wg": the one-tile runtime-M build where the
+    # CTAs are alone on their SMs (TP8), with the ring its W8A16 twin would have (bench/NOTES.md "e4m3 weights")
     for v in PLANNED_W8:
         bf = variant(v.n, max(1, 8 * v.tiles - 1), v.num_kv_heads, h200)
         assert bf.stages < v.stages <= 2 * bf.stages
         assert (v.k_split, v.tiles, v.trigger) == (bf.k_split, bf.tiles, bf.trigger)
-        assert v.warp_split == "k"
+        w8a8 = v.n == 2176 and v.tiles == 1 and not v.fixed_rows
+        assert v.warp_split == ("wg" if w8a8 else "k")
+        if w8a8:
+            assert v.stages == dataclasses.replace(v, warp_split="k").stages and smem_bytes(v) <= h200.max_smem_optin
+    assert {v.warp_split for v in PLANNED_W8 if v.n == 2176 and v.tiles == 1} == {"wg", "k"}  # M <= 7 / M == 8
+    b200 = get_target("b200")  # no wgmma: W8A16 everywhere
+    assert variant(2176, 1, 1, b200, weight_dtype="fp8_e4m3", weight_scale="block").warp_split == "k"
 
 
-# each build: the ABI is the PTX .entry's; W arrives as one 128-byte-wide box a stage (8 KiB + x in expect_tx); every
-# weight of a stage is loaded once per CTA by ldmatrix.x4 (an m16 block's two k16 steps: 4 a warp a k-tile, 1 m16 x 4
-# pairs with "rows", 4 m16 x 1 pair with "k") and converted by w8.bf16x2_half (cvt.rn.f16x2.e4m3x2, 8 an ldmatrix);
-# x by 8-byte loads (one a k16 step and token tile), no x ldmatrix; the MMAs are the bf16 build's, over two register
-# sets where the bf16 build writes one; block scales: staged in shared memory once, no global load in the k-tile loop
+# each W8A16 build: the ABI is the PTX .entry's; W arrives as one 128-byte-wide box a stage (8 KiB + x in expect_tx);
+# every weight of a stage is loaded once per CTA by ldmatrix.x4 (an m16 block's two k16 steps: 4 a warp a k-tile, 1 m16
+# x 4 pairs with "rows", 4 m16 x 1 pair with "k") and converted by w8.bf16x2_half (cvt.rn.f16x2.e4m3x2, 8 an
+# ldmatrix); x by 8-byte loads (one a k16 step and token tile), no x ldmatrix; the MMAs are the bf16 build's, over two
+# register sets where the bf16 build writes one; block scales: staged in shared memory once, no global load in the
+# k-tile loop
 @pytest.mark.slow
-@pytest.mark.parametrize("v", PLANNED_W8, ids=lambda v: v.label)
+@pytest.mark.parametrize("v", [v for v in PLANNED_W8 if v.warp_split != "wg"], ids=lambda v: v.label)
 def test_w8_compile_ptx(kmod, v):
     from musekern.store.abi import check_abi_against_ptx
 
@@ -553,6 +562,77 @@ def test_w8_compile_ptx(kmod, v):
     x64 = r"ld\.shared\.[bu]64"
     assert _count(x64, ptx) - _count(x64, bf.ptx) == copies * steps * tt // 8
     assert _count(r"ld\.shared\.[bsu]16", ptx) == 0
+
+
+# each W8A8 build: the ABI is the PTX .entry's; a ring stage is W only (8 KiB in expect_tx) and x lands a chunk of
+# X8_CHUNK k-tiles a barrier; the MMA is wgmma m64n8k32 e4m3 x e4m3 (4 a k-tile, nothing converts W: no mma.sync, no
+# ldmatrix, no e4m3 -> f16); x is quantized by cvt.rn.satfinite.e4m3x2.f32 after abs.bf16x2 maxima, its stores made
+# visible to wgmma by fence.proxy.async
+@pytest.mark.slow
+@pytest.mark.parametrize("v", PLANNED_W8A8, ids=lambda v: v.label)
+def test_w8a8_compile_ptx(kmod, v):
+    from musekern.kernels.qkv_front.variant import X8_CHUNK
+    from musekern.store.abi import check_abi_against_ptx
+
+    ck, _ = _compile(kmod, v)
+    check_abi_against_ptx(ck.abi, ck.ptx, ck.symbol)
+    ptx = ck.ptx
+    tt = padded_tokens(v)
+    for tx in (W_STAGE_BYTES // 2, X8_CHUNK * tt * K_TILE * 2):
+        assert re.search(rf"mov\.b32\s+%r\d+, {tx};\s*\n\s*mbarrier\.arrive\.expect_tx", ptx), tx
+    assert _count(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.f32\.e4m3\.e4m3", ptx) == K_TILE // 32
+    assert _count(r"mma\.sync", ptx) == _count(r"ldmatrix", ptx) == _count(r"cvt\.rn\.f16x2\.e4m3x2", ptx) == 0
+    assert _count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) > 0 and _count(r"abs\.bf16x2", ptx) > 0
+    assert _count(r"fence\.proxy\.async\.shared::cta", ptx) >= 2  # the consumers' chunk, the aux warp's
+
+
+# W8A8: the in-place quantization's byte mapping (w8.x8_src / x8_dst, mma.py `_quantize_chunk`) over one CTA's x
+# slots (TP8: 32 k-tiles, tt = 8), callers as the kernel has them: the consumer warps' chunk 0 (warp w: tokens w, w + 4)
+# and the aux warp's chunks 1.. (tokens 0-3, then 4-7). Every unit (token < M, k-tile, quarter q = lane % 4) once; it
+# reads its 32 columns where the TMA put them (the x stage layout above); each e4m3 byte lands once, at its column's
+# place in an e4m3 tile's 128B swizzle (what wgmma's B descriptor reads); a (token, k-tile)'s writes stay inside its
+# own reads (its 4 lanes, one warp, ordered by the sync_warp before the writes), and no two groups' bytes meet. The
+# grid: M = 1 (decode), 3 and 5 (a caller's tokens partly past M), 7 (the build's largest).
+@pytest.mark.parametrize("m", [1, 3, 5, 7])
+def test_w8a8_quantize_mapping(m):
+    pytest.importorskip("cutlass")
+    from musekern.kernels.qkv_front import w8
+    from musekern.kernels.qkv_front.variant import CONSUMER_WARPS, X8_CHUNK
+
+    tt, ntiles = 8, 32
+    calls = [(0, [w + CONSUMER_WARPS * k for k in range(tt // CONSUMER_WARPS)]) for w in range(CONSUMER_WARPS)]
+    calls += [(ch, list(range(r0, r0 + 4))) for ch in range(1, ntiles // X8_CHUNK) for r0 in range(0, tt, 4)]
+    units, placed, reads, writes = set(), {}, {}, {}
+    for ch, rows in calls:
+        for lane in range(32):
+            q, i = lane % 4, ch * X8_CHUNK + lane // 4
+            for r in (r for r in rows if r < m):
+                assert (r, i, q) not in units
+                units.add((r, i, q))
+                for c in range(4 * q, 4 * q + 4):
+                    src = w8.x8_src(i, r, c, tt)
+                    b = (c % 8) * 16  # the TMA's place of columns 8c ..: 64-column atoms rows first (_w8_x_stage)
+                    atom = (c // 8) * (tt // 8) + r // 8
+                    assert src == i * tt * 2 * K_TILE + atom * w8.ATOM_BYTES + (r % 8) * w8.ROW_BYTES + (
+                        ((b // 16) ^ (r % 8)) << 4)
+                    reads.setdefault((r, i), set()).update(range(src, src + 16))
+                for d in (2 * q, 2 * q + 1):
+                    dst = w8.x8_dst(i, r, d, tt)
+                    for k in range(16):
+                        col = 16 * d + k
+                        assert (r, i, col) not in placed
+                        placed[r, i, col] = dst + k
+                        assert dst + k == i * tt * 2 * K_TILE + (r // 8) * 1024 + (r % 8) * 128 + (
+                            ((col // 16) ^ (r % 8)) << 4) + col % 16
+                    writes.setdefault((r, i), set()).update(range(dst, dst + 16))
+    assert units == {(r, i, q) for r in range(m) for i in range(ntiles) for q in range(4)}
+    assert set(placed) == {(r, i, col) for r in range(m) for i in range(ntiles) for col in range(K_TILE)}
+    for g, wr in writes.items():
+        assert wr <= reads[g]
+    seen = set()
+    for rd in reads.values():
+        assert not rd & seen
+        seen |= rd
 
 
 # the e4m3 consumers' register mapping (w8.load_a2 / load_b, at w8.a_byte / b_byte), emulated lane by lane: the
@@ -621,11 +701,15 @@ def test_w8_sass(kmod, v, tmp_path):
 
     ck, _ = _compile(kmod, v)
     usage = _no_local_memory(ck.cubin, tmp_path)
+    s = nvdump.dump(ck.cubin, tmp_path, "-sass").stdout
+    if v.warp_split == "wg":  # W8A8: FP8 wgmma on the ring's bytes, x quantized by saturating conversions
+        assert "QGMMA.64x8x32.F32.E4M3.E4M3" in s and "F2FP.SATFINITE.E4M3.F32.PACK_AB" in s
+        assert "HMMA" not in s and "F2FP.F16.E4M3.UNPACK_B" not in s and not re.search(r"\b(STL|LDL)\b", s)
+        return
     # planned for two CTAs per SM (the 4-tile builds serve only where their CTAs are alone on their SMs: rules.py
     # W8_WIDE_TILES)
     if one_wave_at_two_per_sm(v.n, v.k_split, get_target("h200")) and v.tiles <= 2:
         assert CTAS_PER_SM * THREADS * ((usage["REG"] + 7) // 8 * 8) <= SM90_REGS_PER_SM
-    s = nvdump.dump(ck.cubin, tmp_path, "-sass").stdout
     # the exact conversion (research/fp8.md section 4): 4 SASS a pair
     assert "F2FP.F16.E4M3.UNPACK_B" in s and "F2FP.BF16.F32.PACK_AB" in s and "HADD2.F32" in s
     assert "HMMA.16816.F32.BF16" in s and "UTMALDG" in s

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from musekern.reference import (  # noqa: E402
     FP8_MIN_SCALE,
+    bf16_step,
     e4m3_rows,
     fp8_gemm_fp64,
     fused_qknorm_rope_kv_insert,
@@ -22,6 +23,9 @@ from musekern.reference import (  # noqa: E402
     quantize_x_per_token,
     rope_cos_sin_table,
     vllm_fp8_gemm,
+    w8a8_gemm,
+    w8a8_x,
+    w8a8_x_dequantized,
 )
 
 D = 64
@@ -345,6 +349,66 @@ def test_vllm_fp8_gemm_block_scales_apply_per_block():
     ulp = 2.0 ** -23 * float(base.abs().max())  # the results are fp32: each rounded once
     assert float((diff[:, 64:128] - blk).abs().max()) <= 2 * ulp
     assert float(diff[:, :64].abs().max()) == 0 and float(diff[:, 128:].abs().max()) == 0
+
+
+# values at, inside and just below binade edges, small and large, negative: the step is the distance to the next bf16
+@pytest.mark.parametrize("v", [1.0, 1.5, 1.9921875, 2.0, 1800.0, -1800.0, 2.0 ** -20 * 3, 65280.0])
+def test_bf16_step_is_the_gap_to_the_next_bf16_value(v):
+    b = torch.tensor([abs(v)], dtype=torch.bfloat16)
+    up = b.view(torch.int16) + 1
+    assert bf16_step(v) == float(up.view(torch.bfloat16)) - float(b)
+
+
+def test_w8a8_x_is_vllms_group_scale_times_its_reciprocal():
+    """The W8A8 front's x: vLLM's group scales, each byte e4m3(x * fl(1 / s)); against vLLM's e4m3(x / s) a byte
+    differs only where the two quotients straddle a rounding boundary (vLLM divides: per_token_group_quant_8bit's
+    val / y_s): 32 of 65536 bytes here, each by one e4m3 step."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(8, 8192, generator=g) * torch.logspace(-3, 2, 8192)).to(torch.bfloat16)
+    q, s = w8a8_x(x)
+    qv, sv = quantize_x_per_group(x)
+    assert torch.equal(s, sv)
+    grp = x.float().reshape(8, 64, 128)
+    want = e4m3_fp64((grp * (1.0 / s.double()).float()[..., None])).reshape(8, 8192)
+    assert torch.equal(q.view(torch.uint8), want)
+    diff = q.view(torch.uint8) != qv.view(torch.uint8)
+    assert 0 < int(diff.sum()) <= 64  # of 65536
+    step = (q.double() - qv.double()).abs()[diff]
+    assert bool((step <= q.double().abs()[diff] / 8 + 2.0 ** -9).all())  # one step (3 mantissa bits, subnormals 2^-9)
+    dq = w8a8_x_dequantized(x)
+    assert dq.dtype == torch.float64 and torch.equal(dq, (q.double().reshape(8, 64, 128) * s.double()[..., None])
+                                                     .reshape(8, 8192))
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-channel", "fp8-tensor"])
+def test_w8a8_gemm_is_the_exact_product_of_its_x(fmt):
+    """w8a8_gemm = w8a8_x dequantized times the dequantized weight, summed exactly, rounded once to fp32; with block
+    weights it is vLLM's block arithmetic (the same x groups and scales)."""
+    from musekern.weights.pack import dequantize
+
+    p = _packed(fmt)
+    x = torch.randn(3, 8192, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    got = w8a8_gemm(x, p)
+    want = w8a8_x_dequantized(x) @ dequantize(p).double().t()
+    assert got.dtype == torch.float32
+    assert float((got.double() - want).abs().max()) <= 2.0 ** -23 * float(want.abs().max())
+
+
+# Per-row weights: vLLM scales x per token, the W8A8 front per (token, 128-group): another rounding of x, finer
+# scales. Over 32 inputs (4 tokens each) its mean RMS error against the exact product is below vLLM's (0.968x, a
+# 0.027 spread per input: the mean sits 7 of its own spreads inside the bound; block weights 0.9995x, the same
+# arithmetic); one input's largest error falls either side (9 of 24 above vLLM's in a probe), which is why the GPU
+# tests hold the kernel to this model per input and compare it with vLLM's chain over many inputs.
+@pytest.mark.parametrize("fmt", ["fp8-channel", "fp8-tensor"])
+def test_w8a8_error_no_larger_than_vllms_on_average(fmt):
+    p = _packed(fmt)
+    ratios = []
+    for seed in range(32):
+        x = torch.randn(4, 8192, generator=torch.Generator().manual_seed(100 + seed)).to(torch.bfloat16)
+        exact = fp8_gemm_fp64(x, p)
+        rms = [float((y.double() - exact).pow(2).mean().sqrt()) for y in (w8a8_gemm(x, p), vllm_fp8_gemm(x, p))]
+        ratios.append(rms[0] / rms[1])
+    assert sum(ratios) / len(ratios) < 1.0, ratios
 
 
 # ---------------------------------------------------------------- FP8 weights: qkv_front_reference

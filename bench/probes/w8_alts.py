@@ -13,7 +13,8 @@ ones in one process. Each alternative maps (shard, scale kind, M) to the build t
   7d19236); "k" gives a warp 4 independent chains of two and loads k-tile i + 1 before the MMAs of k-tile i. Round 52
   (H100, ldmatrix.x4 consumers): TP8 chain e4m3 / bf16 0.769 / 0.763 -> 0.738 / 0.719 (channel / block); the plan
   takes "k" since 1a3b17d.
-- "rows1", "rows1tp2" (round 54): the same pairs the other way round, once the plan took "k" for them.
+- "rows1", "rows1tp2" (round 54): the same pairs the other way round, once the plan took "k" for them. Since the plan
+  takes W8A8 ("wg", x quantized in the kernel) for TP8's runtime-M one-tile build, "k1" is that build's W8A16 twin.
 - "plan": the planned builds themselves, M = 1-8, for a run on kernel sources other than the tree's (the loader keys
   a build by its sources, so the same labels launch the other sources' builds): its "planned" and "plan" rows are
   then the same builds, and the comparison is with another run's ratios.

@@ -46,8 +46,10 @@ cache rows as e4m3(value / scale) bytes, half the bf16 stores' width (fp8.py); t
 v head read their scale once, after griddepcontrol.wait. y and everything else are the bf16 build's.
 
 e4m3-weight builds (variant weight_dtype "fp8_e4m3", w8.py): the ring streams e4m3 W (8 KiB a stage), the consumers
-dequantize it into the bf16 MMA's A registers, and the fp32 multipliers (the `weight_scale` launch value, in the bf16
-builds' unread weight_ptr slot) scale the partials (per row) or each k-tile's sum (per 64 x 128 block).
+dequantize it into the bf16 MMA's A registers ("k", W8A16) or the ring holds W only and all of the CTA's x lands up
+front, a barrier a chunk, quantized to e4m3 in place by the consumers (chunk 0) and the aux warp (the rest) for wgmma
+e4m3 ("wg", W8A8); the fp32 multipliers (the `weight_scale` launch value, in the bf16 builds' unread weight_ptr slot)
+scale the partials (per row) or each k-tile's sum (per 64 x 128 block).
 
 Out-of-range positions (p < 0 or p >= max_pos) are clamped to [0, max_pos - 1] for the cos|sin
 read (the reference does the same). Slots < 0 or >= num_blocks * block_size write nothing.
@@ -77,6 +79,7 @@ from .variant import (
     SCALES_SMEM,
     THREADS,
     TOKEN_TILE,
+    X8_CHUNK,
     QkvFrontVariant,
     launch_grid,
     owned_tokens,
@@ -89,7 +92,7 @@ PRODUCER_WARP = CONSUMER_WARPS  # warp 4
 AUX_WARP = CONSUMER_WARPS + 1  # warp 5
 
 
-def ring_tma(mW, mX, stages: int, tt: int, x_mcast: bool = False):
+def ring_tma(mW, mX, stages: int, tt: int, x_mcast: bool = False, x_slots: int = 0):
     """The ring's swizzled shared-memory layouts and the W / x TMA atoms (traced inside a @cute.jit): one
     stage = W (64 rows x 128 k) and x (tt rows x 128 k), each two 64-column boxes with 128B swizzle (an e4m3 W:
     one 128-column box); with `x_mcast` each CTA of a head pair loads half of the x rows and multicasts them to both.
@@ -97,7 +100,7 @@ def ring_tma(mW, mX, stages: int, tt: int, x_mcast: bool = False):
     atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
     w_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, mW.element_type)
     sW_layout = cute.tile_to_shape(w_atom, (HEAD_COLS, K_TILE, stages), order=(0, 1, 2))
-    sX_layout = cute.tile_to_shape(atom, (tt, K_TILE, stages), order=(0, 1, 2))
+    sX_layout = cute.tile_to_shape(atom, (tt, K_TILE, x_slots or stages), order=(0, 1, 2))
     tma_w, mW_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW,
                                                 cute.slice_(sW_layout, (None, None, 0)), (HEAD_COLS, K_TILE))
     # one stage's x layout built as such: the DSL aborts slicing a stage out of the staged layout when tt is an odd
@@ -111,12 +114,13 @@ def ring_tma(mW, mX, stages: int, tt: int, x_mcast: bool = False):
     return sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma
 
 
-def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool, w_type=BFloat16, block_scales=False):
+def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool, w_type=BFloat16, block_scales=False,
+                     x8: int = 0):
     """The CTA's shared memory, one @cute.struct (offsets in this order; `smem_bytes` is its size)."""
     fields = {
         # ring first: offset 0 of the 1024-aligned dynamic smem, what the 128B swizzle expects
         "sW": cute.struct.Align[cute.struct.MemRange[w_type, HEAD_COLS * K_TILE * stages], 1024],
-        "sX": cute.struct.Align[cute.struct.MemRange[BFloat16, tt * K_TILE * stages], 1024],
+        "sX": cute.struct.Align[cute.struct.MemRange[BFloat16, tt * K_TILE * (x8 or stages)], 1024],
         "full": cute.struct.MemRange[Int64, stages],  # TMA -> consumers: count 1 + W and x bytes
         "empty": cute.struct.MemRange[Int64, stages],  # consumers -> producer: count 4 x pair (one lane a warp)
         "recv_bar": cute.struct.MemRange[Int64, 1],  # partials landed (st.async complete_tx bytes)
@@ -129,6 +133,10 @@ def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool, w_typ
         fields["recv"] = cute.struct.Align[cute.struct.MemRange[Float32, tt * HEAD_COLS], 16]  # [src][j][col]
     if block_scales:  # e4m3 weights with block scales: the CTA's k-tiles' multipliers, staged (w8.py)
         fields["wscale"] = cute.struct.Align[cute.struct.MemRange[Float32, SCALES_SMEM], 16]
+    if x8:  # W8A8 ("wg" e4m3 builds, x8 = the CTA's k-tiles): all of x landed; its scales a token and 32 columns
+        fields["xfull"] = cute.struct.MemRange[Int64, x8 // X8_CHUNK]  # TMA -> quantizers: a chunk's x landed
+        fields["cfull"] = cute.struct.MemRange[Int64, x8 // X8_CHUNK]  # aux -> consumers: a chunk quantized
+        fields["xs"] = cute.struct.Align[cute.struct.MemRange[Float32, x8 * tt], 16]
     return cute.struct(type("Smem", (), {"__annotations__": fields}))
 
 
@@ -168,8 +176,13 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
         self.local_partials = v.warp_split == "wg" and self.k_split > 1
         # bytes an owner gets by st.async
         self.recv_tx = (self.k_split - self.local_partials) * self.owned * HEAD_COLS * 4
+        self.x8 = self.w8 and v.warp_split == "wg"  # W8A8: all of the CTA's x up front, quantized in place (w8.py)
+        self.x_slots = self.ntiles if self.x8 else 0  # x's ring slots (0: one a stage)
+        if self.x8:
+            self.stage_tx = w_stage_bytes(v.weight_dtype)  # a stage is W only
         self.Smem = make_smem_struct(self.stages, self.tt, self.owned, v.recv_in_ring,
-                                     Float8E4M3FN if self.w8 else BFloat16, self.block_scales)
+                                     Float8E4M3FN if self.w8 else BFloat16, self.block_scales,
+                                     self.x_slots)
         assert not v.recv_in_ring or self.tt * HEAD_COLS * 4 <= self.stages * w_stage_bytes(v.weight_dtype)
         self.smem = smem_bytes(v)
         self.fp8 = v.kv_cache_dtype != "bf16"  # e4m3 caches: `kernel_fp8`
@@ -188,7 +201,8 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
             mX = cute.make_tensor(x_ptr, cute.make_layout((self.v.fixed_rows, HIDDEN), stride=(HIDDEN, 1)))
         else:
             mX = cute.make_tensor(x_ptr, cute.make_layout((M, HIDDEN), stride=(HIDDEN, 1)))
-        sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma = ring_tma(mW, mX, self.stages, self.tt, self.v.x_mcast)
+        sW_layout, sX_layout, tma_w, mW_tma, tma_x, mX_tma = ring_tma(mW, mX, self.stages, self.tt, self.v.x_mcast,
+                                                                      self.x_slots)
         mma_op = warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
         if cutlass.const_expr(self.v.warp_split == "rows"):
             # 4 warps along M (16 W rows each); every warp covers all TT tokens (tiles n8 atoms)
@@ -263,6 +277,10 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
                 cute.arch.mbarrier_init(full + s, 1)
                 cute.arch.mbarrier_init(empty + s, CONSUMER_WARPS * self.pair)  # x_mcast: both heads release
             cute.arch.mbarrier_init(recv_bar, 1)
+            if cutlass.const_expr(self.x8):
+                for c in cutlass.range_constexpr(self.ntiles // X8_CHUNK):
+                    cute.arch.mbarrier_init(st.xfull.data_ptr() + c, 1)
+                    cute.arch.mbarrier_init(st.cfull.data_ptr() + c, 32)  # the aux warp's lanes
             cute.arch.mbarrier_init_fence()
             if cutlass.const_expr(self.k_split > 1):
                 # arm the receive barrier before the cluster sync, i.e. before any peer can send
@@ -276,20 +294,38 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
             cute.arch.griddepcontrol_launch_dependents()  # PDL: the next grid may start its W prefetch
 
         if warp_idx == PRODUCER_WARP:
-            self.producer(tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, place)
+            self.producer(tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, place,
+                          *((st.xfull.data_ptr(),) if self.x8 else ()))
             self.ring_idle()
         elif warp_idx == AUX_WARP:
             self.aux(st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, place)
+            if cutlass.const_expr(self.x8):
+                self.quantizer(st, M)
             self.ring_idle()
         else:
             if cutlass.const_expr(self.v.warp_split == "wg"):
                 # the 4 consumer warps = warpgroup 0: wgmma m64nTTk16, A (W) and B (x) K-major from the swizzled
                 # ring (made here, not passed in: its ACCUMULATE field would become a kernel parameter)
-                wg_mma = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K,
-                                                           OperandMajorMode.K, Float32, (1, 1, 1), (HEAD_COLS, self.tt))
-                acc = self.consumer_wg(wg_mma, sW, sX, full, empty, tidx, place)
-                self.ring_idle()
-                self.send(wg_mma, acc, st, recv_bar, tidx, place)
+                if cutlass.const_expr(self.w8):
+                    # W8A8: wgmma m64nTTk32 e4m3 (QGMMA) on the e4m3 ring and x quantized per k-tile (w8.py)
+                    wg_mma = sm90_utils.make_trivial_tiled_mma(Float8E4M3FN, Float8E4M3FN, OperandMajorMode.K,
+                                                               OperandMajorMode.K, Float32, (1, 1, 1),
+                                                               (HEAD_COLS, self.tt))
+                    x8_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float8E4M3FN)
+                    # k-tile i's quantized x: the first tt x 128 bytes of its bf16 slot (layout index 2 i)
+                    x8_layout = cute.tile_to_shape(x8_atom, (self.tt, K_TILE, 2 * self.ntiles), order=(0, 1, 2))
+                    sX8 = st.sX.get_tensor(x8_layout.outer, swizzle=x8_layout.inner, dtype=Float8E4M3FN)
+                    wq = self.w8_state(st, w_ptr, wg_mma, tidx, place)
+                    acc = self.consumer_wg8(wg_mma, st, sW, sX8, full, empty, tidx, place, wq, M)
+                    self.ring_idle()
+                    self.send(wg_mma, acc, st, recv_bar, tidx, place, wq)
+                else:
+                    wg_mma = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K,
+                                                               OperandMajorMode.K, Float32, (1, 1, 1),
+                                                               (HEAD_COLS, self.tt))
+                    acc = self.consumer_wg(wg_mma, sW, sX, full, empty, tidx, place)
+                    self.ring_idle()
+                    self.send(wg_mma, acc, st, recv_bar, tidx, place)
             elif cutlass.const_expr(self.v.warp_split == "rows"):
                 wq = self.w8_state(st, w_ptr, tiled_mma, tidx, place)
                 acc = self.consumer(tiled_mma, sW, sX, full, empty, tidx, place, wq)
@@ -327,7 +363,7 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
                 cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
 
     @cute.jit
-    def producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, place):
+    def producer(self, tma_w, mW_tma, tma_x, mX_tma, sW, sX, full, empty, place, xfull=None):
         head, rank = place.head, place.rank
         gW = cute.local_tile(mW_tma, (HEAD_COLS, K_TILE), (head, None))  # (64, 128, 64 k-tiles)
         gX = cute.local_tile(mX_tma, (self.tt, K_TILE), (0, None))  # (TT, 128, 64 k-tiles)
@@ -348,8 +384,15 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
                 cute.arch.mbarrier_arrive_and_expect_tx(full + i, self.stage_tx)  # W + x bytes
             cute.copy(tma_w, tWgW[None, self._k_tile(i, rank, rot)], tWsW[None, i], tma_bar_ptr=full + i)
         cute.arch.griddepcontrol_wait()  # x may be the previous kernel's output
-        for i in cutlass.range_constexpr(self.stages):
-            self._load_x(tma_x, tXgX[None, self._k_tile(i, rank, rot)], tXsX[None, i], full + i, rank)
+        if cutlass.const_expr(self.x8):  # all of the CTA's x k-tiles at once, a barrier a chunk (W8A8)
+            for c in cutlass.range_constexpr(self.ntiles // X8_CHUNK):
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(xfull + c, X8_CHUNK * self.tt * K_TILE * 2)
+                for i in cutlass.range_constexpr(c * X8_CHUNK, (c + 1) * X8_CHUNK):
+                    self._load_x(tma_x, tXgX[None, self._k_tile(i, rank, rot)], tXsX[None, i], xfull + c, rank)
+        else:
+            for i in cutlass.range_constexpr(self.stages):
+                self._load_x(tma_x, tXgX[None, self._k_tile(i, rank, rot)], tXsX[None, i], full + i, rank)
         for i in cutlass.range(self.stages, self.ntiles, unroll=1):
             s = i % self.stages
             # use u = i // stages of stage s: wait until the consumers released use u - 1
@@ -358,7 +401,8 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
                 cute.arch.mbarrier_arrive_and_expect_tx(full + s, self.stage_tx)
             k = self._k_tile(i, rank, rot)
             cute.copy(tma_w, tWgW[None, k], tWsW[None, s], tma_bar_ptr=full + s)
-            self._load_x(tma_x, tXgX[None, k], tXsX[None, s], full + s, rank)
+            if cutlass.const_expr(not self.x8):
+                self._load_x(tma_x, tXgX[None, k], tXsX[None, s], full + s, rank)
             if cutlass.const_expr(self.v.trigger == "late" and self.v.trigger_ahead > 0):
                 if i == self.ntiles - 1 - self.v.trigger_ahead:
                     # one ring turn before the last load: the next grid's launch and prefill then overlap

@@ -16,7 +16,7 @@ from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
 from . import w8
-from .variant import CONSUMER_WARPS, HEAD_COLS, K_TILE, K_TILES, RED_STRIDE, SCALES_SMEM, WARP_K
+from .variant import CONSUMER_WARPS, HEAD_COLS, K_TILE, K_TILES, RED_STRIDE, SCALES_SMEM, WARP_K, X8_CHUNK
 
 CONSUMER_THREADS = 32 * CONSUMER_WARPS
 # named barriers (0 is __syncthreads)
@@ -74,7 +74,7 @@ class FrontConsumers:
             self._stage_scales(scales, staged, tidx, place)
             scales = staged
         else:
-            if self.v.warp_split == "rows":
+            if self.v.warp_split in ("rows", "wg"):
                 tCcC = tiled_mma.get_slice(tidx).partition_C(
                     cute.make_identity_tensor((16 * CONSUMER_WARPS, self.tt)))
                 rows = cute.make_rmem_tensor(cute.size(tCcC), Float32)
@@ -221,6 +221,112 @@ class FrontConsumers:
             warpgroup.wait_group(0)  # k-tile i's MMAs have read their stage
             self.release(empty + s, place)
         return acc
+
+    @cute.jit
+    def consumer_wg8(self, tiled_mma, st, sW, sX8, full, empty, tidx, place, wq, M):
+        """warp_split "wg" with e4m3 weights (W8A8): x's first chunk of X8_CHUNK k-tiles quantized here in place
+        (`_quantize_chunk`, warp w its tokens w, w + 4), the later ones by the aux warp meanwhile (`quantizer`, an
+        mbarrier a chunk); per k-tile 4 wgmma m64nTTk32 from the W stage and that k-tile's e4m3 x into `part`, and
+        acc += part * (the token's x scale * the k-tile's block multiplier); a stage is released once its MMAs
+        completed."""
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sW))  # (MMA, 1, 4 k32, stages) descriptors
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sX8))  # (MMA, 1, 4 k32, 2 x k-tiles)
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((HEAD_COLS, self.tt)), Float32)
+        acc.fill(0.0)
+        part = cute.make_rmem_tensor(acc.layout, Float32)
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((HEAD_COLS, self.tt)))
+        xs = st.xs.get_tensor(cute.make_layout(self.ntiles * self.tt))
+        cfull = st.cfull.data_ptr()
+        ksteps = cute.size(tCrA, mode=[2])
+        cute.arch.mbarrier_wait(st.xfull.data_ptr(), 0)  # chunk 0's x landed
+        self._quantize_chunk(st, xs, Int32(0), tidx // 32, CONSUMER_WARPS, self.tt // CONSUMER_WARPS, M)
+        cute.arch.fence_proxy("async.shared", space="cta")  # the generic stores, before wgmma reads them
+        cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
+        for i in cutlass.range(self.ntiles, unroll=1):
+            s = i % self.stages
+            if i % X8_CHUNK == 0 and i > 0:
+                cute.arch.mbarrier_wait(cfull + i // X8_CHUNK, 0)
+            cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
+            sc = self._tile_scale(wq, i)
+            warpgroup.fence()
+            for kk in cutlass.range_constexpr(ksteps):
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
+                cute.gemm(tiled_mma, part, tCrA[None, None, kk, s], tCrB[None, None, kk, 2 * i], part)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            self.release(empty + s, place)
+            for e in cutlass.range_constexpr(cute.size(part)):
+                m, n = tCcC[e]
+                acc[e] = acc[e] + part[e] * (xs[i * self.tt + n] * sc)
+        return acc
+
+    @cute.jit
+    def quantizer(self, st, M):
+        """W8A8, the aux warp: once all of the CTA's x has landed, chunks 1.. of X8_CHUNK k-tiles (`_quantize_chunk`,
+        four tokens at a time), each followed by cfull[chunk]; the consumers quantize chunk 0 meanwhile."""
+        xs = st.xs.get_tensor(cute.make_layout(self.ntiles * self.tt))
+        cfull = st.cfull.data_ptr()
+        for ch in cutlass.range(1, self.ntiles // X8_CHUNK, unroll=1):
+            cute.arch.mbarrier_wait(st.xfull.data_ptr() + ch, 0)  # its x landed
+            self._quantize_chunk(st, xs, ch, Int32(0), 1, 4, M)
+            if cutlass.const_expr(self.tt > 4):
+                for r0 in cutlass.range_constexpr(4, self.tt, 4):
+                    self._quantize_chunk(st, xs, ch, Int32(r0), 1, 4, M)
+            cute.arch.fence_proxy("async.shared", space="cta")  # the generic stores, before wgmma reads them
+            cute.arch.mbarrier_arrive(cfull + ch)  # every lane (count 32): each releases its own stores
+
+    @cute.jit
+    def _quantize_chunk(self, st, xs, ch, r0, rstep: cutlass.Constexpr, nrows: cutlass.Constexpr, M):
+        """Tokens r0, r0 + rstep, .. (nrows of them, those < M) of chunk ch's X8_CHUNK k-tiles (k-tile i in x slot i:
+        tt tokens x 128 bf16, swizzled; rows >= M zero) -> e4m3 in place (the first tt x 128 bytes of the slot, an
+        e4m3 tile's 128B swizzle), xs[i * tt + token] = its scale, vLLM's per-token-group one (w8.group_scale; tokens
+        >= M: 0). Lane l takes k-tile l / 4 of the chunk, columns 32 (l % 4) .. + 31, all the
+        tokens at once (their latencies overlap); a (token, k-tile)'s 4 lanes read all their values before any
+        writes (a lane's bytes overwrite another's input)."""
+        lane = cute.arch.lane_idx()
+        q = lane % 4
+        x64 = cute.make_tensor(cute.recast_ptr(st.sX.data_ptr(), dtype=Int64),
+                               cute.make_layout(self.ntiles * self.tt * w8.X_ROW_BYTES // 8))
+        q32 = cute.make_tensor(cute.recast_ptr(st.sX.data_ptr(), dtype=Int32),
+                               cute.make_layout(self.ntiles * self.tt * w8.X_ROW_BYTES // 4))
+        i = ch * X8_CHUNK + lane // 4
+        v = cute.make_rmem_tensor(cute.make_layout(8 * nrows), Int64)
+        v.fill(0)
+        for k in cutlass.range_constexpr(nrows):
+            r = r0 + rstep * k
+            if r < M:
+                for h in cutlass.range_constexpr(4):  # bf16 chunk c = 4q + h: columns 8c .. 8c + 7
+                    c = 4 * q + h
+                    src = w8.x8_src(i, r, c, self.tt)
+                    v[8 * k + 2 * h] = x64[src // 8]
+                    v[8 * k + 2 * h + 1] = x64[src // 8 + 1]
+        w = cute.recast_tensor(v, Int32)
+        amax = []
+        for k in cutlass.range_constexpr(nrows):
+            a = w8.amax_bf16x4x2(w[16 * k], w[16 * k + 1], w[16 * k + 2], w[16 * k + 3])
+            for h in cutlass.range_constexpr(1, 4):
+                a = cute.arch.fmax(a, w8.amax_bf16x4x2(w[16 * k + 4 * h], w[16 * k + 4 * h + 1],
+                                                       w[16 * k + 4 * h + 2], w[16 * k + 4 * h + 3]))
+            amax.append(a)
+        for b in cutlass.range_constexpr(2):
+            for k in cutlass.range_constexpr(nrows):
+                amax[k] = cute.arch.fmax(amax[k], cute.arch.shuffle_sync_bfly(amax[k], offset=1 << b))
+        cute.arch.sync_warp()  # every lane's values are in registers (amax used them): now overwrite
+        for k in cutlass.range_constexpr(nrows):
+            r = r0 + rstep * k
+            if r < M:
+                sc, inv = w8.group_scale(amax[k])
+                for h in cutlass.range_constexpr(2):  # e4m3 chunk 2q + h: columns 32q + 16h .. + 15
+                    dst = w8.x8_dst(i, r, 2 * q + h, self.tt)
+                    for kk in cutlass.range_constexpr(4):
+                        base = 16 * k + 8 * h + 2 * kk
+                        q32[dst // 4 + kk] = w8.e4m3x4(w[base], w[base + 1], inv)
+                if q == 0:
+                    xs[i * self.tt + r] = sc
+            else:
+                if q == 0:
+                    xs[i * self.tt + r] = Float32(0.0)
 
     @cute.jit
     def consumer_k(self, tiled_mma, sW, sX, full, empty, warp_idx, lane, place, wq=None):

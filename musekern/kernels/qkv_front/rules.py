@@ -111,7 +111,8 @@ def alone_on_sm(n: int, split: int, target: Target) -> bool:
 
 # NOTES "ring_stages": shallow (two CTAs per SM, one wave) where the grid fits; the deepest such ring where a
 # CTA is alone on its SM; else as deep as one CTA per SM allows (one tile) or MAX_RING_STAGES (two tiles).
-# e4m3 weights (issue 30, to be measured): the same W bytes in flight, so twice the stages of half the size.
+# e4m3 weights (issue 30, to be measured): the same W bytes in flight, so twice the stages of half the size; the W8A8
+# ("wg") build the same ring as its W8A16 twin (its x slots make it one CTA an SM; 10 stages measured faster than 7, 5).
 def ring_stages(split: int, target: Target, tiles: int = 2, n: int | None = None, recv_in_ring: bool = False,
                 weight_dtype: str = "bf16", weight_scale: str = "none") -> int:
     """Ring depth (never changes the result). Without `n` (the seed's signature) the deep rule applies."""
@@ -153,12 +154,18 @@ def trigger_ahead(n: int, split: int, target: Target, tiles: int, stages: int) -
 
 # NOTES "warp_split": "k" everywhere except one bf16 token tile under the late trigger; wgmma ("wg") above two tiles,
 # where mma.sync's consumer cannot keep up with the stream (not for an e4m3 weight: wgmma has no e4m3 x bf16 form).
-def warp_split(n: int, split: int, target: Target, tiles: int, weight_dtype: str = "bf16") -> str:
-    """How the consumer warps share a k-tile."""
-    if tiles >= WG_FROM_TILES and target.arch in WGMMA_ARCHES and weight_dtype == "bf16":
+# NOTES "e4m3 weights": an e4m3 weight's one-tile build (M = 1-7) whose CTAs are alone on their SMs (TP8) is W8A8
+# through wgmma ("wg": x quantized in the kernel; TP8 M = 1 0.60 / 0.59 of the bf16 front chained / after a norm,
+# W8A16 0.73 / 0.65); elsewhere, and the M == 8 build (as fast either way), W8A16 under "k".
+def warp_split(n: int, split: int, target: Target, tiles: int, weight_dtype: str = "bf16", fixed: int = 0) -> str:
+    """How the consumer warps share a k-tile (`fixed`: the build's static M, 0 for a runtime M)."""
+    if weight_dtype != "bf16":
+        w8a8 = tiles == 1 and not fixed and target.arch in WGMMA_ARCHES and alone_on_sm(n, split, target)
+        return "wg" if w8a8 else "k"
+    if tiles >= WG_FROM_TILES and target.arch in WGMMA_ARCHES:
         return "wg"
     late_one = tiles == 1 and pdl_trigger(n, split, target, tiles) == "late"
-    return "rows" if late_one and weight_dtype == "bf16" else "k"
+    return "rows" if late_one else "k"
 
 
 def variant(n: int, m: int, num_kv_heads: int, target: Target, kv_cache_dtype: str = BF16,
@@ -173,8 +180,8 @@ def variant(n: int, m: int, num_kv_heads: int, target: Target, kv_cache_dtype: s
                          f"does)")
     tiles = token_tiles(m, n, target, weight_dtype)
     s = k_split(n, target, tiles)
-    split = warp_split(n, s, target, tiles, weight_dtype)
-    rir = recv_in_ring(n, s, target, tiles, split)
+    split = warp_split(n, s, target, tiles, weight_dtype, fixed_rows(m))
+    rir = recv_in_ring(n, s, target, tiles, split, weight_dtype)
     stages = ring_stages(s, target, tiles, n, recv_in_ring=rir, weight_dtype=weight_dtype, weight_scale=weight_scale)
     return QkvFrontVariant(n, num_kv_heads, tiles, stages, s, fixed_rows(m), pdl_trigger(n, s, target, tiles),
                            warp_split=split, trigger_ahead=trigger_ahead(n, s, target, tiles, stages),
@@ -194,8 +201,11 @@ def x_mcast(split: int, tiles: int, warp: str) -> bool:
 # NOTES "ring_stages": a wgmma build keeps its receive buffer in the ring where that buys a third ring stage at two CTAs
 # per SM (8 tiles at TP8 and TP4); elsewhere the cluster barrier it needs costs more than it gives (a fourth stage at 5
 # tiles too).
-def recv_in_ring(n: int, split: int, target: Target, tiles: int, warp: str) -> bool:
-    """Does the owner's receive buffer live in the (then idle) ring?"""
+def recv_in_ring(n: int, split: int, target: Target, tiles: int, warp: str, weight_dtype: str = "bf16") -> bool:
+    """Does the owner's receive buffer live in the (then idle) ring? (Not in an e4m3 one: its wgmma build's x slots
+    fill the shared memory.)"""
+    if weight_dtype != "bf16":
+        return False
     plain = ring_stages(split, target, tiles, n)
     return warp == "wg" and plain == MIN_RING_STAGES and ring_stages(split, target, tiles, n, True) > plain
 

@@ -95,9 +95,10 @@ class QkvFrontVariant(VariantMixin):
         elif self.weight_scale not in WEIGHT_SCALES[self.weight_dtype]:
             problems.append(f"weight_scale of a {self.weight_dtype} weight must be one of "
                             f"{WEIGHT_SCALES[self.weight_dtype]}, got {self.weight_scale!r}")
-        elif self.weight_dtype != "bf16" and self.warp_split == "wg":
-            problems.append("an e4m3 weight needs an mma.sync build (warp_split 'rows' or 'k'): wgmma has no "
-                            "e4m3 x bf16 form")
+        elif self.weight_dtype != "bf16" and self.warp_split == "wg" and (self.tiles != 1 or self.recv_in_ring
+                                                                          or self.x_mcast):
+            problems.append("an e4m3 weight's wgmma build (W8A8) holds one token tile, its x in its own slots: "
+                            "tiles=1, no recv_in_ring, no x_mcast")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             problems.append(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not supports_shape(self.n, self.num_kv_heads):
@@ -208,16 +209,18 @@ def stage_bytes(tiles: int, weight_dtype: str = "bf16") -> int:
     return w_stage_bytes(weight_dtype) + tiles * X_TILE_STAGE_BYTES
 
 
+X8_CHUNK = 8  # W8A8 ("wg" e4m3 builds): k-tiles the aux warp quantizes before it lets the consumers at them
 SCALES_SMEM = K_TILES  # block scales: a CTA's k-tiles' multipliers staged in shared memory (fp32, at most 64)
 
 
 def smem_bytes(v: QkvFrontVariant) -> int:
     """Dynamic shared memory of one CTA; must equal the kernel's `Smem.size_in_bytes()`."""
-    return ring_smem_bytes(v.stages, v.tiles, v.k_split, v.recv_in_ring, v.weight_dtype, v.weight_scale)
+    return ring_smem_bytes(v.stages, v.tiles, v.k_split, v.recv_in_ring, v.weight_dtype, v.weight_scale,
+                           v.warp_split)
 
 
 def ring_smem_bytes(stages: int, tiles: int, k_split: int, recv_in_ring: bool = False,
-                    weight_dtype: str = "bf16", weight_scale: str = "none") -> int:
+                    weight_dtype: str = "bf16", weight_scale: str = "none", warp_split: str = "k") -> int:
     """`smem_bytes` of a variant with this ring depth, tile count, S and receive-buffer place (nothing else changes
     it).
 
@@ -234,4 +237,8 @@ def ring_smem_bytes(stages: int, tiles: int, k_split: int, recv_in_ring: bool = 
     small = 8 * (2 * stages + 1) + 8 * owned
     small = (small + 15) // 16 * 16 + 4 * owned * 64 + (0 if recv_in_ring else 4 * tt * HEAD_COLS)
     small += 4 * SCALES_SMEM if weight_scale == "block" else 0
+    if weight_dtype != "bf16" and warp_split == "wg":  # W8A8: x's slots are the CTA's k-tiles, not the stages
+        ntiles = K_TILES // k_split
+        ring += (ntiles - stages) * tt * K_TILE * 2
+        small = (small + 8 * 2 * (ntiles // X8_CHUNK) + 15) // 16 * 16 + 4 * ntiles * tt
     return (ring + small + 1023) // 1024 * 1024

@@ -1,8 +1,16 @@
-"""qkv_front's e4m3 weights (variant weight_dtype "fp8_e4m3", issue 30): the W ring holds e4m3 bytes, the consumer
-warps dequantize each weight once per CTA into the bf16 MMA's A fragment, and the fp32 multipliers apply to sums.
+"""qkv_front's e4m3 weights (variant weight_dtype "fp8_e4m3", issue 30): the W ring holds e4m3 bytes, and the fp32
+multipliers apply to sums. Two arithmetics, by warp_split (rules.py, bench/NOTES.md "e4m3 weights"):
 
-W8A16, not W8A8: x stays bf16 (no per-token amax across the split-K cluster, no activation rounding), every e4m3 value
-is exactly a bf16 one, so the MMA's products are exact and only the fp32 accumulation rounds, as in the bf16 front.
+- "k" / "rows", W8A16: the consumer warps dequantize each weight once per CTA into the bf16 MMA's A fragment; x stays
+  bf16 (no activation rounding), every e4m3 value is exactly a bf16 one, so the MMA's products are exact and only the
+  fp32 accumulation rounds, as in the bf16 front.
+- "wg" (one token tile), W8A8: all of the CTA's x lands up front (a barrier per X8_CHUNK k-tiles), is quantized in
+  place to e4m3 with a scale per (token, k-tile) as vLLM's block path has it (`group_scale`, `e4m3x4`), and wgmma
+  m64n8k32 e4m3 x e4m3 (QGMMA) reads the ring's W bytes as they are. sm_90a has no e4m3 mma.sync (ptxas unpacks it to
+  f16 for HMMA). The error is vLLM's chain's (x per token / 128-group), larger than W8A16's; the speed at TP8 M <= 7
+  is why (mma.py `consumer_wg8`).
+
+The W8A16 path:
 
 - The ring: one 128B-swizzled TMA box of 64 rows x 128 e4m3 a stage (8 KiB; the swizzle XORs the 16-byte chunk of a
   row with the row mod 8, as the bf16 ring's boxes do with 64 bf16 a row).
@@ -25,12 +33,15 @@ is exactly a bf16 one, so the MMA's products are exact and only the fp32 accumul
 """
 # (no `from __future__ import annotations`: @cute.jit reads real annotation objects)
 
+import struct
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
+from ..x_quant.variant import XQ_GROUP_EPS
 from .variant import HEAD_COLS, K_TILE
 
 ROW_BYTES = K_TILE  # one e4m3 ring row: 128 bytes = one 128B swizzle row
@@ -110,6 +121,20 @@ def b_byte(stage, g, t, kk, nt, tt: int):
             + (((2 * (kk % 4) + t // 2) ^ g) << 4) + 8 * (t % 2))
 
 
+def x8_src(i, r, c, tt: int):
+    """W8A8: the byte offset in the x slots of bf16 chunk c (columns 8c .. 8c + 7) of token r, k-tile i (slot i: the
+    TMA's two 64-column 128B-swizzle atoms, rows first; plain arithmetic: the kernel traces it, the tests evaluate
+    it)."""
+    return (i * (tt * X_ROW_BYTES) + ((c // 8) * (tt // 8) + r // 8) * ATOM_BYTES + (r % 8) * ROW_BYTES
+            + (((c % 8) ^ (r % 8)) << 4))
+
+
+def x8_dst(i, r, d, tt: int):
+    """W8A8: the byte offset of e4m3 chunk d (columns 16d .. 16d + 15) of token r, k-tile i, quantized in place: the
+    first tt x 128 bytes of slot i as an e4m3 tile's 128B swizzle (8-row atoms, 16-byte chunks XOR row % 8)."""
+    return i * (tt * X_ROW_BYTES) + (r // 8) * ATOM_BYTES + (r % 8) * ROW_BYTES + ((d ^ (r % 8)) << 4)
+
+
 @cute.jit
 def load_a2(ring: Int32, a0: cute.Tensor, a1: cute.Tensor, stage, row0, lr: LaneRows, kk):
     """The A registers of one m16 block (rows row0..row0 + 15) for k16 steps kk and kk + 1, one ldmatrix.x4 and
@@ -130,3 +155,50 @@ def load_b(x64: cute.Tensor, b64: cute.Tensor, stage, g, t, kk, tt: cutlass.Cons
     16 kk + 4t .. + 3 in one 8-byte load from the swizzled x stage (tile nt's atoms at nt, 64-column half kk / 4)."""
     for nt in cutlass.range_constexpr(tt // 8):
         b64[nt] = x64[b_byte(stage, g, t, kk, nt, tt) // 8]
+
+
+# ---------------------------------------------------------------------------------------------- W8A8 ("wg")
+
+@dsl_user_op
+def amax_bf16x4x2(w0: Int32, w1: Int32, w2: Int32, w3: Int32, *, loc=None, ip=None) -> Float32:
+    """max |v| over the 8 bf16 values of four words, as fp32 (exact)."""
+    asm = ("{\n.reg .b32 a, b, c, d;\n.reg .b16 lo, hi;\n.reg .f32 x, y;\n"
+           "abs.bf16x2 a, $1;\nabs.bf16x2 b, $2;\nabs.bf16x2 c, $3;\nabs.bf16x2 d, $4;\n"
+           "max.bf16x2 a, a, b;\nmax.bf16x2 c, c, d;\nmax.bf16x2 a, a, c;\n"
+           "and.b32 b, a, 0xFFFF0000;\nshl.b32 c, a, 16;\nmov.b32 x, b;\nmov.b32 y, c;\nmax.f32 $0, x, y;\n}")
+    args = [Int32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)]
+    r = llvm.inline_asm(Float32.mlir_type, args, asm, "=f,r,r,r,r", has_side_effects=False,
+                        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return Float32(r)
+
+
+@dsl_user_op
+def group_scale(amax: Float32, *, loc=None, ip=None):
+    """(s, 1 / s) of a group of max |v| = amax, as vLLM's per-token-group quantization has it: s = max(amax,
+    XQ_GROUP_EPS) / 448 correctly rounded (div.rn), 1 / s correctly rounded (rcp.rn); a value's byte is then
+    e4m3(v * (1 / s)), vLLM's e4m3(v / s) except where the two straddle a rounding boundary."""
+    eps = struct.unpack("<I", struct.pack("<f", XQ_GROUP_EPS))[0]
+    asm = (f"{{\n.reg .f32 a;\nmax.f32 a, $2, 0f{eps:08X};\ndiv.rn.f32 $0, a, 0f43E00000;\n"
+           "rcp.rn.f32 $1, $0;\n}")
+    f32 = Float32.mlir_type
+    r = llvm.inline_asm(llvm.StructType.get_literal([f32, f32]), [Float32(amax).ir_value(loc=loc, ip=ip)], asm,
+                        "=f,=f,f", has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return tuple(Float32(llvm.extractvalue(f32, r, [k], loc=loc, ip=ip)) for k in range(2))
+
+
+@dsl_user_op
+def e4m3x4(w0: Int32, w1: Int32, inv: Float32, *, loc=None, ip=None) -> Int32:
+    """Four bf16 values (w0 low, w0 high, w1 low, w1 high) times inv -> four e4m3 bytes, the first lowest (round to
+    nearest even, saturating)."""
+    asm = ("{\n.reg .b32 a, b;\n.reg .b16 p, q;\n.reg .f32 x0, x1, x2, x3;\n"
+           "shl.b32 a, $1, 16;\nand.b32 b, $1, 0xFFFF0000;\nmov.b32 x0, a;\nmov.b32 x1, b;\n"
+           "shl.b32 a, $2, 16;\nand.b32 b, $2, 0xFFFF0000;\nmov.b32 x2, a;\nmov.b32 x3, b;\n"
+           "mul.f32 x0, x0, $3;\nmul.f32 x1, x1, $3;\nmul.f32 x2, x2, $3;\nmul.f32 x3, x3, $3;\n"
+           "cvt.rn.satfinite.e4m3x2.f32 p, x1, x0;\ncvt.rn.satfinite.e4m3x2.f32 q, x3, x2;\nmov.b32 $0, {p, q};\n}")
+    args = [Int32(w0).ir_value(loc=loc, ip=ip), Int32(w1).ir_value(loc=loc, ip=ip),
+            Float32(inv).ir_value(loc=loc, ip=ip)]
+    r = llvm.inline_asm(Int32.mlir_type, args, asm, "=r,r,r,f", has_side_effects=False,
+                        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return Int32(r)
+
+

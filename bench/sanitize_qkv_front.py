@@ -8,7 +8,8 @@ and at M <= 16 with e4m3 weights (channel scales, bf16 caches; block scales, FP8
 M = 100 also every cuBLASLt algorithm the GEMM path may choose (`gemm.tune`: each candidate launched once through
 gemm/cublaslt.py, so the binding's layouts and workspace are checked). Exit 0 if every launch ran.
 `--fused-only`: only the M the fused front serves (racecheck: on the GEMM path it reports hazards inside cuBLAS's own
-nvjet kernels, which are not musekern's; bench/sanitize_qkv_epilogue.py checks the epilogue).
+nvjet kernels, which are not musekern's; bench/sanitize_qkv_epilogue.py checks the epilogue). `--w8a8-only`: only the
+e4m3-weight launches of the W8A8 ("wg") builds (TP8's one-tile e4m3 build; a design round's quick check).
 
   compute-sanitizer --tool memcheck python3 bench/sanitize_qkv_front.py
 """
@@ -49,9 +50,11 @@ def lt_candidates(w, x) -> int:
 
 
 def main() -> int:
-    from musekern.ops.qkv_front import _fused
+    from musekern.ops.qkv_front import _fused, _variant
 
     fused_only = "--fused-only" in sys.argv[1:]
+    w8a8_only = "--w8a8-only" in sys.argv[1:]
+    dev = torch.cuda.current_device()
     model = load_config()
     torch.manual_seed(0)
     max_pos, nb, bs = 256, 8, 16
@@ -61,7 +64,11 @@ def main() -> int:
     for shard in model.shards():
         w = (torch.randn(shard.n, HIDDEN, device="cuda") / 90).to(torch.bfloat16)
         for m in planned_ms(shard.n, shard.num_kv_heads, target) + [100]:
-            if fused_only and not _fused(shard.n, m, torch.cuda.current_device()):
+            if fused_only and not _fused(shard.n, m, dev):
+                continue
+            fp8_front = _fused(shard.n, m, dev, "fp8_e4m3")
+            if w8a8_only and not (fp8_front and _variant(shard.n, m, shard.num_kv_heads, dev, "bf16", "fp8_e4m3",
+                                                  "channel").warp_split == "wg"):
                 continue
             x = torch.randn(m, HIDDEN, device="cuda").to(torch.bfloat16)
             pos = torch.randint(0, max_pos, (m,), device="cuda")
@@ -73,13 +80,14 @@ def main() -> int:
             if m > 2:
                 slots[0] = -1
             kv = torch.zeros(nb, 2, bs, shard.num_kv_heads, HD, device="cuda", dtype=torch.bfloat16)
-            musekern.qkv_front(x, w, pos, cs, slots, kv[:, 0], kv[:, 1], shard.num_kv_heads, 1e-5)
             kv8 = torch.zeros(nb, 2, bs, shard.num_kv_heads, HD, device="cuda", dtype=torch.uint8)
-            musekern.qkv_front(x, w, pos, cs, slots, kv8[:, 0], kv8[:, 1], shard.num_kv_heads, 1e-5,
-                               k_scale=torch.tensor(0.05, device="cuda"), v_scale=0.03)
-            n_launch += 2
+            if not w8a8_only:
+                musekern.qkv_front(x, w, pos, cs, slots, kv[:, 0], kv[:, 1], shard.num_kv_heads, 1e-5)
+                musekern.qkv_front(x, w, pos, cs, slots, kv8[:, 0], kv8[:, 1], shard.num_kv_heads, 1e-5,
+                                   k_scale=torch.tensor(0.05, device="cuda"), v_scale=0.03)
+                n_launch += 2
             # the e4m3-weight builds where the front serves M (issue 30, both scale kinds; the second with FP8 caches)
-            if _fused(shard.n, m, torch.cuda.current_device(), "fp8_e4m3"):
+            if fp8_front:
                 w8 = (w.float() * 90).clamp(-448, 448).to(torch.float8_e4m3fn)
                 musekern.qkv_front(x, w8, pos, cs, slots, kv[:, 0], kv[:, 1], shard.num_kv_heads, 1e-5,
                                    weight_scale=torch.full((shard.n,), 1 / 90, device="cuda"))
@@ -90,7 +98,7 @@ def main() -> int:
             if m == 100:
                 n_launch += lt_candidates(w, x)
         torch.cuda.synchronize()
-    for hd in (64, 128):
+    for hd in () if w8a8_only else (64, 128):
         q = torch.randn(33, 4 * hd + 24, device="cuda").to(torch.bfloat16)[:, : 4 * hd]
         musekern.qk_norm(q, hd, scale=0.5)
         n_launch += 1

@@ -3,7 +3,7 @@ source bench/device_env.sh
 SECONDS=0
 for tool in memcheck racecheck synccheck; do
   timeout 70 compute-sanitizer --tool $tool --print-limit 20 --report-api-errors no \
-    python3 bench/probes/wg8_sanitize.py > $OUT/san-$tool.log 2>&1 &
+    python3 bench/sanitize_qkv_front.py --w8a8-only > $OUT/san-$tool.log 2>&1 &
 done
 timeout 70 python3 -m pytest -m gpu -q tests/test_gpu_qkv_front.py -k "fp8_weight_front or fp8_weight_graph" \
   -o junit_family=xunit1 --junitxml=$OUT/w8-gpu-tests.xml 2>&1 | tail -n 6; echo "tests t=$SECONDS"

@@ -355,7 +355,8 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results/h100-w8-bench.json")
     ap.add_argument("--check-ms", default="1,2,7,8,9,16,17,32", help="M values checked where a shard's e4m3 front "
                     "serves them (17, 32: TP8's 4-tile build)")
-    ap.add_argument("--ms", default="1,8,16,32", help="M values timed where a shard's e4m3 front serves them")
+    ap.add_argument("--ms", default="1,4,8,16,32", help="M values timed where a shard's e4m3 front serves them "
+                    "(4: inside TP8's W8A8 one-tile build)")
     ap.add_argument("--samples", type=int, default=7)
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--gemm-ms", default="64,1024,8192", help="M values of the GEMM path timing ('' for none)")

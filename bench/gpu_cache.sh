@@ -6,9 +6,12 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the research harness: bench.harness, from the repository root
 CACHE=${1:-.musekern-cache}
 MK=".venv/bin/python -m musekern"
-$MK prepare --target h200 --cache-dir "$CACHE" -j 2 >&2
-# the FP8 KV cache builds (issue 29, tests/test_gpu_kv_cache.py): the h200 plan with --kv-cache-dtype fp8
-$MK prepare --target h200 --kv-cache-dtype fp8 --cache-dir "$CACHE" -j 2 >&2
+# the h200 plans (bench/same_cubins.py PLANS): the bundled model's; with an FP8 KV cache (issue 29,
+# tests/test_gpu_kv_cache.py); with each e4m3 weight format (issue 30: tests/test_gpu_qkv_front.py's FP8-weight tests
+# take them), and both FP8
+while read -r kv wf; do
+  $MK prepare --target h200 --kv-cache-dtype "$kv" --weight-format "$wf" --cache-dir "$CACHE" -j 2 >&2
+done < <(.venv/bin/python bench/same_cubins.py --plans)
 # qk_norm variants beyond the model's (head_dim 64): the GPU tests cover head_dim 128/256 and fp16, with one and
 # four vectors per thread.
 labels=()
@@ -40,11 +43,7 @@ for vpt in 1 2 4 8; do for r in 1 2; do
 done; done
 # the ring-depth / k_split sweep of bench/sweep_variants.py (issue 5's levers)
 while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python bench/sweep_variants.py --print-labels)
-# the e4m3-weight builds (issue 30): the plan of an FP8 checkpoint (both scale kinds), and the e4m3 and bf16 fronts
-# bench/w8_bench.py times side by side on every shard (tests/test_gpu_qkv_front.py's FP8-weight tests take the first)
-$MK prepare --target h200 --weight-format fp8-channel --cache-dir "$CACHE" -j 2 >&2
-$MK prepare --target h200 --weight-format fp8-block --cache-dir "$CACHE" -j 2 >&2
-$MK prepare --target h200 --weight-format fp8-block --kv-cache-dtype fp8 --cache-dir "$CACHE" -j 2 >&2  # both FP8
+# the e4m3 and bf16 fronts bench/w8_bench.py times side by side on every shard (issue 30)
 while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python bench/w8_labels.py)
 # the e4m3 builds of 4 and 8 token tiles bench/probes/w8_wide.py measures (M 17-64: not planned yet)
 while read -r lbl; do labels+=(--variant "$lbl"); done < <(.venv/bin/python bench/probes/w8_wide.py labels)

@@ -3,11 +3,13 @@
 
 A change to a kernel's source file changes every key of that kernel (store/keys.py hashes the sources), also when
 it only edits comments; GPU results measured on the earlier cubins still hold if the bytes did not change. This
-compiles every planned h200 build and every build the GPU tests launch (tests/qkv_front_builds.py) and compares
+compiles every planned h200 build (the bundled model's plan, with an FP8 KV cache, and with each e4m3 weight format
+gpu_cache.sh prepares: `PLANS`) and every build the GPU tests launch (tests/qkv_front_builds.py) and compares
 each cubin's sha256 and kernel symbol with the manifest of the entry of the same label in CACHE (keys differ; labels
 do not, once spelled with today's parameter names: RENAMED).
 
   python3 bench/same_cubins.py CACHE        exit 0 when every build is in CACHE with the same bytes and symbol
+  python3 bench/same_cubins.py --plans      the plans, one "KV_CACHE_DTYPE WEIGHT_FORMAT" a line (gpu_cache.sh)
 """
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
+
+# the plans gpu_cache.sh prepares: (kv_cache_dtype, weight_format) overrides of the bundled model
+PLANS = (("auto", "auto"), ("fp8", "auto"), ("auto", "fp8-channel"), ("auto", "fp8-block"), ("fp8", "fp8-block"))
 
 # parameters renamed since a cache was built (issue 27: one name per idea): old name -> today's
 RENAMED = {"splits": "k_split", "fixed_m": "fixed_rows"}
@@ -54,15 +59,23 @@ def compare(cache: str, builds) -> list[str]:
 def main(argv) -> int:
     from qkv_front_builds import gpu_test_builds
 
-    from musekern.config import load_config
+    from musekern.config import load_config, with_kv_cache_dtype, with_weight_format
     from musekern.plan import plan_model
     from musekern.targets import get_target
 
+    if argv == ["--plans"]:
+        print("\n".join(f"{kv} {wf}" for kv, wf in PLANS))
+        return 0
     if len(argv) != 1:
-        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
+        print("\n".join(ln.strip() for ln in __doc__.splitlines() if "same_cubins.py" in ln), file=sys.stderr)
         return 2
-    planned = [e.variant for e in plan_model(load_config(), [get_target("h200")])]
+    model = load_config()
+    planned = [e.variant for e in plan_model(model, [get_target("h200")])]
     builds = planned + gpu_test_builds([v for v in planned if v.kernel == "qkv_front"])
+    for kv, wf in PLANS[1:]:
+        builds += [e.variant for e in plan_model(with_weight_format(with_kv_cache_dtype(model, kv), wf),
+                                                 [get_target("h200")])]
+    builds = list(dict.fromkeys(builds))
     bad = compare(argv[0], builds)
     for line in bad:
         print(line)

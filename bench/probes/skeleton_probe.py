@@ -117,7 +117,7 @@ def _kernel_class():
     from cutlass.cute.nvgpu import cpasync
     from cutlass.memory import SmemAllocator
 
-    from musekern.kernels.qkv_front.kernel import ring_tma
+    from musekern.kernels.qkv_front.ring import ring_tma
 
     class SkeletonProbe:
         def __init__(self, c: ProbeConfig):

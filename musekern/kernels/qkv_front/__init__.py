@@ -1,6 +1,6 @@
 """qkv_front: the fused Muse Spark decode attention front (seed 000). See musekern/kernels/base.py for the files;
-rules.py holds the planner's measured rules (not part of any key), mma.py and octets.py the kernel's consumer and
-owner-epilogue roles."""
+rules.py holds the planner's measured rules (not part of any key), ring.py the kernel's shared memory, mma.py and
+octets.py its consumer and owner-epilogue roles."""
 from __future__ import annotations
 
 from ...model import FRONT_MAX_TOKENS, supports_shape

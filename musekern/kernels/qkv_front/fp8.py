@@ -124,6 +124,23 @@ def power_of_two(s: Float32, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """a / b correctly rounded (div.rn.f32): a scale from an amax (x_quant's, the W8A8 front's; vLLM's amax / 448)."""
+    r = llvm.inline_asm(Float32.mlir_type, [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+                        "div.rn.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False,
+                        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return Float32(r)
+
+
+@dsl_user_op
+def rcp_rn(s: Float32, *, loc=None, ip=None) -> Float32:
+    """1 / s correctly rounded for every s (rcp.rn.f32, its slow path included: `reciprocal` where s is in range)."""
+    r = llvm.inline_asm(Float32.mlir_type, [Float32(s).ir_value(loc=loc, ip=ip)], "rcp.rn.f32 $0, $1;", "=f,f",
+                        has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return Float32(r)
+
+
+@dsl_user_op
 def reciprocal(s: Float32, *, loc=None, ip=None) -> Float32:
     """1 / s correctly rounded for s in [2^-64, 2^64]: rcp.rn.f32's own fast path (MUFU.RCP, then one FMA
     correction), which ptxas takes for every s whose exponent is far from both ends; without its slow-path branch

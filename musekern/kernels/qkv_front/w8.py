@@ -33,15 +33,15 @@ The W8A16 path:
 """
 # (no `from __future__ import annotations`: @cute.jit reads real annotation objects)
 
-import struct
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
+from ...kv_cache import E4M3_MAX
 from ..x_quant.variant import XQ_GROUP_EPS
+from . import fp8
 from .variant import HEAD_COLS, K_TILE
 
 ROW_BYTES = K_TILE  # one e4m3 ring row: 128 bytes = one 128B swizzle row
@@ -172,18 +172,12 @@ def amax_bf16x4x2(w0: Int32, w1: Int32, w2: Int32, w3: Int32, *, loc=None, ip=No
     return Float32(r)
 
 
-@dsl_user_op
-def group_scale(amax: Float32, *, loc=None, ip=None):
+def group_scale(amax: Float32):
     """(s, 1 / s) of a group of max |v| = amax, as vLLM's per-token-group quantization has it: s = max(amax,
-    XQ_GROUP_EPS) / 448 correctly rounded (div.rn), 1 / s correctly rounded (rcp.rn); a value's byte is then
-    e4m3(v * (1 / s)), vLLM's e4m3(v / s) except where the two straddle a rounding boundary."""
-    eps = struct.unpack("<I", struct.pack("<f", XQ_GROUP_EPS))[0]
-    asm = (f"{{\n.reg .f32 a;\nmax.f32 a, $2, 0f{eps:08X};\ndiv.rn.f32 $0, a, 0f43E00000;\n"
-           "rcp.rn.f32 $1, $0;\n}")
-    f32 = Float32.mlir_type
-    r = llvm.inline_asm(llvm.StructType.get_literal([f32, f32]), [Float32(amax).ir_value(loc=loc, ip=ip)], asm,
-                        "=f,=f,f", has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return tuple(Float32(llvm.extractvalue(f32, r, [k], loc=loc, ip=ip)) for k in range(2))
+    XQ_GROUP_EPS) / 448 correctly rounded, 1 / s correctly rounded; a value's byte is then e4m3(v * (1 / s)), vLLM's
+    e4m3(v / s) except where the two straddle a rounding boundary."""
+    s = fp8.div_rn(cute.arch.fmax(amax, Float32(XQ_GROUP_EPS)), Float32(E4M3_MAX))
+    return s, fp8.rcp_rn(s)
 
 
 @dsl_user_op

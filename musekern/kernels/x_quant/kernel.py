@@ -14,9 +14,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import make_ptr
-from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.memory import SmemAllocator
 
 from ...kv_cache import E4M3_MAX
@@ -27,15 +25,6 @@ from .variant import XQ_BLOCK, XQ_GROUP_EPS, XQ_GROUP_LANES, XQ_GROUPS, XQ_VEC_E
 
 MIN_SCALE = 1.0 / (E4M3_MAX * 512.0)  # vLLM's min_scaling_factor (musekern.reference.FP8_MIN_SCALE)
 _FAKE_ADDR = 0x10000
-
-
-@dsl_user_op
-def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-    """a / b correctly rounded (div.rn.f32: the reference's amax / 448)."""
-    r = llvm.inline_asm(Float32.mlir_type, [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-                        "div.rn.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False,
-                        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return Float32(r)
 
 
 @cute.struct
@@ -69,7 +58,7 @@ def x_quant_kernel(x: cute.Pointer, q: cute.Pointer, scale: cute.Pointer, ld_x: 
     else:
         mS = cute.make_tensor(scale, cute.make_layout(Int64(m) * XQ_GROUPS))
         for u in cutlass.range_constexpr(XQ_VECS):
-            sc = div_rn(cute.arch.fmax(_half_warp_amax(frags[u]), Float32(XQ_GROUP_EPS)), Float32(E4M3_MAX))
+            sc = _fp8.div_rn(cute.arch.fmax(_half_warp_amax(frags[u]), Float32(XQ_GROUP_EPS)), Float32(E4M3_MAX))
             if tidx % XQ_GROUP_LANES == 0:
                 mS[Int64((u * XQ_BLOCK + tidx) // XQ_GROUP_LANES) * Int64(m) + row] = sc
             _fp8.store_octet(base + (u * XQ_BLOCK + tidx) * XQ_VEC_ELEMS, frags[u], _fp8.divisor(sc))
@@ -112,7 +101,7 @@ def _row_scale(frags, tidx) -> Float32:
     amax = red[0]
     for w in cutlass.range_constexpr(1, XQ_WARPS):
         amax = cute.arch.fmax(amax, red[w])
-    return cute.arch.fmax(div_rn(amax, Float32(E4M3_MAX)), Float32(MIN_SCALE))
+    return cute.arch.fmax(_fp8.div_rn(amax, Float32(E4M3_MAX)), Float32(MIN_SCALE))
 
 
 @cute.jit

@@ -18,7 +18,7 @@ def test_abi_record():
     abi = abi_for(XQuantVariant())
     assert [p.name for p in abi.params] == ["x", "q", "scale", "ld_x", "m"]
     assert abi.launch.block == (XQ_BLOCK, 1, 1) and abi.launch.dynamic_smem_bytes == XQ_SMEM_BYTES
-    assert not abi.launch.pdl and abi.tensormaps == ()
+    assert abi.launch.pdl and abi.tensormaps == ()  # launched with PDL: a front after it prefetches meanwhile
     assert XQuantVariant().label == "x_quant[]" and XQuantVariant(group=XQ_GROUP).label == "x_quant[group=128]"
     with pytest.raises(ValueError, match="group must be 0"):
         XQuantVariant(group=64)
@@ -49,6 +49,9 @@ def test_ptx(compiled):
     assert len(re.findall(r"st\.global\.v2\.b32", ptx)) == 2 * XQ_VECS
     assert len(re.findall(r"st\.global\.b32", ptx)) == (XQ_VECS if group else 1)  # the scales
     assert not re.search(r"div\.(approx|full)\.f32|\batom\.|(?<![\w.])red\.", ptx)
+    # PDL: wait for the previous grid before the first load of x, then let the next grid launch
+    wait, trigger = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    assert 0 <= wait < trigger < re.search(r"ld\.global", ptx).start()
 
 
 def test_sass(compiled, tmp_path):

@@ -503,8 +503,19 @@ def test_w8_variant_rules():
         QkvFrontVariant(2176, 1, 1, 4, 2, 0, weight_dtype="fp8_e4m3")
     with pytest.raises(ValueError, match="weight_scale of a bf16 weight"):
         QkvFrontVariant(2176, 1, 1, 4, 2, 0, weight_scale="block")
-    with pytest.raises(ValueError, match="wgmma build \\(W8A8\\) holds one token tile"):
-        QkvFrontVariant(2176, 1, 4, 4, 2, 0, warp_split="wg", weight_dtype="fp8_e4m3", weight_scale="channel")
+    with pytest.raises(ValueError, match="wgmma build \\(W8A8\\) with bf16 x holds at most 1 token tiles"):
+        QkvFrontVariant(2176, 1, 2, 4, 2, 0, warp_split="wg", weight_dtype="fp8_e4m3", weight_scale="channel")
+    # x quantized ahead: half the bytes in x's slots, two tiles; an e4m3 weight's wgmma build's alone
+    QkvFrontVariant(2176, 1, 2, 10, 2, 0, warp_split="wg", weight_dtype="fp8_e4m3", weight_scale="channel",
+                    x_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="with fp8_e4m3 x holds at most 2 token tiles"):
+        QkvFrontVariant(2176, 1, 4, 4, 2, 0, warp_split="wg", weight_dtype="fp8_e4m3", weight_scale="channel",
+                        x_dtype="fp8_e4m3")
+    for bad in (dict(weight_dtype="fp8_e4m3", weight_scale="channel"), dict(warp_split="wg")):
+        with pytest.raises(ValueError, match="x_dtype fp8_e4m3 \\(x quantized ahead\\) is an e4m3 weight's wgmma"):
+            QkvFrontVariant(2176, 1, 1, 4, 2, 0, x_dtype="fp8_e4m3", **bad)
+    with pytest.raises(ValueError, match="x_dtype must be one of"):
+        QkvFrontVariant(2176, 1, 1, 4, 2, 0, x_dtype="e5m2")
     from musekern.kernels.qkv_front.rules import front_serves, variant
 
     # M <= 16 on every shard; up to 32 (4 tiles) where those CTAs are alone on their SMs: TP8 (68 CTAs), not TP4 (136)

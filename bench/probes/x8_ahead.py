@@ -19,7 +19,9 @@ import json
 import sys
 from types import SimpleNamespace
 
+from musekern.kernels.qkv_front import rules
 from musekern.kernels.qkv_front.variant import QkvFrontVariant
+from musekern.targets import get_target
 
 N, NKV = 2176, 1  # TP8
 KINDS = ("channel", "block")
@@ -28,8 +30,19 @@ TIME_MS = (1, 4, 8, 16)
 
 
 def build(kind: str, tiles: int) -> QkvFrontVariant:
-    return QkvFrontVariant(N, NKV, tiles, 10, 2, 0, "late", warp_split="wg", trigger_ahead=10,
-                           weight_dtype="fp8_e4m3", weight_scale=kind, x_dtype="fp8_e4m3")
+    """The x-ahead build the rules plan at TP8 (tiles 1: M = 1-8, 2: M = 9-16)."""
+    return rules.variant(N, 8 * tiles, NKV, get_target("h200"), weight_dtype="fp8_e4m3", weight_scale=kind)
+
+
+def before(kind: str, m: int) -> QkvFrontVariant:
+    """The build main's rules gave M before (bench/results/h100-w8-bench.json): W8A8 in the kernel at M <= 7, W8A16
+    "k" at 8 (fixed) and 9-16."""
+    kw = dict(weight_dtype="fp8_e4m3", weight_scale=kind)
+    if m <= 7:
+        return QkvFrontVariant(N, NKV, 1, 10, 2, 0, "late", warp_split="wg", trigger_ahead=10, **kw)
+    if m == 8:
+        return QkvFrontVariant(N, NKV, 1, 10, 2, 8, "late", warp_split="k", trigger_ahead=10, **kw)
+    return QkvFrontVariant(N, NKV, 2, 8, 2, 0, "late", warp_split="k", trigger_ahead=8, **kw)
 
 
 def run() -> int:
@@ -141,10 +154,17 @@ def run() -> int:
         for kind in KINDS:
             sc = [scales(N, kind, g) for _ in range(LAYERS)]
             front.prepare(N, [m], NKV, weight_format=f"fp8-{kind}")
-            add(f"plan_{kind}", lambda xj, j, sc=sc: front.qkv_front(xj, w8[j], pos, cs, slots, kc, vc, NKV, eps,
-                                                                    out=o[j], weight_scale=sc[j]))
+            add(f"op_{kind}", lambda xj, j, sc=sc: front.qkv_front(xj, w8[j], pos, cs, slots, kc, vc, NKV, eps,
+                                                                  out=o[j], weight_scale=sc[j]))
             k = kernels[kind, 1 if m <= 8 else 2]
             add(f"ahead_{kind}", lambda xj, j, sc=sc, k=k: launch(k, xj, w8[j], sc[j], pos, cs, slots, kc, vc, o[j]))
+            b = before(kind, m)
+            kb = (get_kernel(b, device=0), launch_grid(b))
+
+            def old(xj, j, sc=sc, kb=kb):
+                vals = values(xj, w8[j], sc[j], pos, cs, slots, kc, vc, eps, o[j])
+                kb[0].launch_ordered(kb[1], [vals[p] for p in kb[0].param_names])
+            add(f"before_{kind}", old)
         graphs.append(Graph("pred", [(lambda j=j: pred.launch(res[j], gamma, xs[j], eps, pdl=True))
                                      for j in range(LAYERS)], loops_for(LAYERS * 2e-6), LAYERS))
         t = time_graphs(graphs, 30)
@@ -153,7 +173,7 @@ def run() -> int:
             if kk.startswith("after_norm_"):
                 us[kk.replace("after_norm_", "front_after_norm_")] = round(us[kk] - us["pred"], 3)
         ratio = {f"{md}_{b}_{kind}": round(us[f"{pre}{b}_{kind}"] / us[f"{pre}bf16"], 3)
-                 for b in ("plan", "ahead") for kind in KINDS
+                 for b in ("before", "ahead", "op") for kind in KINDS
                  for md, pre in (("chain", "chain_"), ("after_norm", "front_after_norm_"))}
         return {"M": m, "us": us, "ratio": ratio}
 
@@ -164,20 +184,20 @@ def run() -> int:
         print(f"  {r['kind']:7s} {r['M']:2d} | {' '.join(f'{e:.3f}' for e in r['err'])} | "
               f"{' '.join(f'{b:.3f}' for b in r['bound'])} | {r['ok']} (vLLM y {r['vllm_y_err']:.2f}, "
               f"this y {r['y_err_exact']:.2f} against x @ W)")
-    print("time: TP8 M | bf16 chain | e4m3 / bf16, chain (after a norm): planned ch / blk | ahead ch / blk")
+    print("time: TP8 M | bf16 chain | e4m3 / bf16, chain (after a norm), ch / blk: before | ahead | ahead by the op")
     for r in doc["timing"]:
         q = r["ratio"]
         print(f"  {r['M']:2d} | {r['us']['chain_bf16']:.2f} | " + " | ".join(
             f"{q[f'chain_{b}_channel']:.3f} / {q[f'chain_{b}_block']:.3f} ({q[f'after_norm_{b}_channel']:.3f} / "
-            f"{q[f'after_norm_{b}_block']:.3f})" for b in ("plan", "ahead")))
+            f"{q[f'after_norm_{b}_block']:.3f})" for b in ("before", "ahead", "op")))
     return 0
 
 
 def main() -> int:
     if sys.argv[1:] == ["labels"]:
-        for kind in KINDS:
-            for t in (1, 2):
-                print(build(kind, t).label)
+        labels = [build(kind, t).label for kind in KINDS for t in (1, 2)]
+        labels += [before(kind, m).label for kind in KINDS for m in (1, 8, 16)]
+        print("\n".join(dict.fromkeys(labels)))
         return 0
     if sys.argv[1:] == ["run"]:
         return run()

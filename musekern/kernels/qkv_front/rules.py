@@ -20,6 +20,7 @@ from .variant import (
     SPLIT_CHOICES,
     SYNC_TILE_CHOICES,
     TOKEN_TILE,
+    X8_MAX_TILES,
     QkvFrontVariant,
     owned_tokens,
     ring_smem_bytes,
@@ -154,13 +155,18 @@ def trigger_ahead(n: int, split: int, target: Target, tiles: int, stages: int) -
 
 # NOTES "warp_split": "k" everywhere except one bf16 token tile under the late trigger; wgmma ("wg") above two tiles,
 # where mma.sync's consumer cannot keep up with the stream (not for an e4m3 weight: wgmma has no e4m3 x bf16 form).
-# NOTES "e4m3 weights": an e4m3 weight's one-tile build (M = 1-7) whose CTAs are alone on their SMs (TP8) is W8A8
-# through wgmma ("wg": x quantized in the kernel; TP8 M = 1 0.60 / 0.59 of the bf16 front chained / after a norm,
-# W8A16 0.73 / 0.65); elsewhere, and the M == 8 build (as fast either way), W8A16 under "k".
+# NOTES "e4m3 weights": where an e4m3 weight's CTAs are alone on their SMs (TP8), its builds of up to X8_MAX_TILES
+# of W8A8_X are W8A8 through wgmma ("wg"), reading x quantized ahead by x_quant (W8A8_X fp8_e4m3: one and two tiles,
+# M = 1-16; in the kernel, "bf16": the one-tile runtime-M build, M = 1-7, TP8 M = 1 0.60 / 0.59 of the bf16 front
+# chained / after a norm, W8A16 0.73 / 0.65); elsewhere W8A16 under "k".
+W8A8_X = "fp8_e4m3"
+
+
 def warp_split(n: int, split: int, target: Target, tiles: int, weight_dtype: str = "bf16", fixed: int = 0) -> str:
     """How the consumer warps share a k-tile (`fixed`: the build's static M, 0 for a runtime M)."""
     if weight_dtype != "bf16":
-        w8a8 = tiles == 1 and not fixed and target.arch in WGMMA_ARCHES and alone_on_sm(n, split, target)
+        w8a8 = (tiles <= X8_MAX_TILES[W8A8_X] and (W8A8_X != "bf16" or not fixed)
+                and target.arch in WGMMA_ARCHES and alone_on_sm(n, split, target))
         return "wg" if w8a8 else "k"
     if tiles >= WG_FROM_TILES and target.arch in WGMMA_ARCHES:
         return "wg"
@@ -181,12 +187,15 @@ def variant(n: int, m: int, num_kv_heads: int, target: Target, kv_cache_dtype: s
     tiles = token_tiles(m, n, target, weight_dtype)
     s = k_split(n, target, tiles)
     split = warp_split(n, s, target, tiles, weight_dtype, fixed_rows(m))
+    xd = W8A8_X if weight_dtype != "bf16" and split == "wg" else "bf16"
+    fixed = 0 if xd != "bf16" else fixed_rows(m)  # x quantized ahead: one runtime-M build a tile count
     rir = recv_in_ring(n, s, target, tiles, split, weight_dtype)
-    stages = ring_stages(s, target, tiles, n, recv_in_ring=rir, weight_dtype=weight_dtype, weight_scale=weight_scale)
-    return QkvFrontVariant(n, num_kv_heads, tiles, stages, s, fixed_rows(m), pdl_trigger(n, s, target, tiles),
+    stages = ring_stages(s, target, 1 if xd != "bf16" else tiles, n, recv_in_ring=rir, weight_dtype=weight_dtype,
+                         weight_scale=weight_scale)
+    return QkvFrontVariant(n, num_kv_heads, tiles, stages, s, fixed, pdl_trigger(n, s, target, tiles),
                            warp_split=split, trigger_ahead=trigger_ahead(n, s, target, tiles, stages),
                            recv_in_ring=rir, x_mcast=x_mcast(s, tiles, split), kv_cache_dtype=kv_cache_dtype,
-                           weight_dtype=weight_dtype, weight_scale=weight_scale)
+                           weight_dtype=weight_dtype, weight_scale=weight_scale, x_dtype=xd)
 
 
 # NOTES "x_mcast": the heads of a pair share each x tile (half the x reads from the L2) where x weighs most: 8 tiles

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Probe (issue 30): the W8A8 ("wg") e4m3 front builds alone under compute-sanitizer (bench/sanitize_qkv_front.py runs
-every front build; this one only TP8's runtime-M one-tile e4m3 build, at M = 1, 4, 7, with its hostile inputs: padding
-and out-of-range slots, positions past the table and negative; channel scales into bf16 caches, block scales into FP8
-caches). Exit 0 if every launch ran.
+every front build; this one only TP8's e4m3 builds, x quantized ahead, at M = 1, 4, 8, 9, 16, with its hostile
+inputs: padding and out-of-range slots, positions past the table and negative; channel scales into bf16 caches, block
+scales into FP8 caches). Exit 0 if every launch ran.
 
   compute-sanitizer --tool racecheck python3 bench/probes/wg8_sanitize.py
 """
@@ -24,7 +24,7 @@ def main() -> int:
     cs = torch.randn(max_pos, HD, device="cuda")
     w8 = torch.randn(shard.n, HIDDEN, device="cuda").clamp(-448, 448).to(torch.float8_e4m3fn)
     n = 0
-    for m in (1, 4, 7):
+    for m in (1, 4, 8, 9, 16):
         assert _variant(shard.n, m, shard.num_kv_heads, 0, "bf16", "fp8_e4m3", "channel").warp_split == "wg"
         x = torch.randn(m, HIDDEN, device="cuda").to(torch.bfloat16)
         pos = torch.randint(0, max_pos, (m,), device="cuda")

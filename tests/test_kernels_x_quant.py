@@ -63,9 +63,9 @@ def test_sass(compiled, tmp_path):
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0
 
 
-# every weight format: per-row scales (per-channel, per-tensor) take the per-token build, block ones the group build,
-# bf16 neither
-@pytest.mark.parametrize("fmt,planned", [("bf16", []), ("fp8-channel", [0]), ("fp8-tensor", [0]),
+# every weight format: per-row scales (per-channel, per-tensor) take the per-token build for the GEMM path and the group
+# build for TP8's W8A8 front (x quantized ahead of it), block ones the group build, bf16 neither
+@pytest.mark.parametrize("fmt,planned", [("bf16", []), ("fp8-channel", [0, XQ_GROUP]), ("fp8-tensor", [0, XQ_GROUP]),
                                          ("fp8-block", [XQ_GROUP]), ("fp8-block-ue8m0", [XQ_GROUP])])
 def test_planned_for_each_weight_format(fmt, planned):
     from musekern.config import load_config, with_weight_format

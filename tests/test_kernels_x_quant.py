@@ -49,9 +49,9 @@ def test_ptx(compiled):
     assert len(re.findall(r"st\.global\.v2\.b32", ptx)) == 2 * XQ_VECS
     assert len(re.findall(r"st\.global\.b32", ptx)) == (XQ_VECS if group else 1)  # the scales
     assert not re.search(r"div\.(approx|full)\.f32|\batom\.|(?<![\w.])red\.", ptx)
-    # PDL: wait for the previous grid before the first load of x, then let the next grid launch
+    # PDL: let the next grid launch, then wait for the previous grid before the first load of x
     wait, trigger = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
-    assert 0 <= wait < trigger < re.search(r"ld\.global", ptx).start()
+    assert 0 <= trigger < wait < re.search(r"ld\.global", ptx).start()
 
 
 def test_sass(compiled, tmp_path):

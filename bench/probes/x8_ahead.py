@@ -16,6 +16,7 @@ Usage: here `python3 bench/probes/x8_ahead.py labels` (for `musekern prepare --v
 from __future__ import annotations
 
 import json
+import os
 import sys
 from types import SimpleNamespace
 
@@ -23,14 +24,21 @@ from musekern.kernels.qkv_front import rules
 from musekern.kernels.qkv_front.variant import QkvFrontVariant
 from musekern.targets import get_target
 
-N, NKV = 2176, 1  # TP8
+TP = int(os.environ.get("X8_TP", "8"))  # X8_TP=1: TP1 (N = 17408), one token tile, builds not planned
+N, NKV = {8: (2176, 1), 1: (17408, 8)}[TP]
 KINDS = ("channel", "block")
-CHECK_MS = (1, 5, 8, 9, 16)
-TIME_MS = (1, 4, 8, 16)
+CHECK_MS = (1, 5, 8, 9, 16) if TP == 8 else (1, 5, 8)
+TIME_MS = (1, 4, 8, 16) if TP == 8 else (1, 4, 8)
+TILES = (1, 2) if TP == 8 else (1,)
+TP1_STAGES = 19  # x's e4m3 slots (64 KiB) up front leave 19 e4m3 W stages in 227 KiB
 
 
 def build(kind: str, tiles: int) -> QkvFrontVariant:
-    """The x-ahead build the rules plan at TP8 (tiles 1: M = 1-8, 2: M = 9-16)."""
+    """The x-ahead build the rules plan at TP8 (tiles 1: M = 1-8, 2: M = 9-16); at TP1 one tile, k_split 1, the
+    deepest ring that fits, the W8A16 build's trigger."""
+    if TP == 1:
+        return QkvFrontVariant(N, NKV, 1, TP1_STAGES, 1, 0, "early", warp_split="wg", weight_dtype="fp8_e4m3",
+                               weight_scale=kind, x_dtype="fp8_e4m3")
     return rules.variant(N, 8 * tiles, NKV, get_target("h200"), weight_dtype="fp8_e4m3", weight_scale=kind)
 
 
@@ -38,6 +46,8 @@ def before(kind: str, m: int) -> QkvFrontVariant:
     """The build main's rules gave M before (bench/results/h100-w8-bench.json): W8A8 in the kernel at M <= 7, W8A16
     "k" at 8 (fixed) and 9-16."""
     kw = dict(weight_dtype="fp8_e4m3", weight_scale=kind)
+    if TP == 1:
+        return rules.variant(N, m, NKV, get_target("h200"), **kw)
     if m <= 7:
         return QkvFrontVariant(N, NKV, 1, 10, 2, 0, "late", warp_split="wg", trigger_ahead=10, **kw)
     if m == 8:
@@ -71,7 +81,7 @@ def run() -> int:
     model = load_config()
     eps, theta = model.rms_norm_eps, model.rope_theta
     kernels = {(kind, t): (get_kernel(build(kind, t), device=0), launch_grid(build(kind, t)))
-               for kind in KINDS for t in (1, 2)}
+               for kind in KINDS for t in TILES}
     x_quant.prepare(0, 128)
 
     def launch(kg, x, w, sc, pos, cs, slots, kc, vc, y):
@@ -184,7 +194,8 @@ def run() -> int:
         print(f"  {r['kind']:7s} {r['M']:2d} | {' '.join(f'{e:.3f}' for e in r['err'])} | "
               f"{' '.join(f'{b:.3f}' for b in r['bound'])} | {r['ok']} (vLLM y {r['vllm_y_err']:.2f}, "
               f"this y {r['y_err_exact']:.2f} against x @ W)")
-    print("time: TP8 M | bf16 chain | e4m3 / bf16, chain (after a norm), ch / blk: before | ahead | ahead by the op")
+    print(f"time: TP{TP} M | bf16 chain | e4m3 / bf16, chain (after a norm), ch / blk: before | ahead | "
+          "ahead by the op")
     for r in doc["timing"]:
         q = r["ratio"]
         print(f"  {r['M']:2d} | {r['us']['chain_bf16']:.2f} | " + " | ".join(
@@ -195,8 +206,8 @@ def run() -> int:
 
 def main() -> int:
     if sys.argv[1:] == ["labels"]:
-        labels = [build(kind, t).label for kind in KINDS for t in (1, 2)]
-        labels += [before(kind, m).label for kind in KINDS for m in (1, 8, 16)]
+        labels = [build(kind, t).label for kind in KINDS for t in TILES]
+        labels += [before(kind, m).label for kind in KINDS for m in TIME_MS]
         print("\n".join(dict.fromkeys(labels)))
         return 0
     if sys.argv[1:] == ["run"]:

@@ -40,6 +40,7 @@ from musekern.config import load_config
 from musekern.kernels.qkv_front.variant import launch_grid
 from musekern.model import HIDDEN
 from musekern.ops import qkv_front as front
+from musekern.ops import x_quant
 from musekern.reference import (
     bf16_step,
     fused_qknorm_rope_kv_insert,
@@ -76,6 +77,15 @@ def dequant(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return wf * s.double()[:, None]
 
 
+def launch(k, v, vals: dict) -> None:
+    """Launch build v (loaded as k) with the values of `values`; a build reading x quantized ahead (x_dtype
+    fp8_e4m3) gets x_quant's e4m3 x and scales first, as the op does."""
+    if v.x_dtype != "bf16":
+        q, s = x_quant.quantize(vals["x"], 128)
+        vals = {**vals, "x": q, "x_scale": s.data_ptr()}
+    k.launch_ordered(launch_grid(v), [vals[p] for p in k.param_names])
+
+
 def values(x, w, sc, pos, cs, slots, kc, vc, eps, y) -> dict:
     """The launch values of an e4m3 build, by ABI name (kernels/qkv_front/abi.py)."""
     return {"weight": w, "x": x, "M": x.shape[0], "weight_scale": sc.data_ptr(), "y": y.data_ptr(),
@@ -108,8 +118,9 @@ def check(n: int, nkv: int, kind: str, m: int, v, eps: float, theta: float) -> d
     packed = SimpleNamespace(weight=w, weight_scale=sc, n=n, fmt=SimpleNamespace(granularity=kind, ue8m0=False))
     yv = vllm_fp8_gemm(x, packed).to(torch.bfloat16)  # vLLM's W8A8 chain, recorded beside
     w8a8 = v.warp_split == "wg"  # x quantized in the kernel: held to its own arithmetic, exact and in fp32 sums
-    ym = (w8a8_x_dequantized(x) @ wd.T).to(torch.bfloat16) if w8a8 else yg
-    yms = w8a8_gemm(x, packed).to(torch.bfloat16) if w8a8 else yg
+    ahead = v.x_dtype != "bf16"  # x quantized by x_quant (vLLM's quotients), else in the kernel
+    ym = (w8a8_x_dequantized(x, ahead) @ wd.T).to(torch.bfloat16) if w8a8 else yg
+    yms = w8a8_gemm(x, packed, ahead).to(torch.bfloat16) if w8a8 else yg
     outs = {}
     for name, yy in (("ref", yg), ("torch", yt), ("vllm", yv), ("model", ym), ("model_sums", yms)):
         kr, vr = kc.clone(), vc.clone()
@@ -118,7 +129,7 @@ def check(n: int, nkv: int, kind: str, m: int, v, eps: float, theta: float) -> d
     for _ in range(2):
         y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         k2, v2 = kc.clone(), vc.clone()
-        k.launch(launch_grid(v), values(x, w, sc, pos, cs, slots, k2, v2, eps, y))
+        launch(k, v, values(x, w, sc, pos, cs, slots, k2, v2, eps, y))
         torch.cuda.synchronize()
         runs.append((y, k2, v2))
     y, k2, v2 = runs[0]
@@ -171,7 +182,7 @@ def exact(n: int, nkv: int, m: int, v, eps: float, theta: float) -> dict:
     kc, vc, _ = _caches(nkv, m, g)
     slots = torch.full((m,), -1, dtype=torch.int64, device="cuda")
     y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    k.launch(launch_grid(v), values(x, w, sc, pos, cs, slots, kc, vc, eps, y))
+    launch(k, v, values(x, w, sc, pos, cs, slots, kc, vc, eps, y))
     torch.cuda.synchronize()
     want = val.view(torch.float8_e4m3fn).float().T.to(torch.bfloat16)  # [m, rows]
     got = y[:, gate0:]
@@ -207,8 +218,7 @@ def timing(n: int, nkv: int, m: int, table: dict, eps: float, theta: float, pred
         k = get_kernel(v, device=0)
 
         def call(xj, j, k=k, v=v, sc=sc):
-            vals = values(xj, w8[j], sc[j], pos, cs, slots, kc, vc, eps, o[j])
-            k.launch_ordered(launch_grid(v), [vals[p] for p in k.param_names])
+            launch(k, v, values(xj, w8[j], sc[j], pos, cs, slots, kc, vc, eps, o[j]))
         add(f"fp8_{kind}", call)
     xq = x.to(torch.float8_e4m3fn)
     sx = torch.ones(m, 1, device="cuda")
@@ -236,7 +246,6 @@ def x_quant_exact(m: int, group: int) -> dict:
     """The x_quant kernel's bytes and scales (`group` 0: per token, 128: per group) against musekern.reference's
     (random rows at spread magnitudes, a zero row, a power-of-two scale's row)."""
     from musekern.gemm.fp8 import quantize_reference
-    from musekern.ops import x_quant
 
     g = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, HIDDEN, device="cuda", generator=g) * torch.exp2(

@@ -228,21 +228,23 @@ def vllm_fp8_gemm(x: torch.Tensor, packed) -> torch.Tensor:
     return ((q.double() @ packed.weight.double().t()) * s.double() * packed.weight_scale.double()[None, :]).float()
 
 
-def w8a8_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as musekern's W8A8 front builds (warp_split "wg") quantize it, whatever the weights' granularity: per
-    (token, 128-column group), vLLM's group scale, each value times the scale's reciprocal (w8.group_scale)."""
-    return quantize_x_per_group(x, by_reciprocal=True)
+def w8a8_x(x: torch.Tensor, ahead: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as musekern's W8A8 front builds (warp_split "wg") read it, whatever the weights' granularity: per (token,
+    128-column group), vLLM's group scale; each value times the scale's reciprocal where the build quantizes x itself
+    (w8.group_scale), vLLM's quotient where x_quant did it ahead (`ahead`: x_dtype fp8_e4m3)."""
+    return quantize_x_per_group(x, by_reciprocal=not ahead)
 
 
-def w8a8_gemm(x: torch.Tensor, packed) -> torch.Tensor:
+def w8a8_gemm(x: torch.Tensor, packed, ahead: bool = False) -> torch.Tensor:
     """float32 [M, N]: the W8A8 front builds' arithmetic in exact sums (w8a8_x's x, each k-tile's product times its
-    x scale and the weight scale). For block weights it is vLLM's up to the x division; for per-row weights its x
-    groups are finer than vLLM's per-token scale: another rounding of x, no larger on average (test_reference)."""
-    return _group_scaled_sums(*w8a8_x(x), packed)
+    x scale and the weight scale). For block weights it is vLLM's (up to the x division unless `ahead`); for per-row
+    weights its x groups are finer than vLLM's per-token scale: another rounding of x, no larger on average
+    (test_reference)."""
+    return _group_scaled_sums(*w8a8_x(x, ahead), packed)
 
 
-def w8a8_x_dequantized(x: torch.Tensor) -> torch.Tensor:
+def w8a8_x_dequantized(x: torch.Tensor, ahead: bool = False) -> torch.Tensor:
     """float64 [M, K]: w8a8_x's bytes times their scales, exactly (the W8A8 builds' own fp64 truth starts here)."""
-    q, s = w8a8_x(x)
+    q, s = w8a8_x(x, ahead)
     m, k = q.shape
     return (q.double().reshape(m, k // FP8_K_GROUP, FP8_K_GROUP) * s.double()[..., None]).reshape(m, k)

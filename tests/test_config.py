@@ -408,9 +408,10 @@ def test_fp8_weights_plan_fp8_front_builds():
         front = [e.variant for e in entries if e.kernel == "qkv_front"]
         assert front and {(v.weight_dtype, v.weight_scale) for v in front} == {("fp8_e4m3", scale)}
         # the rest as bf16's, and the W8A8 GEMM path's x quantization (per token for per-row scales, per group else)
+        # with TP8's W8A8 front's (per group, ahead of it)
         assert [e.variant for e in entries if e.kernel not in ("qkv_front", "x_quant")] == [
             e.variant for e in bf16 if e.kernel != "qkv_front"]
-        assert [e.variant.group for e in entries if e.kernel == "x_quant"] == [128 if scale == "block" else 0]
+        assert [e.variant.group for e in entries if e.kernel == "x_quant"] == [128] if scale == "block" else [0, 128]
 
 
 @pytest.mark.parametrize("where", ["top", "text_config", "both"])

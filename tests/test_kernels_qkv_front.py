@@ -481,19 +481,29 @@ def _w8_plan():
 
 
 PLANNED_W8 = _w8_plan()
-PLANNED_W8A8 = [v for v in PLANNED_W8 if v.warp_split == "wg"]  # W8A8: TP8's one-tile runtime-M builds
+PLANNED_W8A8 = [v for v in PLANNED_W8 if v.warp_split == "wg"]  # W8A8: TP8's one- and two-tile builds, x ahead
+# W8A8 with x quantized in the kernel (x_dtype bf16): TP8's one-tile build, channel and block, kept buildable
+W8A8_IN_KERNEL = [dataclasses.replace(v, x_dtype="bf16") for v in PLANNED_W8A8 if v.tiles == 1
+                  and v.kv_cache_dtype == "bf16"]
 
 
 # the grid: every planned e4m3 build (mma.sync "rows" and "k", 1, 2 and 4 tiles, S = 1 and 2, both scale kinds)
 @pytest.mark.parametrize("v", PLANNED_W8, ids=lambda v: v.label)
 def test_w8_abi_is_the_bf16_abi_with_the_scales_in_the_weight_slot(kmod, v):
-    bf = kmod.abi_for(dataclasses.replace(v, weight_dtype="bf16", weight_scale="none"))
+    bf = kmod.abi_for(dataclasses.replace(v, weight_dtype="bf16", weight_scale="none", warp_split="k",
+                                          x_dtype="bf16"))
     abi = kmod.abi_for(v)
-    assert [p.name for p in abi.params] == [("weight_scale" if p.name == "weight_ptr" else p.name) for p in bf.params]
-    assert [(p.kind, p.size) for p in abi.params] == [(p.kind, p.size) for p in bf.params]
+    # x quantized ahead: x's scales follow the weight's, x's map is of e4m3 bytes (one 128-byte box a k-tile)
+    ahead = v.x_dtype != "bf16"
+    names = [("weight_scale" if p.name == "weight_ptr" else p.name) for p in bf.params]
+    if ahead:
+        names.insert(names.index("weight_scale") + 1, "x_scale")
+    assert [p.name for p in abi.params] == names
+    assert [(p.kind, p.size) for p in abi.params if p.name != "x_scale"] == [(p.kind, p.size) for p in bf.params]
     w, wb = abi.tensormaps[0], bf.tensormaps[0]
     assert (w.param, w.tensor, w.dtype, w.box) == ("tma_w", "weight", "u8", (128, HEAD_COLS)) and wb.dtype == "bf16"
-    assert abi.tensormaps[1:] == bf.tensormaps[1:]
+    x, xb = abi.tensormaps[1], bf.tensormaps[1]
+    assert (x.dtype, x.box) == (("u8", (128, xb.box[1])) if ahead else (xb.dtype, xb.box))
     assert abi.launch.dynamic_smem_bytes == smem_bytes(v)
 
 
@@ -503,9 +513,20 @@ def test_w8_variant_rules():
         QkvFrontVariant(2176, 1, 1, 4, 2, 0, weight_dtype="fp8_e4m3")
     with pytest.raises(ValueError, match="weight_scale of a bf16 weight"):
         QkvFrontVariant(2176, 1, 1, 4, 2, 0, weight_scale="block")
-    with pytest.raises(ValueError, match="wgmma build \\(W8A8\\) holds one token tile"):
-        QkvFrontVariant(2176, 1, 4, 4, 2, 0, warp_split="wg", weight_dtype="fp8_e4m3", weight_scale="channel")
-    from musekern.kernels.qkv_front.rules import front_serves, variant
+    with pytest.raises(ValueError, match="wgmma build \\(W8A8\\) with bf16 x holds at most 1 token tiles"):
+        QkvFrontVariant(2176, 1, 2, 4, 2, 0, warp_split="wg", weight_dtype="fp8_e4m3", weight_scale="channel")
+    # x quantized ahead: half the bytes in x's slots, two tiles; an e4m3 weight's wgmma build's alone
+    QkvFrontVariant(2176, 1, 2, 10, 2, 0, warp_split="wg", weight_dtype="fp8_e4m3", weight_scale="channel",
+                    x_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="with fp8_e4m3 x holds at most 2 token tiles"):
+        QkvFrontVariant(2176, 1, 4, 4, 2, 0, warp_split="wg", weight_dtype="fp8_e4m3", weight_scale="channel",
+                        x_dtype="fp8_e4m3")
+    for bad in (dict(weight_dtype="fp8_e4m3", weight_scale="channel"), dict(warp_split="wg")):
+        with pytest.raises(ValueError, match="x_dtype fp8_e4m3 \\(x quantized ahead\\) is an e4m3 weight's wgmma"):
+            QkvFrontVariant(2176, 1, 1, 4, 2, 0, x_dtype="fp8_e4m3", **bad)
+    with pytest.raises(ValueError, match="x_dtype must be one of"):
+        QkvFrontVariant(2176, 1, 1, 4, 2, 0, x_dtype="e5m2")
+    from musekern.kernels.qkv_front.rules import front_serves, ring_stages, variant
 
     # M <= 16 on every shard; up to 32 (4 tiles) where those CTAs are alone on their SMs: TP8 (68 CTAs), not TP4 (136)
     assert front_serves(2176, 32, h200, "fp8_e4m3") and not front_serves(2176, 33, h200, "fp8_e4m3")
@@ -517,17 +538,24 @@ def test_w8_variant_rules():
         "warp_split=k,weight_dtype=fp8_e4m3,weight_scale=block]"}  # the build bench/probes/w8_wide.py checked and timed
     # up to the same W bytes in flight: up to twice the stages of half the size, as shared memory allows; the bf16
     # build's split and trigger; warp split "k" ("rows", the bf16 builds' one tile under the late trigger, measured
-    # slower for e4m3: bench/probes/w8_alts.py k1, k1tp2), except W8A8's "wg": the one-tile runtime-M build where the
-    # CTAs are alone on their SMs (TP8), with the ring its W8A16 twin would have (bench/NOTES.md "e4m3 weights")
+    # slower for e4m3: bench/probes/w8_alts.py k1, k1tp2), except W8A8's "wg" at one runtime-M tile: x quantized in the
+    # kernel where the CTAs are alone on their SMs (TP8, the ring of its W8A16 twin), x quantized ahead on the
+    # deep-ring shard (TP1, the deepest ring its x slots leave) (bench/NOTES.md "e4m3 weights")
     for v in PLANNED_W8:
         bf = variant(v.n, max(1, 8 * v.tiles - 1), v.num_kv_heads, h200)
-        assert bf.stages < v.stages <= 2 * bf.stages
         assert (v.k_split, v.tiles, v.trigger) == (bf.k_split, bf.tiles, bf.trigger)
-        w8a8 = v.n == 2176 and v.tiles == 1 and not v.fixed_rows
-        assert v.warp_split == ("wg" if w8a8 else "k")
-        if w8a8:
+        in_kernel = v.n == 2176 and v.tiles == 1 and not v.fixed_rows
+        ahead = v.n == 17408 and v.tiles == 1
+        assert (v.warp_split, v.x_dtype) == (("wg", "fp8_e4m3") if ahead else ("wg" if in_kernel else "k", "bf16"))
+        if in_kernel:
             assert v.stages == dataclasses.replace(v, warp_split="k").stages and smem_bytes(v) <= h200.max_smem_optin
+        elif ahead:
+            assert not v.fixed_rows and smem_bytes(v) <= h200.max_smem_optin
+            assert smem_bytes(dataclasses.replace(v, stages=v.stages + 1)) > h200.max_smem_optin
+        else:
+            assert bf.stages < v.stages <= 2 * bf.stages
     assert {v.warp_split for v in PLANNED_W8 if v.n == 2176 and v.tiles == 1} == {"wg", "k"}  # M <= 7 / M == 8
+    assert {(v.tiles, v.x_dtype) for v in PLANNED_W8 if v.n == 17408} == {(1, "fp8_e4m3"), (2, "bf16")}  # 1-8, 9-16
     b200 = get_target("b200")  # no wgmma: W8A16 everywhere
     assert variant(2176, 1, 1, b200, weight_dtype="fp8_e4m3", weight_scale="block").warp_split == "k"
 
@@ -564,12 +592,13 @@ def test_w8_compile_ptx(kmod, v):
     assert _count(r"ld\.shared\.[bsu]16", ptx) == 0
 
 
-# each W8A8 build: the ABI is the PTX .entry's; a ring stage is W only (8 KiB in expect_tx) and x lands a chunk of
-# X8_CHUNK k-tiles a barrier; the MMA is wgmma m64n8k32 e4m3 x e4m3 (4 a k-tile, nothing converts W: no mma.sync, no
-# ldmatrix, no e4m3 -> f16); x is quantized by cvt.rn.satfinite.e4m3x2.f32 after abs.bf16x2 maxima, its stores made
-# visible to wgmma by fence.proxy.async
+# each W8A8 build (the planned ones, x quantized ahead; the in-kernel one-tile build): the ABI is the PTX .entry's; a
+# ring stage is W only (8 KiB in expect_tx) and x lands a chunk of X8_CHUNK k-tiles a barrier (bf16 or e4m3 bytes);
+# the MMA is wgmma m64nTTk32 e4m3 x e4m3 (4 a k-tile, nothing converts W: no mma.sync, no ldmatrix, no e4m3 -> f16);
+# in the kernel x is quantized by cvt.rn.satfinite.e4m3x2.f32 after abs.bf16x2 maxima, its stores made visible to
+# wgmma by fence.proxy.async; ahead: no conversion at all
 @pytest.mark.slow
-@pytest.mark.parametrize("v", PLANNED_W8A8, ids=lambda v: v.label)
+@pytest.mark.parametrize("v", PLANNED_W8A8 + W8A8_IN_KERNEL, ids=lambda v: v.label)
 def test_w8a8_compile_ptx(kmod, v):
     from musekern.kernels.qkv_front.variant import X8_CHUNK
     from musekern.store.abi import check_abi_against_ptx
@@ -578,12 +607,15 @@ def test_w8a8_compile_ptx(kmod, v):
     check_abi_against_ptx(ck.abi, ck.ptx, ck.symbol)
     ptx = ck.ptx
     tt = padded_tokens(v)
-    for tx in (W_STAGE_BYTES // 2, X8_CHUNK * tt * K_TILE * 2):
+    ahead = v.x_dtype != "bf16"
+    for tx in (W_STAGE_BYTES // 2, X8_CHUNK * tt * K_TILE * (1 if ahead else 2)):
         assert re.search(rf"mov\.b32\s+%r\d+, {tx};\s*\n\s*mbarrier\.arrive\.expect_tx", ptx), tx
-    assert _count(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.f32\.e4m3\.e4m3", ptx) == K_TILE // 32
+    assert _count(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tt}k32\.f32\.e4m3\.e4m3", ptx) == K_TILE // 32
     assert _count(r"mma\.sync", ptx) == _count(r"ldmatrix", ptx) == _count(r"cvt\.rn\.f16x2\.e4m3x2", ptx) == 0
-    assert _count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) > 0 and _count(r"abs\.bf16x2", ptx) > 0
-    assert _count(r"fence\.proxy\.async\.shared::cta", ptx) >= 2  # the consumers' chunk, the aux warp's
+    quantizes = _count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) > 0 and _count(r"abs\.bf16x2", ptx) > 0
+    assert quantizes != ahead
+    fences = _count(r"fence\.proxy\.async\.shared::cta", ptx)
+    assert fences == 0 if ahead else fences >= 2  # the consumers' chunk, the aux warp's
 
 
 # W8A8: the in-place quantization's byte mapping (w8.x8_src / x8_dst, mma.py `_quantize_chunk`) over one CTA's x
@@ -702,8 +734,10 @@ def test_w8_sass(kmod, v, tmp_path):
     ck, _ = _compile(kmod, v)
     usage = _no_local_memory(ck.cubin, tmp_path)
     s = nvdump.dump(ck.cubin, tmp_path, "-sass").stdout
-    if v.warp_split == "wg":  # W8A8: FP8 wgmma on the ring's bytes, x quantized by saturating conversions
-        assert "QGMMA.64x8x32.F32.E4M3.E4M3" in s and "F2FP.SATFINITE.E4M3.F32.PACK_AB" in s
+    if v.warp_split == "wg":  # W8A8: FP8 wgmma on the ring's bytes (x quantized ahead: no conversion)
+        assert f"QGMMA.64x{padded_tokens(v)}x32.F32.E4M3.E4M3" in s
+        if v.kv_cache_dtype == "bf16":  # (an FP8 cache's stores convert too)
+            assert ("F2FP.SATFINITE.E4M3.F32.PACK_AB" in s) == (v.x_dtype == "bf16")
         assert "HMMA" not in s and "F2FP.F16.E4M3.UNPACK_B" not in s and not re.search(r"\b(STL|LDL)\b", s)
         return
     # planned for two CTAs per SM (the 4-tile builds serve only where their CTAs are alone on their SMs: rules.py

@@ -18,7 +18,7 @@ def test_abi_record():
     abi = abi_for(XQuantVariant())
     assert [p.name for p in abi.params] == ["x", "q", "scale", "ld_x", "m"]
     assert abi.launch.block == (XQ_BLOCK, 1, 1) and abi.launch.dynamic_smem_bytes == XQ_SMEM_BYTES
-    assert not abi.launch.pdl and abi.tensormaps == ()
+    assert abi.launch.pdl and abi.tensormaps == ()  # launched with PDL: a front after it prefetches meanwhile
     assert XQuantVariant().label == "x_quant[]" and XQuantVariant(group=XQ_GROUP).label == "x_quant[group=128]"
     with pytest.raises(ValueError, match="group must be 0"):
         XQuantVariant(group=64)
@@ -49,6 +49,9 @@ def test_ptx(compiled):
     assert len(re.findall(r"st\.global\.v2\.b32", ptx)) == 2 * XQ_VECS
     assert len(re.findall(r"st\.global\.b32", ptx)) == (XQ_VECS if group else 1)  # the scales
     assert not re.search(r"div\.(approx|full)\.f32|\batom\.|(?<![\w.])red\.", ptx)
+    # PDL: let the next grid launch, then wait for the previous grid before the first load of x
+    wait, trigger = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    assert 0 <= trigger < wait < re.search(r"ld\.global", ptx).start()
 
 
 def test_sass(compiled, tmp_path):
@@ -60,9 +63,9 @@ def test_sass(compiled, tmp_path):
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0
 
 
-# every weight format: per-row scales (per-channel, per-tensor) take the per-token build, block ones the group build,
-# bf16 neither
-@pytest.mark.parametrize("fmt,planned", [("bf16", []), ("fp8-channel", [0]), ("fp8-tensor", [0]),
+# every weight format: per-row scales (per-channel, per-tensor) take the per-token build for the GEMM path and the group
+# build for TP8's W8A8 front (x quantized ahead of it), block ones the group build, bf16 neither
+@pytest.mark.parametrize("fmt,planned", [("bf16", []), ("fp8-channel", [0, XQ_GROUP]), ("fp8-tensor", [0, XQ_GROUP]),
                                          ("fp8-block", [XQ_GROUP]), ("fp8-block-ue8m0", [XQ_GROUP])])
 def test_planned_for_each_weight_format(fmt, planned):
     from musekern.config import load_config, with_weight_format

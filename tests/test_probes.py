@@ -104,9 +104,10 @@ def test_w8_alts_rows1_differs_from_the_plan_only_in_warp_split(alt, k_alt, n):
     nkv = alts.ALTS[alt][4][1]
     for (_, _, kind, m), v in table.items():
         planned = rules.variant(n, m, nkv, get_target("h200"), weight_dtype="fp8_e4m3", weight_scale=kind)
-        w8a8 = n == alts.N and m < 8  # TP8's runtime-M one-tile build is W8A8 ("wg") now: "k1" its W8A16 twin
+        w8a8 = n == alts.N and m < 8  # TP8's runtime-M one-tile build is W8A8 ("wg"): "k1" its W8A16 twin
         assert (planned.warp_split, v.warp_split) == ("wg" if w8a8 else "k", "rows")
-        assert dataclasses.replace(v, warp_split="k") == dataclasses.replace(planned, warp_split="k") == alts.table(
+        twin = dataclasses.replace(planned, x_dtype="bf16", fixed_rows=rules.fixed_rows(m)) if w8a8 else planned
+        assert dataclasses.replace(v, warp_split="k") == dataclasses.replace(twin, warp_split="k") == alts.table(
             k_alt)[(n, "fp8_e4m3", kind, m)]
         if n == alts.N:
             assert alts.table("plan")[(n, "fp8_e4m3", kind, m)] == planned  # "plan": the planned builds themselves

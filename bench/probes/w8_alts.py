@@ -44,9 +44,13 @@ def split4(kind: str) -> QkvFrontVariant:
 
 
 def split_as(warp: str):
-    """The planned e4m3 build of (kind, m, n, nkv) with warp_split `warp`."""
+    """The planned e4m3 build of (kind, m, n, nkv) with warp_split `warp` (a W8A16 one in place of a planned W8A8
+    build: its x bf16, the M == 8 build fixed)."""
     def make(kind: str, m: int, n: int, nkv: int) -> QkvFrontVariant:
-        return dataclasses.replace(plan(kind, m, n, nkv), warp_split=warp)
+        v = plan(kind, m, n, nkv)
+        if v.warp_split == "wg":
+            v = dataclasses.replace(v, x_dtype="bf16", fixed_rows=rules.fixed_rows(m))
+        return dataclasses.replace(v, warp_split=warp)
     return make
 
 

@@ -260,7 +260,26 @@ def _front_plan(n: int, m: int, num_kv_heads: int, device_index: int, kv: str = 
     kernel = get_kernel(v, device=device_index, on_miss=checks.on_miss())
     grid = launch_grid(v)
     names = _BINDINGS[kv, wd != "bf16"][0]
+    if v.x_dtype != "bf16":  # W8A8 reading x quantized ahead: x_quant first
+        x_quant.prepare(device_index, XQ_GROUP)
+        return kernel, grid, _x_ahead(kernel.launcher(grid, take=take(v.label, kernel.param_names,
+                                                                       names + ("x_scale",))), names, device_index)
     return kernel, grid, kernel.launcher(grid, take=take(v.label, kernel.param_names, names))
+
+
+def _x_ahead(launch, names: tuple, device_index: int):
+    """The launcher of a build reading x quantized ahead: x_quant (group 128, PDL) of the call's x, then the front
+    with x's value replaced by the e4m3 copy's and its scales' address after the call's values."""
+    xi, mi = names.index("x"), names.index("M")
+
+    def run(values: list) -> None:
+        x, m = values[xi], values[mi]
+        ptr, ld = (x[0], x[3]) if type(x) is tuple else (x.data_ptr(), x.stride(0))
+        q, s = x_quant.quantize_groups_at(ptr, m, ld, device_index)
+        values[xi] = (q.data_ptr(), m, HIDDEN, HIDDEN)
+        values.append(s.data_ptr())
+        launch(values)
+    return run
 
 
 def _resolve(n: int, m: int, num_kv_heads: int, device_index: int, kv: str = KV_BF16, wd: str = "bf16",

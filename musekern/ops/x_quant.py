@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from ..kernels.x_quant.variant import XQ_GROUPS, XQuantVariant, launch_grid
+from ..kernels.x_quant.variant import XQ_GROUP, XQ_GROUPS, XQuantVariant, launch_grid
 from ..model import HIDDEN
 from . import checks
 
@@ -41,4 +41,14 @@ def quantize(x: torch.Tensor, group: int = 0, rows: int | None = None) -> tuple[
     if m:
         prepare(x.get_device(), group).launch_ordered(launch_grid(m), [x.data_ptr(), q.data_ptr(), s.data_ptr(),
                                                                        x.stride(0), rows])
+    return q, s
+
+
+def quantize_groups_at(x_ptr: int, m: int, ld_x: int, device_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize(x, 128)` of the bf16 x [m, 8192] at address x_ptr (row stride ld_x) on the device: the fused front's
+    W8A8 builds that read x quantized ahead (their launch values carry x's address)."""
+    dev = torch.device("cuda", device_index)
+    q = torch.empty(m, HIDDEN, dtype=torch.float8_e4m3fn, device=dev)
+    s = torch.empty(XQ_GROUPS, m, dtype=torch.float32, device=dev).t()
+    prepare(device_index, XQ_GROUP).launch_ordered(launch_grid(m), [x_ptr, q.data_ptr(), s.data_ptr(), ld_x, m])
     return q, s

@@ -19,7 +19,9 @@ def abi_for(v: QkvFrontVariant) -> KernelAbi:
     params = [tensormap("tma_w", f"CUtensorMap of weight {w}, 128B swizzle")]
     # mW_tma: fully static shape (N, 8192) -> no parameter
     xb = x_box_rows(v)
-    params.append(tensormap("tma_x", f"CUtensorMap of x bf16 [M, 8192], box 64x{xb}, 128B swizzle (rows >= M: 0)"))
+    x8 = v.x_dtype != "bf16"  # x quantized ahead (x_quant group 128)
+    x = f"e4m3 (u8) [M, 8192], box 128x{xb}" if x8 else f"bf16 [M, 8192], box 64x{xb}"
+    params.append(tensormap("tma_x", f"CUtensorMap of x {x}, 128B swizzle (rows >= M: 0)"))
     if not v.fixed_rows:
         params.append(coord_tensor("x_coord", ("M",), "TMA coordinate tensor of x: its dynamic row count M"))
     params += [
@@ -27,6 +29,8 @@ def abi_for(v: QkvFrontVariant) -> KernelAbi:
                                 "(block: per 64 rows x 128 K)") if fp8_w else
         pointer("weight_ptr", "the weight's base address (read by no code since the L2 prefetch lever left; kept "
                               "so the ABI and the cubins stay as they are)"),
+        *((pointer("x_scale", "float32 x_quant's scales of x, [M, 64] column-major (token r, 128-column group g "
+                              "at g M + r)"),) if x8 else ()),
         pointer("y", "bf16 [M, N] output, contiguous"),
         pointer("positions", "int64 [M]"),
         pointer("cos_sin_cache", "float32 [max_pos, 64] contiguous"),
@@ -48,4 +52,5 @@ def abi_for(v: QkvFrontVariant) -> KernelAbi:
                           pdl=True, grid=f"(heads * S, 1, 1) = ({v.heads} * {v.k_split}, 1, 1)"),
         tensormaps=(TensorMapSpec("tma_w", "weight", "u8", (2 * BOX_COLS, HEAD_COLS)) if fp8_w else
                     TensorMapSpec("tma_w", "weight", "bf16", (BOX_COLS, HEAD_COLS)),
+                    TensorMapSpec("tma_x", "x", "u8", (2 * BOX_COLS, xb)) if x8 else
                     TensorMapSpec("tma_x", "x", "bf16", (BOX_COLS, xb))))

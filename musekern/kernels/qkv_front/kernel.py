@@ -86,6 +86,7 @@ from .variant import (
     padded_tokens,
     smem_bytes,
     w_stage_bytes,
+    x_bytes,
 )
 
 PRODUCER_WARP = CONSUMER_WARPS  # warp 4
@@ -129,12 +130,13 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
         # bytes an owner gets by st.async
         self.recv_tx = (self.k_split - self.local_partials) * self.owned * HEAD_COLS * 4
         self.x8 = self.w8 and v.warp_split == "wg"  # W8A8: all of the CTA's x up front, quantized in place (w8.py)
+        self.x8_ahead = v.x_dtype == "fp8_e4m3"  # ... or x_quant's e4m3 x and scales, read as they are
         self.x_slots = self.ntiles if self.x8 else 0  # x's ring slots (0: one a stage)
         if self.x8:
             self.stage_tx = w_stage_bytes(v.weight_dtype)  # a stage is W only
         self.Smem = make_smem_struct(self.stages, self.tt, self.owned, v.recv_in_ring,
                                      Float8E4M3FN if self.w8 else BFloat16, self.block_scales,
-                                     self.x_slots)
+                                     self.x_slots, Float8E4M3FN if self.x8_ahead else BFloat16)
         assert not v.recv_in_ring or self.tt * HEAD_COLS * 4 <= self.stages * w_stage_bytes(v.weight_dtype)
         self.smem = smem_bytes(v)
         self.fp8 = v.kv_cache_dtype != "bf16"  # e4m3 caches: `kernel_fp8`
@@ -145,9 +147,10 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
                  cs_ptr: cute.Pointer, slot_ptr: cute.Pointer, kc_ptr: cute.Pointer, vc_ptr: cute.Pointer,
                  M: Int32, max_pos: Int32, block_size: Int32, num_blocks: Int32, k_block_stride: Int64,
                  v_block_stride: Int64, eps: Float32, stream: cuda.CUstream, *tail):
-        # tail: e4m3 weights: the weight_scale pointer (in the kernel's w_ptr slot); FP8 caches: the four scales
+        # tail: e4m3 weights: the weight_scale pointer (in the kernel's w_ptr slot), x quantized ahead: x_scale;
+        # FP8 caches: the four scales
         mW = cute.make_tensor(w_ptr, cute.make_layout((self.n, HIDDEN), stride=(HIDDEN, 1)))
-        scales = tail[1:] if cutlass.const_expr(self.w8) else tail
+        scales = tail[(1 + self.x8_ahead):] if cutlass.const_expr(self.w8) else tail
         w_slot = tail[0] if cutlass.const_expr(self.w8) else w_ptr
         if cutlass.const_expr(self.v.fixed_rows):
             mX = cute.make_tensor(x_ptr, cute.make_layout((self.v.fixed_rows, HIDDEN), stride=(HIDDEN, 1)))
@@ -166,7 +169,12 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
         assert self.Smem.size_in_bytes() == self.smem, (self.Smem.size_in_bytes(), self.smem)
         args = (tma_w, mW_tma, tma_x, mX_tma, w_slot, y_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, max_pos,
                 block_size, num_blocks, k_block_stride, v_block_stride, eps, tiled_mma, sW_layout, sX_layout)
-        if cutlass.const_expr(self.fp8):  # the scales (kv_cache.SCALE_PARAMS) after the bf16 build's parameters
+        if cutlass.const_expr(self.x8_ahead):  # x_scale after weight_scale (the w_ptr slot)
+            xargs = args[:5] + (tail[1],) + args[5:]
+            entry = self.kernel_xa_fp8(*xargs, *scales) if cutlass.const_expr(self.fp8) else self.kernel_xa(*xargs)
+            entry.launch(grid=list(launch_grid(self.v)), block=[THREADS, 1, 1], cluster=[self.cluster, 1, 1],
+                         smem=self.smem, stream=stream, use_pdl=True)
+        elif cutlass.const_expr(self.fp8):  # the scales (kv_cache.SCALE_PARAMS) after the bf16 build's parameters
             self.kernel_fp8(*args, *scales).launch(grid=list(launch_grid(self.v)), block=[THREADS, 1, 1],
                                                    cluster=[self.cluster, 1, 1], smem=self.smem, stream=stream,
                                                    use_pdl=True)
@@ -197,9 +205,35 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
                   block_size, num_blocks, k_block_stride, v_block_stride, eps, tiled_mma, sW_layout, sX_layout,
                   (k_scale_ptr, k_scale, v_scale_ptr, v_scale))
 
+    @cute.kernel
+    def kernel_xa(self, tma_w: cute.CopyAtom, mW_tma: cute.Tensor, tma_x: cute.CopyAtom, mX_tma: cute.Tensor,
+                  w_ptr: cute.Pointer, xs_ptr: cute.Pointer, y_ptr: cute.Pointer, pos_ptr: cute.Pointer,
+                  cs_ptr: cute.Pointer, slot_ptr: cute.Pointer, kc_ptr: cute.Pointer, vc_ptr: cute.Pointer,
+                  max_pos: Int32, block_size: Int32, num_blocks: Int32, k_block_stride: Int64, v_block_stride: Int64,
+                  eps: Float32, tiled_mma: cute.TiledMma, sW_layout: cute.ComposedLayout,
+                  sX_layout: cute.ComposedLayout):
+        """The entry of the builds reading x quantized ahead (x_dtype fp8_e4m3): x_scale after weight_scale."""
+        self.body(tma_w, mW_tma, tma_x, mX_tma, w_ptr, y_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, max_pos,
+                  block_size, num_blocks, k_block_stride, v_block_stride, eps, tiled_mma, sW_layout, sX_layout, None,
+                  xs_ptr)
+
+    @cute.kernel
+    def kernel_xa_fp8(self, tma_w: cute.CopyAtom, mW_tma: cute.Tensor, tma_x: cute.CopyAtom, mX_tma: cute.Tensor,
+                      w_ptr: cute.Pointer, xs_ptr: cute.Pointer, y_ptr: cute.Pointer, pos_ptr: cute.Pointer,
+                      cs_ptr: cute.Pointer, slot_ptr: cute.Pointer, kc_ptr: cute.Pointer, vc_ptr: cute.Pointer,
+                      max_pos: Int32, block_size: Int32, num_blocks: Int32, k_block_stride: Int64,
+                      v_block_stride: Int64, eps: Float32, tiled_mma: cute.TiledMma, sW_layout: cute.ComposedLayout,
+                      sX_layout: cute.ComposedLayout, k_scale_ptr: cute.Pointer, k_scale: Float32,
+                      v_scale_ptr: cute.Pointer, v_scale: Float32):
+        """kernel_xa with an FP8 cache: the caches' scales last."""
+        self.body(tma_w, mW_tma, tma_x, mX_tma, w_ptr, y_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, max_pos,
+                  block_size, num_blocks, k_block_stride, v_block_stride, eps, tiled_mma, sW_layout, sX_layout,
+                  (k_scale_ptr, k_scale, v_scale_ptr, v_scale), xs_ptr)
+
     @cute.jit
     def body(self, tma_w, mW_tma, tma_x, mX_tma, w_ptr, y_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, max_pos,
-             block_size, num_blocks, k_block_stride, v_block_stride, eps, tiled_mma, sW_layout, sX_layout, scales):
+             block_size, num_blocks, k_block_stride, v_block_stride, eps, tiled_mma, sW_layout, sX_layout, scales,
+             xs_ptr=None):
         tidx = cute.arch.thread_idx()[0]
         bidx = cute.arch.block_idx()[0]
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -251,7 +285,9 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
             self.ring_idle()
         elif warp_idx == AUX_WARP:
             self.aux(st, pos_ptr, cs_ptr, slot_ptr, M, max_pos, place)
-            if cutlass.const_expr(self.x8):
+            if cutlass.const_expr(self.x8_ahead):
+                self.stage_x_scales(st, xs_ptr, M, place)
+            elif cutlass.const_expr(self.x8):
                 self.quantizer(st, M)
             self.ring_idle()
         else:
@@ -264,8 +300,10 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
                                                                OperandMajorMode.K, Float32, (1, 1, 1),
                                                                (HEAD_COLS, self.tt))
                     x8_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float8E4M3FN)
-                    # k-tile i's quantized x: the first tt x 128 bytes of its bf16 slot (layout index 2 i)
-                    x8_layout = cute.tile_to_shape(x8_atom, (self.tt, K_TILE, 2 * self.ntiles), order=(0, 1, 2))
+                    # k-tile i's quantized x: the first tt x 128 bytes of its bf16 slot (layout index 2 i), or the
+                    # slot itself (x quantized ahead: index i)
+                    x8_layout = cute.tile_to_shape(x8_atom, (self.tt, K_TILE, (2 - self.x8_ahead) * self.ntiles),
+                                                   order=(0, 1, 2))
                     sX8 = st.sX.get_tensor(x8_layout.outer, swizzle=x8_layout.inner, dtype=Float8E4M3FN)
                     wq = self.w8_state(st, w_ptr, wg_mma, tidx, place)
                     acc = self.consumer_wg8(wg_mma, st, sW, sX8, full, empty, tidx, place, wq, M)
@@ -339,7 +377,8 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
         if cutlass.const_expr(self.x8):  # all of the CTA's x k-tiles at once, a barrier a chunk (W8A8)
             for c in cutlass.range_constexpr(self.ntiles // X8_CHUNK):
                 with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(xfull + c, X8_CHUNK * self.tt * K_TILE * 2)
+                    cute.arch.mbarrier_arrive_and_expect_tx(xfull + c, X8_CHUNK * self.tt * K_TILE *
+                                                            x_bytes(self.v.x_dtype))
                 for i in cutlass.range_constexpr(c * X8_CHUNK, (c + 1) * X8_CHUNK):
                     self._load_x(tma_x, tXgX[None, self._k_tile(i, rank, rot)], tXsX[None, i], xfull + c, rank)
         else:
@@ -550,10 +589,12 @@ def compile_args(v: QkvFrontVariant) -> tuple:
     fp8 = v.kv_cache_dtype != "bf16"
     kv = _fp8.cache_ptr(1 << 20) if fp8 else bf
     w8_args = v.weight_dtype != "bf16"
-    w = make_ptr(Float8E4M3FN, 1 << 20, cute.AddressSpace.gmem, assumed_align=16) if w8_args else bf
-    return (w, bf, bf, i64, f32, i64, kv, kv, Int32(max(v.fixed_rows, 1)), Int32(1), Int32(16), Int32(1),
+    e4m3 = make_ptr(Float8E4M3FN, 1 << 20, cute.AddressSpace.gmem, assumed_align=16)
+    w = e4m3 if w8_args else bf
+    x = e4m3 if v.x_dtype == "fp8_e4m3" else bf
+    return (w, x, bf, i64, f32, i64, kv, kv, Int32(max(v.fixed_rows, 1)), Int32(1), Int32(16), Int32(1),
             Int64(1 << 20), Int64(1 << 20), Float32(1e-5), cuda.CUstream(0),
-            *((make_ptr(Float32, 1 << 20, cute.AddressSpace.gmem, assumed_align=16),) if w8_args else ()),
+            *((f32,) if w8_args else ()), *((f32,) if v.x_dtype == "fp8_e4m3" else ()),
             *(_fp8.compile_scale_args(1 << 20) if fp8 else ()))
 
 

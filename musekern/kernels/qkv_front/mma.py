@@ -238,21 +238,29 @@ class FrontConsumers:
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((HEAD_COLS, self.tt)))
         xs = st.xs.get_tensor(cute.make_layout(self.ntiles * self.tt))
         cfull = st.cfull.data_ptr()
+        xfull = st.xfull.data_ptr()
         ksteps = cute.size(tCrA, mode=[2])
-        cute.arch.mbarrier_wait(st.xfull.data_ptr(), 0)  # chunk 0's x landed
-        self._quantize_chunk(st, xs, Int32(0), tidx // 32, CONSUMER_WARPS, self.tt // CONSUMER_WARPS, M)
-        cute.arch.fence_proxy("async.shared", space="cta")  # the generic stores, before wgmma reads them
-        cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
+        if cutlass.const_expr(self.x8_ahead):
+            cute.arch.mbarrier_wait(cfull, 0)  # x quantized ahead: its scales staged (`stage_x_scales`)
+        else:
+            cute.arch.mbarrier_wait(xfull, 0)  # chunk 0's x landed
+            self._quantize_chunk(st, xs, Int32(0), tidx // 32, CONSUMER_WARPS, self.tt // CONSUMER_WARPS, M)
+            cute.arch.fence_proxy("async.shared", space="cta")  # the generic stores, before wgmma reads them
+            cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
         for i in cutlass.range(self.ntiles, unroll=1):
             s = i % self.stages
-            if i % X8_CHUNK == 0 and i > 0:
+            if cutlass.const_expr(self.x8_ahead):
+                if i % X8_CHUNK == 0:
+                    cute.arch.mbarrier_wait(xfull + i // X8_CHUNK, 0)  # the chunk's e4m3 x landed
+            elif i % X8_CHUNK == 0 and i > 0:
                 cute.arch.mbarrier_wait(cfull + i // X8_CHUNK, 0)
             cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
             sc = self._tile_scale(wq, i)
             warpgroup.fence()
             for kk in cutlass.range_constexpr(ksteps):
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
-                cute.gemm(tiled_mma, part, tCrA[None, None, kk, s], tCrB[None, None, kk, 2 * i], part)
+                cute.gemm(tiled_mma, part, tCrA[None, None, kk, s], tCrB[None, None, kk, (2 - self.x8_ahead) * i],
+                          part)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             self.release(empty + s, place)
@@ -275,6 +283,24 @@ class FrontConsumers:
                     self._quantize_chunk(st, xs, ch, Int32(r0), 1, 4, M)
             cute.arch.fence_proxy("async.shared", space="cta")  # the generic stores, before wgmma reads them
             cute.arch.mbarrier_arrive(cfull + ch)  # every lane (count 32): each releases its own stores
+
+    @cute.jit
+    def stage_x_scales(self, st, xs_ptr, M, place):
+        """x quantized ahead (x_quant group 128: s[r, k] at k M + r), the aux warp after `aux`'s griddepcontrol.wait:
+        xs[i * tt + r] = the scale of token r in the CTA's k-tile i (tokens >= M: 0), then every lane arrives on
+        cfull[0]."""
+        xs = st.xs.get_tensor(cute.make_layout(self.ntiles * self.tt))
+        mS = cute.make_tensor(xs_ptr, cute.make_layout(K_TILES * M))
+        lane = cute.arch.lane_idx()
+        rot = (place.head - place.head % self.pair) % self.ntiles
+        for e0 in cutlass.range_constexpr(0, self.ntiles * self.tt, 32):
+            e = e0 + lane
+            r = e % self.tt
+            v = Float32(0.0)
+            if r < M:
+                v = mS[self._k_tile(e // self.tt, place.rank, rot) * M + r]
+            xs[e] = v
+        cute.arch.mbarrier_arrive(st.cfull.data_ptr())
 
     @cute.jit
     def _quantize_chunk(self, st, xs, ch, r0, rstep: cutlass.Constexpr, nrows: cutlass.Constexpr, M):

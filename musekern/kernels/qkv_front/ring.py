@@ -14,7 +14,7 @@ def ring_tma(mW, mX, stages: int, tt: int, x_mcast: bool = False, x_slots: int =
     stage = W (64 rows x 128 k) and x (tt rows x 128 k), each two 64-column boxes with 128B swizzle (an e4m3 W:
     one 128-column box); with `x_mcast` each CTA of a head pair loads half of the x rows and multicasts them to both.
     Shared with bench/probes/skeleton_probe.py, whose ring must be this one."""
-    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, mX.element_type)
     w_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, mW.element_type)
     sW_layout = cute.tile_to_shape(w_atom, (HEAD_COLS, K_TILE, stages), order=(0, 1, 2))
     sX_layout = cute.tile_to_shape(atom, (tt, K_TILE, x_slots or stages), order=(0, 1, 2))
@@ -32,12 +32,12 @@ def ring_tma(mW, mX, stages: int, tt: int, x_mcast: bool = False, x_slots: int =
 
 
 def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool, w_type=BFloat16, block_scales=False,
-                     x8: int = 0):
+                     x8: int = 0, x_type=BFloat16):
     """The CTA's shared memory, one @cute.struct (offsets in this order; `smem_bytes` is its size)."""
     fields = {
         # ring first: offset 0 of the 1024-aligned dynamic smem, what the 128B swizzle expects
         "sW": cute.struct.Align[cute.struct.MemRange[w_type, HEAD_COLS * K_TILE * stages], 1024],
-        "sX": cute.struct.Align[cute.struct.MemRange[BFloat16, tt * K_TILE * (x8 or stages)], 1024],
+        "sX": cute.struct.Align[cute.struct.MemRange[x_type, tt * K_TILE * (x8 or stages)], 1024],
         "full": cute.struct.MemRange[Int64, stages],  # TMA -> consumers: count 1 + W and x bytes
         "empty": cute.struct.MemRange[Int64, stages],  # consumers -> producer: count 4 x pair (one lane a warp)
         "recv_bar": cute.struct.MemRange[Int64, 1],  # partials landed (st.async complete_tx bytes)
@@ -52,6 +52,7 @@ def make_smem_struct(stages: int, tt: int, owned: int, recv_in_ring: bool, w_typ
         fields["wscale"] = cute.struct.Align[cute.struct.MemRange[Float32, SCALES_SMEM], 16]
     if x8:  # W8A8 ("wg" e4m3 builds, x8 = the CTA's k-tiles): all of x landed; its scales a token and 32 columns
         fields["xfull"] = cute.struct.MemRange[Int64, x8 // X8_CHUNK]  # TMA -> quantizers: a chunk's x landed
-        fields["cfull"] = cute.struct.MemRange[Int64, x8 // X8_CHUNK]  # aux -> consumers: a chunk quantized
+        # aux -> consumers: a chunk quantized (x quantized ahead: cfull[0], the scales staged)
+        fields["cfull"] = cute.struct.MemRange[Int64, x8 // X8_CHUNK]
         fields["xs"] = cute.struct.Align[cute.struct.MemRange[Float32, x8 * tt], 16]
     return cute.struct(type("Smem", (), {"__annotations__": fields}))

@@ -114,8 +114,9 @@ def alone_on_sm(n: int, split: int, target: Target) -> bool:
 # e4m3 weights (issue 30, to be measured): the same W bytes in flight, so twice the stages of half the size; the W8A8
 # ("wg") build the same ring as its W8A16 twin (its x slots make it one CTA an SM; 10 stages measured faster than 7, 5).
 def ring_stages(split: int, target: Target, tiles: int = 2, n: int | None = None, recv_in_ring: bool = False,
-                weight_dtype: str = "bf16", weight_scale: str = "none") -> int:
-    """Ring depth (never changes the result). Without `n` (the seed's signature) the deep rule applies."""
+                weight_dtype: str = "bf16", weight_scale: str = "none", x_dtype: str | None = None) -> int:
+    """Ring depth (never changes the result). Without `n` (the seed's signature) the deep rule applies. `x_dtype`:
+    a W8A8 build's x (its slots hold all of the CTA's k-tiles, beside the ring)."""
     per_cta_tiles = (K_TILES + split - 1) // split
     per_bf16 = max(1, w_stage_bytes() // w_stage_bytes(weight_dtype))
     if n is not None and one_wave_at_two_per_sm(n, split, target):
@@ -127,8 +128,8 @@ def ring_stages(split: int, target: Target, tiles: int = 2, n: int | None = None
     fit = (target.max_smem_optin - SMEM_RESERVE_BYTES) // stage_bytes(tiles, weight_dtype)
     cap = fit if tiles == 1 else per_bf16 * MAX_RING_STAGES
     st = max(MIN_RING_STAGES, min(cap, fit, per_cta_tiles))
-    while st > MIN_RING_STAGES and ring_smem_bytes(st, tiles, split, False, weight_dtype,
-                                                   weight_scale) > target.max_smem_optin:
+    while st > MIN_RING_STAGES and ring_smem_bytes(st, tiles, split, False, weight_dtype, weight_scale,
+                                                   "wg" if x_dtype else "k", x_dtype or "bf16") > target.max_smem_optin:
         st -= 1  # 8 tiles: more than SMEM_RESERVE_BYTES outside the ring (receive buffer, cos|sin rows)
     return st
 
@@ -154,18 +155,30 @@ def trigger_ahead(n: int, split: int, target: Target, tiles: int, stages: int) -
 
 # NOTES "warp_split": "k" everywhere except one bf16 token tile under the late trigger; wgmma ("wg") above two tiles,
 # where mma.sync's consumer cannot keep up with the stream (not for an e4m3 weight: wgmma has no e4m3 x bf16 form).
-# NOTES "e4m3 weights": an e4m3 weight's one-tile build (M = 1-7) whose CTAs are alone on their SMs (TP8) is W8A8
-# through wgmma ("wg": x quantized in the kernel; TP8 M = 1 0.60 / 0.59 of the bf16 front chained / after a norm,
-# W8A16 0.73 / 0.65); elsewhere, and the M == 8 build (as fast either way), W8A16 under "k".
+# NOTES "e4m3 weights": an e4m3 weight's one-tile runtime-M build is W8A8 through wgmma ("wg") where wgmma is: with
+# x quantized in the kernel where its CTAs are alone on their SMs (TP8: M = 1-7, 0.60 / 0.61 of the bf16 front
+# chained / after a norm against W8A16's 0.73 / 0.66), reading x quantized ahead by x_quant (`x_dtype` fp8_e4m3) on
+# the deep-ring shards (TP1: M = 1-8, 0.572-0.579 against 0.581-0.599; its x in the kernel would leave 11 stages);
+# elsewhere, and TP8's M == 8 build (as fast either way), W8A16 under "k". (x quantized ahead at TP8, one and two
+# tiles: 0.73-0.76, the grid between two fronts is ~2.5 us there.)
 def warp_split(n: int, split: int, target: Target, tiles: int, weight_dtype: str = "bf16", fixed: int = 0) -> str:
     """How the consumer warps share a k-tile (`fixed`: the build's static M, 0 for a runtime M)."""
     if weight_dtype != "bf16":
-        w8a8 = tiles == 1 and not fixed and target.arch in WGMMA_ARCHES and alone_on_sm(n, split, target)
-        return "wg" if w8a8 else "k"
+        return "wg" if w8a8_x(n, split, target, tiles, fixed) else "k"
     if tiles >= WG_FROM_TILES and target.arch in WGMMA_ARCHES:
         return "wg"
     late_one = tiles == 1 and pdl_trigger(n, split, target, tiles) == "late"
     return "rows" if late_one else "k"
+
+
+def w8a8_x(n: int, split: int, target: Target, tiles: int, fixed: int = 0) -> str | None:
+    """The x an e4m3 weight's build reads where it is W8A8 (bf16: quantized in the kernel; fp8_e4m3: ahead, by
+    x_quant), None where it is W8A16 (the note above warp_split)."""
+    if tiles != 1 or target.arch not in WGMMA_ARCHES:
+        return None
+    if alone_on_sm(n, split, target):
+        return None if fixed else "bf16"
+    return None if one_wave_at_two_per_sm(n, split, target) else "fp8_e4m3"
 
 
 def variant(n: int, m: int, num_kv_heads: int, target: Target, kv_cache_dtype: str = BF16,
@@ -181,12 +194,15 @@ def variant(n: int, m: int, num_kv_heads: int, target: Target, kv_cache_dtype: s
     tiles = token_tiles(m, n, target, weight_dtype)
     s = k_split(n, target, tiles)
     split = warp_split(n, s, target, tiles, weight_dtype, fixed_rows(m))
+    xd = (w8a8_x(n, s, target, tiles) if weight_dtype != "bf16" and split == "wg" else None) or "bf16"
+    fixed = 0 if xd != "bf16" else fixed_rows(m)  # x quantized ahead: one runtime-M build
     rir = recv_in_ring(n, s, target, tiles, split, weight_dtype)
-    stages = ring_stages(s, target, tiles, n, recv_in_ring=rir, weight_dtype=weight_dtype, weight_scale=weight_scale)
-    return QkvFrontVariant(n, num_kv_heads, tiles, stages, s, fixed_rows(m), pdl_trigger(n, s, target, tiles),
+    stages = ring_stages(s, target, tiles, n, recv_in_ring=rir, weight_dtype=weight_dtype, weight_scale=weight_scale,
+                         x_dtype=xd if split == "wg" and weight_dtype != "bf16" else None)
+    return QkvFrontVariant(n, num_kv_heads, tiles, stages, s, fixed, pdl_trigger(n, s, target, tiles),
                            warp_split=split, trigger_ahead=trigger_ahead(n, s, target, tiles, stages),
                            recv_in_ring=rir, x_mcast=x_mcast(s, tiles, split), kv_cache_dtype=kv_cache_dtype,
-                           weight_dtype=weight_dtype, weight_scale=weight_scale)
+                           weight_dtype=weight_dtype, weight_scale=weight_scale, x_dtype=xd)
 
 
 # NOTES "x_mcast": the heads of a pair share each x tile (half the x reads from the L2) where x weighs most: 8 tiles

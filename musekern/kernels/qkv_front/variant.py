@@ -49,6 +49,8 @@ WARP_SPLITS = ("rows", "k", "wg")
 # k-tile's fp32 sum before it joins the accumulator.
 WEIGHT_DTYPES = ("bf16", "fp8_e4m3")
 WEIGHT_SCALES = {"bf16": ("none",), "fp8_e4m3": ("channel", "block")}
+# The x a W8A8 build reads (`x_dtype`) and the token tiles its x slots (all of the CTA's k-tiles) leave room for
+X8_MAX_TILES = {"bf16": 1, "fp8_e4m3": 2}
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,10 @@ class QkvFrontVariant(VariantMixin):
     # builds' unread weight_ptr slot). Changes y (an e4m3 weight is another weight); the e4m3 builds are mma.sync ones.
     weight_dtype: str = "bf16"
     weight_scale: str = "none"
+    # X_DTYPES, e4m3 weights' wgmma builds (W8A8) only: "bf16" x quantized in the kernel (per token and k-tile), or
+    # "fp8_e4m3" x quantized ahead by x_quant (group 128: vLLM's bytes and scales, [M, 64] column-major; one more
+    # launch value) and read as it is: no quantizer in the kernel, x's slots half the bytes (up to 2 token tiles).
+    x_dtype: str = "bf16"
 
     def __post_init__(self):
         problems = []
@@ -95,10 +101,15 @@ class QkvFrontVariant(VariantMixin):
         elif self.weight_scale not in WEIGHT_SCALES[self.weight_dtype]:
             problems.append(f"weight_scale of a {self.weight_dtype} weight must be one of "
                             f"{WEIGHT_SCALES[self.weight_dtype]}, got {self.weight_scale!r}")
-        elif self.weight_dtype != "bf16" and self.warp_split == "wg" and (self.tiles != 1 or self.recv_in_ring
-                                                                          or self.x_mcast):
-            problems.append("an e4m3 weight's wgmma build (W8A8) holds one token tile, its x in its own slots: "
-                            "tiles=1, no recv_in_ring, no x_mcast")
+        elif self.weight_dtype != "bf16" and self.warp_split == "wg" and (
+                self.tiles > X8_MAX_TILES.get(self.x_dtype, 1) or self.recv_in_ring or self.x_mcast):
+            problems.append(f"an e4m3 weight's wgmma build (W8A8) with {self.x_dtype} x holds at most "
+                            f"{X8_MAX_TILES.get(self.x_dtype, 1)} token tiles, its x in its own slots: "
+                            "no recv_in_ring, no x_mcast")
+        if self.x_dtype not in X8_MAX_TILES:
+            problems.append(f"x_dtype must be one of {tuple(X8_MAX_TILES)}, got {self.x_dtype!r}")
+        elif self.x_dtype != "bf16" and (self.weight_dtype == "bf16" or self.warp_split != "wg"):
+            problems.append("x_dtype fp8_e4m3 (x quantized ahead) is an e4m3 weight's wgmma build's (W8A8)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             problems.append(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not supports_shape(self.n, self.num_kv_heads):
@@ -216,11 +227,17 @@ SCALES_SMEM = K_TILES  # block scales: a CTA's k-tiles' multipliers staged in sh
 def smem_bytes(v: QkvFrontVariant) -> int:
     """Dynamic shared memory of one CTA; must equal the kernel's `Smem.size_in_bytes()`."""
     return ring_smem_bytes(v.stages, v.tiles, v.k_split, v.recv_in_ring, v.weight_dtype, v.weight_scale,
-                           v.warp_split)
+                           v.warp_split, v.x_dtype)
+
+
+def x_bytes(x_dtype: str) -> int:
+    """Bytes of one x value the build reads."""
+    return 1 if x_dtype == "fp8_e4m3" else 2
 
 
 def ring_smem_bytes(stages: int, tiles: int, k_split: int, recv_in_ring: bool = False,
-                    weight_dtype: str = "bf16", weight_scale: str = "none", warp_split: str = "k") -> int:
+                    weight_dtype: str = "bf16", weight_scale: str = "none", warp_split: str = "k",
+                    x_dtype: str = "bf16") -> int:
     """`smem_bytes` of a variant with this ring depth, tile count, S and receive-buffer place (nothing else changes
     it).
 
@@ -239,6 +256,6 @@ def ring_smem_bytes(stages: int, tiles: int, k_split: int, recv_in_ring: bool = 
     small += 4 * SCALES_SMEM if weight_scale == "block" else 0
     if weight_dtype != "bf16" and warp_split == "wg":  # W8A8: x's slots are the CTA's k-tiles, not the stages
         ntiles = K_TILES // k_split
-        ring += (ntiles - stages) * tt * K_TILE * 2
+        ring += ntiles * tt * K_TILE * x_bytes(x_dtype) - stages * tt * K_TILE * 2
         small = (small + 8 * 2 * (ntiles // X8_CHUNK) + 15) // 16 * 16 + 4 * ntiles * tt
     return (ring + small + 1023) // 1024 * 1024

@@ -9,11 +9,15 @@ from .variant import XQ_GROUP, XQuantVariant
 
 def planned(model, shard, target) -> tuple:
     """The W8A8 GEMM path's build for FP8 checkpoints: per token for per-row weight scales, per group for block
-    ones."""
+    ones; and per group where a fused front build of the shard reads x quantized ahead (x_dtype fp8_e4m3)."""
     wf = model.weight_format
     if not wf.fp8:
         return ()
-    return (XQuantVariant(group=XQ_GROUP if wf.kernel_scale == "block" else 0),)
+    from ..qkv_front import planned as front_planned
+
+    ahead = shard is not None and any(v.x_dtype != "bf16" for v in front_planned(model, shard, target))
+    groups = {XQ_GROUP if wf.kernel_scale == "block" else 0} | ({XQ_GROUP} if ahead else set())
+    return tuple(XQuantVariant(group=g) for g in sorted(groups))
 
 
 def plan_row(v: XQuantVariant, model, shard, target) -> dict:

@@ -16,6 +16,6 @@ def abi_for(variant: XQuantVariant) -> KernelAbi:
             scalar("m", "i32", "rows of q and the scales (x's rows, or more where the caller pads): the group "
                    "scales' column stride"),
         ),
-        launch=LaunchSpec(block=(XQ_BLOCK, 1, 1), cluster=(1, 1, 1), dynamic_smem_bytes=XQ_SMEM_BYTES, pdl=False,
+        launch=LaunchSpec(block=(XQ_BLOCK, 1, 1), cluster=(1, 1, 1), dynamic_smem_bytes=XQ_SMEM_BYTES, pdl=True,
                           grid=XQ_GRID_RULE),
     )

@@ -38,6 +38,10 @@ def x_quant_kernel(x: cute.Pointer, q: cute.Pointer, scale: cute.Pointer, ld_x: 
     # `tag` (store.keys.variant_tag) only names the kernel's entry symbol
     tidx = cute.arch.thread_idx()[0]
     row = cute.arch.block_idx()[0]
+    # PDL: the next grid (a front) may launch and start its weight prefetch at once, even before this one's wait;
+    # x may be the previous grid's output
+    cute.arch.griddepcontrol_launch_dependents()
+    cute.arch.griddepcontrol_wait()
     ldx = cute.assume(Int64(ld_x), divby=XQ_VEC_ELEMS)
     mX = cute.make_tensor(x, cute.make_layout((row + 1, HIDDEN // XQ_VEC_ELEMS, XQ_VEC_ELEMS),
                                               stride=(ldx, XQ_VEC_ELEMS, 1)))
@@ -109,7 +113,8 @@ def x_quant_host(x: cute.Pointer, q: cute.Pointer, scale: cute.Pointer, ld_x: In
                  group: cutlass.Constexpr, tag: cutlass.Constexpr):
     """The launch CuTe would do (the runtime loader reproduces it from the manifest + launch_grid)."""
     x_quant_kernel(x, q, scale, ld_x, m, group, tag).launch(grid=[m, 1, 1], block=[XQ_BLOCK, 1, 1],
-                                                            smem=Smem.size_in_bytes(), stream=stream)
+                                                            smem=Smem.size_in_bytes(), stream=stream,
+                                                            use_pdl=True)
 
 
 def compile_call(variant: XQuantVariant, arch: str):

@@ -526,7 +526,7 @@ def test_w8_variant_rules():
             QkvFrontVariant(2176, 1, 1, 4, 2, 0, x_dtype="fp8_e4m3", **bad)
     with pytest.raises(ValueError, match="x_dtype must be one of"):
         QkvFrontVariant(2176, 1, 1, 4, 2, 0, x_dtype="e5m2")
-    from musekern.kernels.qkv_front.rules import front_serves, ring_stages, variant
+    from musekern.kernels.qkv_front.rules import front_serves, variant
 
     # M <= 16 on every shard; up to 32 (4 tiles) where those CTAs are alone on their SMs: TP8 (68 CTAs), not TP4 (136)
     assert front_serves(2176, 32, h200, "fp8_e4m3") and not front_serves(2176, 33, h200, "fp8_e4m3")

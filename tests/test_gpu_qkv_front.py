@@ -634,7 +634,8 @@ def w8a8_model_errors(p, pw, nkv, y, record_property, ahead=False):
 W8_FRONT_MS = [(tp, m) for tp in (8, 1) for m in (1, 2, 7, 8, 9, 16)] + [(8, m) for m in (17, 24, 25, 32)]
 
 
-# W8A16 builds ("k"): both bounds. W8A8 builds ("wg", TP8 M <= 7: x quantized per token and k-tile in the kernel):
+# W8A16 builds ("k"): both bounds. W8A8 builds ("wg"; TP8 M <= 7: x quantized per token and k-tile in the kernel; TP1
+# M <= 8: x quantized ahead by x_quant, vLLM's x bytes):
 # held to their own arithmetic (reference.w8a8_gemm) as a bf16 kernel is to torch's; their error against vLLM's
 # chain is recorded here and bounded over many inputs below (one input's largest error falls either side of vLLM's).
 @pytest.mark.parametrize("tp,m", W8_FRONT_MS)
@@ -685,7 +686,8 @@ def test_fp8_weight_front_w8a8_error_vs_vllm_on_average(fp8_weights, record_prop
         assert e_k <= 1.01 * e_vllm, f"{name}: W8A8 mean RMS error {e_k / 24:.3e} > vLLM's {e_vllm / 24:.3e} x 1.01"
 
 
-@pytest.mark.parametrize("tp,m,mode", [(8, 1, "channel"), (8, 8, "block"), (8, 16, "block"), (1, 9, "channel")])
+@pytest.mark.parametrize("tp,m,mode", [(8, 1, "channel"), (8, 8, "block"), (8, 16, "block"), (1, 5, "block"),
+                                       (1, 9, "channel")])
 def test_fp8_weight_front_bitwise_deterministic_20_launches(fp8_weights, tp, m, mode):
     nkv, pw = SHARDS[tp].num_kv_heads, fp8_weights(tp, mode)
     p = problem(m, nkv, seed=13)
@@ -723,7 +725,7 @@ def test_fp8_weight_gemm_path(fp8_weights, record_property, tp, mode, m):
 
 
 @pytest.mark.parametrize("tp,m,mode", [(8, 4, "channel"), (8, 16, "block"), (8, 24, "channel"), (8, 64, "channel"),
-                                       (4, 17, "block")])
+                                       (4, 17, "block"), (1, 3, "channel")])
 def test_fp8_weight_graph_replay_equals_eager(fp8_weights, tp, m, mode):
     """The front (M <= 16, 32 at TP8) and the GEMM path (above) capture after prepare(weight_format=...) and replay
     bitwise."""

@@ -67,11 +67,15 @@ def test_plan_has_every_shape():
                                                          (8, 0)}
 
 
+# every target x every build kind the planner makes (bf16 / e4m3 weights with each scale kind, bf16 / FP8 caches): the
+# shared memory a W8A8 build's x slots take beside its ring is where a rule could overshoot
+@pytest.mark.parametrize("kind", [("bf16", "bf16", "none"), ("fp8_e4m3", "bf16", "none"),
+                                  ("bf16", "fp8_e4m3", "channel"), ("fp8_e4m3", "fp8_e4m3", "block")])
 @pytest.mark.parametrize("target", sorted(TARGETS))
-def test_smem_fits_every_target(target):
+def test_smem_fits_every_target(target, kind):
     t = TARGETS[target]
     for n, nkv in ((2176, 1), (4352, 2), (8704, 4), (17408, 8)):
-        for v in qkv_front_variants(n, nkv, t, FRONT_MAX_TOKENS):
+        for v in qkv_front_variants(n, nkv, t, FRONT_MAX_TOKENS, *kind):
             assert smem_bytes(v) <= t.max_smem_optin, v
             assert K_TILES % v.k_split == 0 and v.stages <= K_TILES // v.k_split
             assert padded_tokens(v) % v.k_split == 0  # every owner gets TT/S tokens (static expect_tx)

@@ -294,28 +294,23 @@ class QkvFrontKernel(FrontConsumers, FrontOctetEpilogue):
             if cutlass.const_expr(self.v.warp_split == "wg"):
                 # the 4 consumer warps = warpgroup 0: wgmma m64nTTk16, A (W) and B (x) K-major from the swizzled
                 # ring (made here, not passed in: its ACCUMULATE field would become a kernel parameter)
+                # (e4m3 weights: W8A8, wgmma m64nTTk32 e4m3 (QGMMA) on the e4m3 ring and x quantized per k-tile, w8.py)
+                ab = Float8E4M3FN if self.w8 else BFloat16
+                wg_mma = sm90_utils.make_trivial_tiled_mma(ab, ab, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                                           (1, 1, 1), (HEAD_COLS, self.tt))
+                wq = self.w8_state(st, w_ptr, wg_mma, tidx, place)
                 if cutlass.const_expr(self.w8):
-                    # W8A8: wgmma m64nTTk32 e4m3 (QGMMA) on the e4m3 ring and x quantized per k-tile (w8.py)
-                    wg_mma = sm90_utils.make_trivial_tiled_mma(Float8E4M3FN, Float8E4M3FN, OperandMajorMode.K,
-                                                               OperandMajorMode.K, Float32, (1, 1, 1),
-                                                               (HEAD_COLS, self.tt))
                     x8_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float8E4M3FN)
                     # k-tile i's quantized x: the first tt x 128 bytes of its bf16 slot (layout index 2 i), or the
                     # slot itself (x quantized ahead: index i)
                     x8_layout = cute.tile_to_shape(x8_atom, (self.tt, K_TILE, (2 - self.x8_ahead) * self.ntiles),
                                                    order=(0, 1, 2))
                     sX8 = st.sX.get_tensor(x8_layout.outer, swizzle=x8_layout.inner, dtype=Float8E4M3FN)
-                    wq = self.w8_state(st, w_ptr, wg_mma, tidx, place)
                     acc = self.consumer_wg8(wg_mma, st, sW, sX8, full, empty, tidx, place, wq, M)
-                    self.ring_idle()
-                    self.send(wg_mma, acc, st, recv_bar, tidx, place, wq)
                 else:
-                    wg_mma = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K,
-                                                               OperandMajorMode.K, Float32, (1, 1, 1),
-                                                               (HEAD_COLS, self.tt))
                     acc = self.consumer_wg(wg_mma, sW, sX, full, empty, tidx, place)
-                    self.ring_idle()
-                    self.send(wg_mma, acc, st, recv_bar, tidx, place)
+                self.ring_idle()
+                self.send(wg_mma, acc, st, recv_bar, tidx, place, wq)
             elif cutlass.const_expr(self.v.warp_split == "rows"):
                 wq = self.w8_state(st, w_ptr, tiled_mma, tidx, place)
                 acc = self.consumer(tiled_mma, sW, sX, full, empty, tidx, place, wq)

@@ -277,10 +277,8 @@ class FrontConsumers:
         cfull = st.cfull.data_ptr()
         for ch in cutlass.range(1, self.ntiles // X8_CHUNK, unroll=1):
             cute.arch.mbarrier_wait(st.xfull.data_ptr() + ch, 0)  # its x landed
-            self._quantize_chunk(st, xs, ch, Int32(0), 1, 4, M)
-            if cutlass.const_expr(self.tt > 4):
-                for r0 in cutlass.range_constexpr(4, self.tt, 4):
-                    self._quantize_chunk(st, xs, ch, Int32(r0), 1, 4, M)
+            for r0 in cutlass.range_constexpr(0, self.tt, 4):
+                self._quantize_chunk(st, xs, ch, Int32(r0), 1, 4, M)
             cute.arch.fence_proxy("async.shared", space="cta")  # the generic stores, before wgmma reads them
             cute.arch.mbarrier_arrive(cfull + ch)  # every lane (count 32): each releases its own stores
 

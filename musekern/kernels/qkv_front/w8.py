@@ -194,5 +194,3 @@ def e4m3x4(w0: Int32, w1: Int32, inv: Float32, *, loc=None, ip=None) -> Int32:
     r = llvm.inline_asm(Int32.mlir_type, args, asm, "=r,r,r,f", has_side_effects=False,
                         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
     return Int32(r)
-
-

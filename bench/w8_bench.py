@@ -386,6 +386,12 @@ def main() -> int:
                time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), layers=LAYERS, samples=a.samples,
                copy_TBps=copy_bandwidth(), exact=[], check=[], x_quant=[], timing=[], gemm=[])
     eps, theta = model.rms_norm_eps, model.rope_theta
+
+    def save() -> None:  # after each part: a cut run still leaves what it measured ("ok" over the checks so far)
+        doc["ok"] = all(r["ok"] for r in doc["check"] + doc["exact"] + doc["x_quant"])
+        with open(a.out, "w") as f:
+            json.dump(doc, f, indent=1)
+
     for n, nkv in SHARDS:
         for m in (1, 8, 16):
             r = exact(n, nkv, m, table[(n, "fp8_e4m3", "channel", m)], eps, theta)
@@ -397,12 +403,14 @@ def main() -> int:
                 doc["check"].append(r)
                 log(f"{time.time() - t0:6.1f}s check TP{r['tp']} {kind} M={m}: y {r['y_err']:.4f} "
                     f"(torch {r['torch_y_err']:.4f}) kv {r['kv_err']:.4f} ok={r['ok']}")
+    save()
     for n, nkv in () if a.no_time else SHARDS:
         for m in (int(s) for s in a.ms.split(",") if (n, "fp8_e4m3", "channel", int(s)) in table):
             r = timing(n, nkv, m, table, eps, theta, pred, a.samples)
             doc["timing"].append(r)
             log(f"{time.time() - t0:6.1f}s time TP{r['tp']} M={m}: {r['us']}")
         torch.cuda.empty_cache()
+        save()
     for group in (0, 128):
         r = x_quant_exact(1000, group)
         doc["x_quant"].append(r)
@@ -413,9 +421,8 @@ def main() -> int:
             doc["gemm"].append(r)
             log(f"{time.time() - t0:6.1f}s gemm TP{r['tp']} M={m}: {r['us']}")
         torch.cuda.empty_cache()
-    doc["ok"] = all(r["ok"] for r in doc["check"] + doc["exact"] + doc["x_quant"])
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
+        save()
+    save()
     print(table_text(doc))
     return 0 if doc["ok"] else 1
 

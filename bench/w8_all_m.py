@@ -46,8 +46,13 @@ def measure(n: int, nkv: int, m: int, eps: float, theta: float, samples: int) ->
     add("mm", lambda j: torch.mm(x, wb[j].T, out=o[j]))
     add_scaled_mm(add, x, w8, o, g)
     us = {k: round(v["us"], 3) for k, v in time_graphs(graphs, samples).items()}
-    return {"N": n, "tp": TP_OF[n], "M": m, "path": "front" if front._fused(n, m, 0, "fp8_e4m3") else "gemm",
-            "us": us, "channel_over_bf16": round(us["fp8_channel"] / us["bf16"], 3),
+    return row(n, m, "front" if front._fused(n, m, 0, "fp8_e4m3") else "gemm", us)
+
+
+def row(n: int, m: int, path: str, us: dict) -> dict:
+    """One M's row: the graphs' us and their ratios."""
+    return {"N": n, "tp": TP_OF[n], "M": m, "path": path, "us": us,
+            "channel_over_bf16": round(us["fp8_channel"] / us["bf16"], 3),
             "block_over_bf16": round(us["fp8_block"] / us["bf16"], 3),
             "channel_over_scaled_mm": round(us["fp8_channel"] / us["scaled_mm"], 3)}
 
@@ -69,6 +74,11 @@ def write_plot(doc: dict, path: str) -> str | None:
                              f"({doc['commit'][:7]})", base, name)
 
 
+def save(doc: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="the JSON to write (the plot beside it), e.g. $OUT/h200-w8-all-m.json")
@@ -85,12 +95,17 @@ def main() -> int:
                time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), layers=LAYERS, samples=a.samples, rows=[])
     for n, nkv in SHARDS:
         for m in (int(s) for s in a.ms.split(",")):
-            r = measure(n, nkv, m, model.rms_norm_eps, model.rope_theta, a.samples)
+            try:
+                r = measure(n, nkv, m, model.rms_norm_eps, model.rope_theta, a.samples)
+            except torch.AcceleratorError as e:  # sticky: the process's CUDA context is lost; keep where and what
+                doc["fault"] = {"tp": TP_OF[n], "M": m, "error": str(e).splitlines()[0]}
+                save(doc, a.out)
+                log(f"TP{TP_OF[n]} M={m}: {doc['fault']['error']} (bench/probes/all_m_replay.py locates it)")
+                return 1
             doc["rows"].append(r)
             log(f"{time.time() - t0:6.1f}s TP{r['tp']} M={m} {r['path']}: {r['us']}")
+            save(doc, a.out)  # after each M: a cut run still leaves its rows
         torch.cuda.empty_cache()
-        with open(a.out, "w") as f:  # after each shard: a cut run still leaves its rows
-            json.dump(doc, f, indent=1)
     png = write_plot(doc, a.out.removesuffix(".json") + ".png")
     log(f"wrote {a.out}" + (f" and {png}" if png else ""))
     print(table_text(doc))

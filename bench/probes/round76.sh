@@ -1,7 +1,7 @@
 # Round 76: where round 75's fault comes from (w8_all_m, H100: "illegal memory access" after replaying TP1 M = 48's
 # graphs): bench/probes/all_m_replay.py on this branch (history, each graph alone, padded workspace, memcheck), its
-# `seq` on main's tree (carried as .whl/maintree with its own cache: git archive main | tar -x -C .whl/maintree, there
-# gpu_cache.sh), then w8_all_m again (does it fault at the same M?).
+# `seq` on the tree before TP1's x-ahead build and x_quant's PDL launch (carried as .whl/maintree with its own cache:
+# git archive 929cec4 | tar -x -C .whl/maintree, this probe copied in, gpu_cache.sh there), then w8_all_m again.
 # Here: bash bench/gpu_cache.sh (+ main's tree).  GPU (carry .musekern-cache, .whl): bash bench/probes/round76.sh
 source bench/device_env.sh
 SECONDS=0

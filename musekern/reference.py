@@ -231,7 +231,7 @@ def vllm_fp8_gemm(x: torch.Tensor, packed) -> torch.Tensor:
 def w8a8_x(x: torch.Tensor, ahead: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x as musekern's W8A8 front builds (warp_split "wg") read it, whatever the weights' granularity: per (token,
     128-column group), vLLM's group scale; each value times the scale's reciprocal where the build quantizes x itself
-    (w8.group_scale), vLLM's quotient where x_quant did it ahead (`ahead`: x_dtype fp8_e4m3)."""
+    (fp8.group_scale, fp8.rcp_rn), vLLM's quotient where x_quant did it ahead (`ahead`: x_dtype fp8_e4m3)."""
     return quantize_x_per_group(x, by_reciprocal=not ahead)
 
 

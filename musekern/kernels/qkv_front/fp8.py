@@ -33,6 +33,9 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import make_ptr
 from cutlass.cutlass_dsl import dsl_user_op
 
+from ...kv_cache import E4M3_MAX
+from ..x_quant.variant import XQ_GROUP_EPS
+
 CACHE_DTYPE = Uint8  # the element type an FP8 build's cache pointers are compiled with (one byte an element)
 
 
@@ -130,6 +133,12 @@ def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
                         "div.rn.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False,
                         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
     return Float32(r)
+
+
+def group_scale(amax: Float32) -> Float32:
+    """vLLM's per-token-group scale of a group of max |v| = amax: max(amax, XQ_GROUP_EPS) / 448 correctly rounded
+    (x_quant's group build stores it; the W8A8 front's quantizer multiplies each value by its `rcp_rn`)."""
+    return div_rn(cute.arch.fmax(amax, Float32(XQ_GROUP_EPS)), Float32(E4M3_MAX))
 
 
 @dsl_user_op

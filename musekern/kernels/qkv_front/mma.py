@@ -15,7 +15,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
-from . import w8
+from . import fp8, w8
 from .variant import CONSUMER_WARPS, HEAD_COLS, K_TILE, K_TILES, RED_STRIDE, SCALES_SMEM, WARP_K, X8_CHUNK
 
 CONSUMER_THREADS = 32 * CONSUMER_WARPS
@@ -304,7 +304,7 @@ class FrontConsumers:
     def _quantize_chunk(self, st, xs, ch, r0, rstep: cutlass.Constexpr, nrows: cutlass.Constexpr, M):
         """Tokens r0, r0 + rstep, .. (nrows of them, those < M) of chunk ch's X8_CHUNK k-tiles (k-tile i in x slot i:
         tt tokens x 128 bf16, swizzled; rows >= M zero) -> e4m3 in place (the first tt x 128 bytes of the slot, an
-        e4m3 tile's 128B swizzle), xs[i * tt + token] = its scale, vLLM's per-token-group one (w8.group_scale; tokens
+        e4m3 tile's 128B swizzle), xs[i * tt + token] = its scale, vLLM's per-token-group one (fp8.group_scale; tokens
         >= M: 0). Lane l takes k-tile l / 4 of the chunk, columns 32 (l % 4) .. + 31, all the
         tokens at once (their latencies overlap); a (token, k-tile)'s 4 lanes read all their values before any
         writes (a lane's bytes overwrite another's input)."""
@@ -340,7 +340,8 @@ class FrontConsumers:
         for k in cutlass.range_constexpr(nrows):
             r = r0 + rstep * k
             if r < M:
-                sc, inv = w8.group_scale(amax[k])
+                sc = fp8.group_scale(amax[k])
+                inv = fp8.rcp_rn(sc)
                 for h in cutlass.range_constexpr(2):  # e4m3 chunk 2q + h: columns 32q + 16h .. + 15
                     dst = w8.x8_dst(i, r, 2 * q + h, self.tt)
                     for kk in cutlass.range_constexpr(4):

@@ -5,8 +5,9 @@ multipliers apply to sums. Two arithmetics, by warp_split (rules.py, bench/NOTES
   bf16 (no activation rounding), every e4m3 value is exactly a bf16 one, so the MMA's products are exact and only the
   fp32 accumulation rounds, as in the bf16 front.
 - "wg" (one token tile), W8A8: all of the CTA's x lands up front (a barrier per X8_CHUNK k-tiles), is quantized in
-  place to e4m3 with a scale per (token, k-tile) as vLLM's block path has it (`group_scale`, `e4m3x4`), and wgmma
-  m64n8k32 e4m3 x e4m3 (QGMMA) reads the ring's W bytes as they are. sm_90a has no e4m3 mma.sync (ptxas unpacks it to
+  place to e4m3 with a scale per (token, k-tile) as vLLM's block path has it (`fp8.group_scale`; `e4m3x4`: v times
+  1 / s correctly rounded, vLLM's v / s except where the two straddle a rounding boundary), and wgmma m64n8k32 e4m3 x
+  e4m3 (QGMMA) reads the ring's W bytes as they are. sm_90a has no e4m3 mma.sync (ptxas unpacks it to
   f16 for HMMA). The error is vLLM's chain's (x per token / 128-group), larger than W8A16's; the speed at TP8 M <= 7
   is why (mma.py `consumer_wg8`).
 
@@ -39,9 +40,6 @@ from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-from ...kv_cache import E4M3_MAX
-from ..x_quant.variant import XQ_GROUP_EPS
-from . import fp8
 from .variant import HEAD_COLS, K_TILE
 
 ROW_BYTES = K_TILE  # one e4m3 ring row: 128 bytes = one 128B swizzle row
@@ -170,14 +168,6 @@ def amax_bf16x4x2(w0: Int32, w1: Int32, w2: Int32, w3: Int32, *, loc=None, ip=No
     r = llvm.inline_asm(Float32.mlir_type, args, asm, "=f,r,r,r,r", has_side_effects=False,
                         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
     return Float32(r)
-
-
-def group_scale(amax: Float32):
-    """(s, 1 / s) of a group of max |v| = amax, as vLLM's per-token-group quantization has it: s = max(amax,
-    XQ_GROUP_EPS) / 448 correctly rounded, 1 / s correctly rounded; a value's byte is then e4m3(v * (1 / s)), vLLM's
-    e4m3(v / s) except where the two straddle a rounding boundary."""
-    s = fp8.div_rn(cute.arch.fmax(amax, Float32(XQ_GROUP_EPS)), Float32(E4M3_MAX))
-    return s, fp8.rcp_rn(s)
 
 
 @dsl_user_op

@@ -21,7 +21,7 @@ from ...kv_cache import E4M3_MAX
 from ...model import HIDDEN
 from ...store.keys import variant_tag
 from ..qkv_front import fp8 as _fp8
-from .variant import XQ_BLOCK, XQ_GROUP_EPS, XQ_GROUP_LANES, XQ_GROUPS, XQ_VEC_ELEMS, XQ_VECS, XQ_WARPS, XQuantVariant
+from .variant import XQ_BLOCK, XQ_GROUP_LANES, XQ_GROUPS, XQ_VEC_ELEMS, XQ_VECS, XQ_WARPS, XQuantVariant
 
 MIN_SCALE = 1.0 / (E4M3_MAX * 512.0)  # vLLM's min_scaling_factor (musekern.reference.FP8_MIN_SCALE)
 _FAKE_ADDR = 0x10000
@@ -62,7 +62,7 @@ def x_quant_kernel(x: cute.Pointer, q: cute.Pointer, scale: cute.Pointer, ld_x: 
     else:
         mS = cute.make_tensor(scale, cute.make_layout(Int64(m) * XQ_GROUPS))
         for u in cutlass.range_constexpr(XQ_VECS):
-            sc = _fp8.div_rn(cute.arch.fmax(_half_warp_amax(frags[u]), Float32(XQ_GROUP_EPS)), Float32(E4M3_MAX))
+            sc = _fp8.group_scale(_half_warp_amax(frags[u]))
             if tidx % XQ_GROUP_LANES == 0:
                 mS[Int64((u * XQ_BLOCK + tidx) // XQ_GROUP_LANES) * Int64(m) + row] = sc
             _fp8.store_octet(base + (u * XQ_BLOCK + tidx) * XQ_VEC_ELEMS, frags[u], _fp8.divisor(sc))

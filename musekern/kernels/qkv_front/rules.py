@@ -194,11 +194,12 @@ def variant(n: int, m: int, num_kv_heads: int, target: Target, kv_cache_dtype: s
     tiles = token_tiles(m, n, target, weight_dtype)
     s = k_split(n, target, tiles)
     split = warp_split(n, s, target, tiles, weight_dtype, fixed_rows(m))
-    xd = (w8a8_x(n, s, target, tiles) if weight_dtype != "bf16" and split == "wg" else None) or "bf16"
+    x8 = w8a8_x(n, s, target, tiles) if weight_dtype != "bf16" and split == "wg" else None  # W8A8's x
+    xd = x8 or "bf16"
     fixed = 0 if xd != "bf16" else fixed_rows(m)  # x quantized ahead: one runtime-M build
     rir = recv_in_ring(n, s, target, tiles, split, weight_dtype)
     stages = ring_stages(s, target, tiles, n, recv_in_ring=rir, weight_dtype=weight_dtype, weight_scale=weight_scale,
-                         x_dtype=xd if split == "wg" and weight_dtype != "bf16" else None)
+                         x_dtype=x8)
     return QkvFrontVariant(n, num_kv_heads, tiles, stages, s, fixed, pdl_trigger(n, s, target, tiles),
                            warp_split=split, trigger_ahead=trigger_ahead(n, s, target, tiles, stages),
                            recv_in_ring=rir, x_mcast=x_mcast(s, tiles, split), kv_cache_dtype=kv_cache_dtype,

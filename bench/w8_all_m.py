@@ -32,19 +32,26 @@ SERIES = (("bf16", "o-", "musekern, bf16 weights"), ("fp8_channel", "s-", "musek
           ("scaled_mm", "d:", "_scaled_mm alone (x pre-quantized)"))
 
 
-def measure(n: int, nkv: int, m: int, eps: float, theta: float, samples: int) -> dict:
+def build(n: int, nkv: int, m: int, eps: float, theta: float, make) -> None:
+    """One M's five graphs in order ("bf16", "fp8_channel", "fp8_block": the op after front.prepare of its weight
+    format; "mm"; "scaled_mm"), each handed to make(name, LAYERS closures, loops) as soon as it is defined (the
+    closures hold the inputs; bench/probes/all_m_replay.py takes them too)."""
     g, cs, pos, x, kc, vc, slots, o, w8, wb = layer_inputs(n, nkv, m, theta, 7000)
     # a replay's GPU work: the weights at ~3 TB/s or the bf16 GEMM at ~600 TFLOP/s, whichever is longer
-    seq_s = LAYERS * max(2 * n * HIDDEN / 3e12, 2 * m * n * HIDDEN / 600e12)
-    graphs = []
+    loops = loops_for(LAYERS * max(2 * n * HIDDEN / 3e12, 2 * m * n * HIDDEN / 600e12))
 
     def add(name, call):
-        graphs.append(Graph(name, [(lambda j=j: call(j)) for j in range(LAYERS)], loops_for(seq_s), LAYERS))
+        make(name, [(lambda j=j: call(j)) for j in range(LAYERS)], loops)
 
     add_op_graphs(add, n, nkv, m, g, lambda j: front.launch(x, wb[j], pos, cs, slots, kc, vc, nkv, eps, out=o[j]),
                   lambda j, sc: front.launch(x, w8[j], pos, cs, slots, kc, vc, nkv, eps, out=o[j], weight_scale=sc))
     add("mm", lambda j: torch.mm(x, wb[j].T, out=o[j]))
     add_scaled_mm(add, x, w8, o, g)
+
+
+def measure(n: int, nkv: int, m: int, eps: float, theta: float, samples: int) -> dict:
+    graphs = []
+    build(n, nkv, m, eps, theta, lambda name, fs, loops: graphs.append(Graph(name, fs, loops, LAYERS)))
     us = {k: round(v["us"], 3) for k, v in time_graphs(graphs, samples).items()}
     return row(n, m, "front" if front._fused(n, m, 0, "fp8_e4m3") else "gemm", us)
 

@@ -1,8 +1,8 @@
 """Which graph of w8_all_m's measure() faults, and where (round 75 on an H100: "illegal memory access" at the first
 synchronize after replaying TP1 M = 48's five graphs; TP1 M = 41 and every TP8 / TP4 M up to 4096 had run).
 
-  seq SHARD MS      one process as w8_all_m runs it (prepare, the five graphs of each M in order), but each graph
-                    replayed and synchronized alone: the first to fault is named, in its history
+  seq SHARD MS      one process as w8_all_m runs it (w8_all_m.build: prepares and graphs of each M in its order), but
+                    each graph replayed and synchronized once captured: the first to fault is named, in its history
   one SHARD M NAME  a fresh process: the same inputs and prepares, only graph NAME captured and replayed
   run SHARD MS      seq, then `one` of every graph of the last M, each in its own process (a fault is sticky); the
                     faulting ones again with the tuned GEMM's workspace allocation 32 MB larger (PAD_WS=1: the size
@@ -19,33 +19,13 @@ import sys
 
 import torch
 
-from bench.harness.timing import Graph, loops_for
-from bench.w8_all_m import SHARDS
-from bench.w8_bench import LAYERS, add_op_graphs, add_scaled_mm, layer_inputs
+from bench.harness.timing import Graph
+from bench.w8_all_m import SERIES, SHARDS, build
+from bench.w8_bench import LAYERS
 from musekern.config import load_config
-from musekern.model import HIDDEN
 from musekern.ops import qkv_front as front
 
-NAMES = ("bf16", "fp8_channel", "fp8_block", "mm", "scaled_mm")
-
-
-def closures(n: int, nkv: int, m: int, only: str | None, loops: int | None):
-    """w8_all_m.measure's graphs as (name, closures, loops), in its order; `only`: that one graph's."""
-    model = load_config()
-    eps = model.rms_norm_eps
-    g, cs, pos, x, kc, vc, slots, o, w8, wb = layer_inputs(n, nkv, m, model.rope_theta, 7000)
-    seq_s = LAYERS * max(2 * n * HIDDEN / 3e12, 2 * m * n * HIDDEN / 600e12)
-    out = []
-
-    def add(name, call):
-        out.append((name, [(lambda j=j: call(j)) for j in range(LAYERS)], loops or loops_for(seq_s)))
-
-    add_op_graphs(add, n, nkv, m, g, lambda j: front.launch(x, wb[j], pos, cs, slots, kc, vc, nkv, eps, out=o[j]),
-                  lambda j, sc: front.launch(x, w8[j], pos, cs, slots, kc, vc, nkv, eps, out=o[j], weight_scale=sc))
-    add("mm", lambda j: torch.mm(x, wb[j].T, out=o[j]))
-    add_scaled_mm(add, x, w8, o, g)
-    keep = (g, cs, pos, x, kc, vc, slots, o, w8, wb)  # the tensors the closures name live as long as the graphs
-    return [c for c in out if only in (None, c[0])], keep
+NAMES = tuple(name for name, _, _ in SERIES)  # the five graphs
 
 
 def replay(name: str, fs: list, loops: int) -> None:
@@ -56,6 +36,13 @@ def replay(name: str, fs: list, loops: int) -> None:
     gr.replay()
     torch.cuda.synchronize()
     print(" ok", flush=True)
+
+
+def graphs(n: int, nkv: int, m: int, make) -> None:
+    """w8_all_m.build's graphs of one M, each given to make(name, closures, loops) (LOOPS=k: k loops a replay)."""
+    model = load_config()
+    over = int(os.environ.get("LOOPS", "0"))
+    build(n, nkv, m, model.rms_norm_eps, model.rope_theta, lambda name, fs, loops: make(name, fs, over or loops))
 
 
 def shard(tp: str) -> tuple[int, int]:
@@ -69,16 +56,13 @@ def main() -> int:
     if mode == "seq":
         for m in ms:
             print(f"TP{tp} M={m} path {'front' if front._fused(n, m, 0, 'fp8_e4m3') else 'gemm'}", flush=True)
-            cs, keep = closures(n, nkv, m, None, int(os.environ.get("LOOPS", "0")) or None)
-            for name, fs, loops in cs:
-                replay(name, fs, loops)
-            del cs, keep
+            graphs(n, nkv, m, replay)
             torch.cuda.empty_cache()
         return 0
     if mode == "one":
-        loops = int(os.environ.get("LOOPS", "0")) or None
-        cs, keep = closures(n, nkv, ms[0], sys.argv[4], loops)
-        (name, fs, lp), = cs
+        kept = []
+        graphs(n, nkv, ms[0], lambda name, fs, loops: kept.append((name, fs, loops)) if name == sys.argv[4] else None)
+        (name, fs, lp), = kept
         from musekern.gemm import tune
         key = next((k for k in tune._RUNS if k[:2] == (n, ms[0])), None)
         if key and os.environ.get("PAD_WS"):

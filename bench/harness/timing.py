@@ -8,12 +8,16 @@ the PDL attribute becomes a programmatic edge (counted here when torch keeps the
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import sys
 import time
 
 import torch
 
+# BENCH_GRAPH_BLAS=clear: cuBLAS's workspaces dropped before and after each capture (what torch's inductor does), so a
+# graph's cuBLAS calls take a workspace from its own memory pool instead of the one cached for the capture stream
+CLEAR_BLAS = os.environ.get("BENCH_GRAPH_BLAS", "keep") == "clear"
 TARGET_REPLAY_S = 1.5e-3  # GPU time per graph replay: launch + event noise stay far below 1%
 MAX_LOOPS = 48
 
@@ -70,10 +74,14 @@ class Graph:
             kept = True
         except TypeError:  # older torch: no raw graph to inspect
             g, kept = torch.cuda.CUDAGraph(), False
+        if CLEAR_BLAS:
+            torch._C._cuda_clearCublasWorkspaces()
         with torch.cuda.graph(g):
             for _ in range(loops):
                 for f in closures:
                     f()
+        if CLEAR_BLAS:
+            torch._C._cuda_clearCublasWorkspaces()
         if kept:
             try:
                 self.edges = _edge_stats(g.raw_cuda_graph())

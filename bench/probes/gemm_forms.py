@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -32,15 +33,18 @@ from musekern.ops import qkv_front as front
 MS = (33, 36, 40, 44, 48, 52, 56, 60, 64, 72, 96, 100, 128, 256, 1024, 4096)  # round 75's slow range, its % 8 split,
 # and the large M the GEMM path's target is stated at
 PADS = (4, 8, 16)
+FORM_V2 = os.environ.get("FORMS_V2") == "1"  # the block GEMM through torch.nn.functional.scaled_mm (the v2 form)
 
 
 def measure(n: int, nkv: int, m: int, eps: float, theta: float, samples: int, loops: int = 0,
-            eager: bool = False, locate: bool = False) -> dict:
+            eager: bool = False, locate: bool = False, only: tuple = ()) -> dict:
     g, cs, pos, x, kc, vc, slots, o, w8, wb = layer_inputs(n, nkv, m, theta, 9000)
     graphs = []
     loops = loops or loops_for(LAYERS * max(n * HIDDEN / 3e12, 2 * m * n * HIDDEN / 600e12))
 
     def add(name, call):
+        if only and name not in only:
+            return
         log(f"  {name}")
         if eager:  # each layer's call once, no graph (compute-sanitizer with torch's caching allocator off)
             for j in range(LAYERS):
@@ -58,7 +62,7 @@ def measure(n: int, nkv: int, m: int, eps: float, theta: float, samples: int, lo
     xq = x.to(torch.float8_e4m3fn)
     add("rowwise", lambda j: torch._scaled_mm(xq, w8[j].T, scale_a=torch.ones(m, 1, device="cuda"), scale_b=sw[j],
                                               out_dtype=torch.bfloat16, out=o[j]))
-    block = gemm_fp8.block_scaled_mm(x.device)
+    block = gemm_fp8._block_scaled_mm_v2 if FORM_V2 else gemm_fp8.block_scaled_mm(x.device)
     if block is not None:
         swb = [s.expand(HIDDEN // 128, n).contiguous() for s in sw]  # channel scales as 1x128 blocks
         for pad in PADS:
@@ -73,10 +77,10 @@ def measure(n: int, nkv: int, m: int, eps: float, theta: float, samples: int, lo
         torch.cuda.synchronize()
     us = {k: round(v["us"], 3) for k, v in time_graphs(graphs, samples).items()} if graphs else {}
     best = min((k for k in us if k.startswith("block")), key=us.get, default=None)
-    if eager:
+    if best is None or "rowwise" not in us:
         return {"tp": TP_OF[n], "N": n, "M": m, "us": us, "best_block": None, "best_block_over_rowwise": None}
     return {"tp": TP_OF[n], "N": n, "M": m, "us": us, "best_block": best,
-            "best_block_over_rowwise": round(us[best] / us["rowwise"], 3) if best else None}
+            "best_block_over_rowwise": round(us[best] / us["rowwise"], 3)}
 
 
 def main() -> int:
@@ -89,6 +93,7 @@ def main() -> int:
                     "PYTORCH_NO_CUDA_MEMORY_CACHING=1: every tensor its own allocation)")
     ap.add_argument("--locate", action="store_true", help="replay and synchronize each graph alone before timing")
     ap.add_argument("--keep-cache", action="store_true", help="no torch.cuda.empty_cache() between Ms")
+    ap.add_argument("--only", default="", help="the graphs to build, comma-separated (default: every one)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     model = load_config()
@@ -98,7 +103,8 @@ def main() -> int:
         for m in (int(s) for s in a.ms.split(",")):
             try:
                 log(f"TP{tp} M={m}")
-                r = measure(n, nkv, m, model.rms_norm_eps, model.rope_theta, a.samples, a.loops, a.eager, a.locate)
+                r = measure(n, nkv, m, model.rms_norm_eps, model.rope_theta, a.samples, a.loops, a.eager, a.locate,
+                            tuple(filter(None, a.only.split(","))))
                 if not a.keep_cache:
                     torch.cuda.empty_cache()
                 torch.cuda.synchronize()

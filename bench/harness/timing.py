@@ -18,6 +18,9 @@ import torch
 # BENCH_GRAPH_BLAS=clear: cuBLAS's workspaces dropped before and after each capture (what torch's inductor does), so a
 # graph's cuBLAS calls take a workspace from its own memory pool instead of the one cached for the capture stream
 CLEAR_BLAS = os.environ.get("BENCH_GRAPH_BLAS", "keep") == "clear"
+# BENCH_GRAPH_STREAM=own: each graph captured on a stream of its own (its warm-up's) instead of torch's default capture
+# stream, which every graph shares
+OWN_STREAM = os.environ.get("BENCH_GRAPH_STREAM", "shared") == "own"
 TARGET_REPLAY_S = 1.5e-3  # GPU time per graph replay: launch + event noise stay far below 1%
 MAX_LOOPS = 48
 
@@ -76,7 +79,7 @@ class Graph:
             g, kept = torch.cuda.CUDAGraph(), False
         if CLEAR_BLAS:
             torch._C._cuda_clearCublasWorkspaces()
-        with torch.cuda.graph(g):
+        with torch.cuda.graph(g, stream=side if OWN_STREAM else None):
             for _ in range(loops):
                 for f in closures:
                     f()

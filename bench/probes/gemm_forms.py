@@ -1,7 +1,6 @@
-"""Which FP8 GEMM form the GEMM path should take above the front (NOTES "e4m3 weights", Open: channel scales through
-the block GEMM). Round 75 (H100, h100-w8-all-m.json): at TP8 M = 33-128 the channel path takes 25.8-26.1 us because
-row-wise `_scaled_mm` alone is 22.0, while the block path's 1x128 GEMM took 11.7 at M = 64 and the block path was
-fast only where M % 8 == 0 (it pads M to 4).
+"""Which FP8 GEMM form the GEMM path should take above the front, and where torch's block-scaled one faults in graph
+replay (bench/NOTES.md "e4m3 weights"). Round 75 (H100, h100-w8-all-m.json): at TP8 M = 33-128 the channel path takes
+25.8-26.1 us because row-wise `_scaled_mm` alone is 22.0, while the block path's 1x128 GEMM took 11.7 at M = 64.
 
 Per shard and M, 8 layers rotated, CUDA-graph replay, x already quantized (the GEMM alone):
   rowwise     _scaled_mm, per-token x scale [M, 1], per-row weight scale [1, N] (the channel path's GEMM today)

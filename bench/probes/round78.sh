@@ -13,13 +13,7 @@ if [[ $gpu != h200 ]]; then
   echo "forms rc=$? t=$SECONDS"; grep -h "Traceback\|Error" /tmp/gf.log | head -n 4
   exit 0
 fi
-SANITIZE=1 SAN_TIMEOUT=200 TEST_TIMEOUT=240 bash bench/gpu_round.sh > $OUT/round.txt 2>&1
-echo "round rc=$? t=$SECONDS"; tail -n 14 $OUT/round.txt
-rm -f $OUT/sanitizer-*.log $OUT/*.junit.xml  # folded into gpu-tests.json
-timeout 60 python3 bench/w8_bench.py --gemm-ms 64,1024 --out $OUT/h200-w8-bench.json 2>/tmp/w8.log | tail -n 24
-echo "w8 t=$SECONDS"; grep -h "Traceback\|ok=False" /tmp/w8.log | head -n 6
-timeout 90 python3 bench/kv_fp8_bench.py --out $OUT/h200-kv-fp8-bench.json 2>/tmp/kv.log | tail -n 22
-echo "kv t=$SECONDS"; grep -h "Traceback\|Error" /tmp/kv.log | head -n 4
+source bench/probes/h200_owed.sh
 timeout 80 python3 bench/w8_all_m.py --out $OUT/h200-w8-all-m.json 2>$OUT/all_m.log | tail -n 66
 echo "all_m t=$SECONDS"; grep -h "Traceback\|Error" $OUT/all_m.log | head -n 4; tail -n 2 $OUT/all_m.log
 timeout $((520 - SECONDS)) python3 bench/probes/gemm_forms.py --out $OUT/h200-gemm-forms.json 2>/tmp/gf.log

@@ -10,13 +10,7 @@ SECONDS=0
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[0-9]00' | tr H h)
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
 if [[ $gpu == h200 ]]; then
-  SANITIZE=1 SAN_TIMEOUT=200 TEST_TIMEOUT=240 bash bench/gpu_round.sh > $OUT/round.txt 2>&1
-  echo "round rc=$? t=$SECONDS"; tail -n 14 $OUT/round.txt
-  rm -f $OUT/sanitizer-*.log $OUT/*.junit.xml  # folded into gpu-tests.json
-  timeout 60 python3 bench/w8_bench.py --gemm-ms 64,1024 --out $OUT/h200-w8-bench.json 2>/tmp/w8.log | tail -n 24
-  echo "w8 t=$SECONDS"; grep -h "Traceback\|ok=False" /tmp/w8.log | head -n 6
-  timeout 90 python3 bench/kv_fp8_bench.py --out $OUT/h200-kv-fp8-bench.json 2>/tmp/kv.log | tail -n 22
-  echo "kv t=$SECONDS"; grep -h "Traceback\|Error" /tmp/kv.log | head -n 4
+  source bench/probes/h200_owed.sh
 fi
 MS=33,36,40,44,48,52,56,60,64,72,96,100,128,256
 last() { grep -E "^TP[0-9] M=[0-9]+$|error" "$1" | tail -n 2 | tr '\n' ' '; echo; }

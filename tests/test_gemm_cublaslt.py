@@ -60,3 +60,51 @@ def test_status_names_the_failure():
 def test_candidate_name_says_what_it_is():
     c = cublaslt.Candidate(b"\0" * 64, workspace=1 << 20, tile=313, splitk=3)
     assert c.name == "lt[tile=313,splitk=3,ws=1048576]"
+
+
+class _FakeDll:
+    """Records every cuBLASLt call a Matmul makes (values read through the ctypes references), succeeds."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        def call(*args):
+            vals = []
+            for a in args:
+                obj = getattr(a, "_obj", a)  # byref(x) -> x
+                vals.append(getattr(obj, "value", obj))
+            self.calls.append((name, vals))
+            return 0
+        return call
+
+
+def _fake_library():
+    lib = cublaslt.Library.__new__(cublaslt.Library)
+    lib.dll, lib._handles = _FakeDll(), {0: ctypes.c_void_p(1)}
+    return lib
+
+
+# the two forms: bf16 sets no scale attribute; e4m3 1x128 sets VEC128_32F on both sides at creation and each call's
+# scale pointers (A = the weight's, B = x's) on the descriptor before cublasLtMatmul
+@pytest.mark.parametrize("form", [cublaslt.BF16, cublaslt.E4M3_BLOCKS])
+def test_a_form_sets_its_types_and_scales(form):
+    lib = _fake_library()
+    mat = cublaslt.Matmul(lib, 2176, 48, 0, form)
+    made = lib.dll.calls
+    layouts = [v[1] for name, v in made if name == "cublasLtMatrixLayoutCreate"]
+    assert layouts == [form.operand, form.operand, cublaslt.R_16BF]
+    attrs = {v[1]: v[2] for name, v in made if name == "cublasLtMatmulDescSetAttribute"}
+    want = {cublaslt.DESC_TRANSA: cublaslt.OP_T, cublaslt.DESC_TRANSB: cublaslt.OP_N}
+    if form.scale_mode is not None:
+        want |= {cublaslt.DESC_A_SCALE_MODE: 4, cublaslt.DESC_B_SCALE_MODE: 4}  # cublasLt.h: VEC128_32F = 4
+    assert attrs == want
+    lib.dll.calls = []
+    mat.launcher(cublaslt.Candidate(b"\0" * 64, 0, 1, 1))(0x1000, 0x2000, 0x3000, 0, 7, 0x4000, 0x5000)
+    names = [(name, v[1] if name.endswith("SetAttribute") else None, v[2] if name.endswith("SetAttribute") else None)
+             for name, v in lib.dll.calls]
+    scaled = [("cublasLtMatmulDescSetAttribute", cublaslt.DESC_A_SCALE_POINTER, 0x4000),
+              ("cublasLtMatmulDescSetAttribute", cublaslt.DESC_B_SCALE_POINTER, 0x5000)]
+    assert names == (scaled if form.scale_mode is not None else []) + [("cublasLtMatmul", None, None)]
+    w, x, y = lib.dll.calls[-1][1][3], lib.dll.calls[-1][1][5], lib.dll.calls[-1][1][8]
+    assert (w, x, y) == (0x1000, 0x2000, 0x3000)

@@ -185,3 +185,59 @@ def test_a_read_only_cache_keeps_no_record_and_still_tunes(fresh_process):
     finally:
         os.chmod(cache.base, 0o755)
     assert timed and got.chosen == gemm.pick(got.us) and not records.tuning_dir(cache).exists()
+
+
+# ---------------------------------------------------------------- the 1x128 FP8 GEMM through the own call (gemm/fp8.py)
+
+def _block_operands(n, rows, seed):
+    """e4m3 q [rows, K] and w [N, K], their 1x128 scales as the call takes them (sx [rows, K / 128] column-major,
+    sw [K / 128, N]), and the fp64 product."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    kb = gemm.HIDDEN // 128
+    q = torch.randn(rows, gemm.HIDDEN, device="cuda", generator=g).mul_(64).to(torch.float8_e4m3fn)
+    w = torch.randn(n, gemm.HIDDEN, device="cuda", generator=g).mul_(64).to(torch.float8_e4m3fn)
+    sx = (torch.rand(kb, rows, device="cuda", generator=g) + 0.5).div_(64).t()
+    sw = (torch.rand(kb, n, device="cuda", generator=g) + 0.5).div_(64 * gemm.HIDDEN ** 0.5)
+    truth = (q.double() * sx.double().repeat_interleave(128, dim=1)) @ (
+        w.double() * sw.double().t().repeat_interleave(128, dim=1)).t()
+    return q, w, sx, sw, truth
+
+
+# rows: the block path's padded M (multiples of BLOCK_MM_ROWS) at the GEMM path's edges and where torch's call faulted
+# in graph replay (48, 96); every shard
+@pytest.mark.parametrize("n", SHARD_N)
+@pytest.mark.parametrize("rows", (20, 48, 96, 128, 1024))
+def test_own_block_call_matches_torch_and_fp64_bit_for_bit_call_to_call(n, rows):
+    from musekern.gemm import fp8 as gemm_fp8
+
+    if gemm_fp8.block_scaled_mm(torch.device("cuda")) is None:
+        pytest.skip("torch serves no block-scaled FP8 GEMM here")
+    kept = gemm_fp8.prepare_blocks(n, [rows], torch.cuda.current_device())
+    assert (n, rows, torch.cuda.current_device()) in gemm_fp8._LT, kept
+    q, w, sx, sw, truth = _block_operands(n, rows, seed=rows)
+    theirs = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
+    gemm_fp8._block_scaled_mm(q, w, sx, sw, theirs)
+    outs = []
+    for _ in range(2):
+        out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        assert gemm_fp8._lt_block_mm(q, w, sx, sw, out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    torch_err = (theirs.double() - truth).abs().max().item()
+    err = (outs[0].double() - truth).abs().max().item()
+    assert err <= 2 * torch_err + ATOL, (err, torch_err)
+
+
+def test_own_block_call_declines_a_misaligned_scale():
+    from musekern.gemm import fp8 as gemm_fp8
+
+    if gemm_fp8.block_scaled_mm(torch.device("cuda")) is None:
+        pytest.skip("torch serves no block-scaled FP8 GEMM here")
+    n, rows = 2176, 48
+    gemm_fp8.prepare_blocks(n, [rows], torch.cuda.current_device())
+    q, w, sx, sw, _ = _block_operands(n, rows, seed=3)
+    store = torch.empty(sw.numel() + 1, device="cuda")
+    sw_off = store[1:].view_as(sw)  # 4 bytes into its storage: not the 16 cuBLASLt's scale tensors take
+    sw_off.copy_(sw)
+    out = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
+    assert not gemm_fp8._lt_block_mm(q, w, sx, sw_off, out)

@@ -736,11 +736,14 @@ def test_fp8_weight_graph_replay_equals_eager(fp8_weights, tp, m, mode):
     assert_graph_replays(lambda out: run_w8(p, pw, nkv, out=out), eager)
 
 
-# torch's 1x128 block-scaled _scaled_mm (the block path's GEMM above the front) has faulted in CUDA-graph replay with no
-# musekern kernel in the graphs (bench/NOTES.md "e4m3 weights": three graphs of it alone in one process, TP8, H100,
-# torch 2.11 + CUDA 13.0). bench/probes/gemm_forms.py repeats that run in a child process (a fault is sticky): xfail
-# where it faults so, pass where the run replays clean (one run: no proof the fault is gone), fail on any other error.
-def test_torch_block_scaled_mm_graphs_replay():
+# torch's 1x128 block-scaled _scaled_mm (the block path's GEMM above the front until gemm.fp8.prepare_blocks) has
+# faulted in CUDA-graph replay with no musekern kernel in the graphs (bench/NOTES.md "e4m3 weights": three graphs of it
+# alone in one process, TP8, H100, torch 2.11 + CUDA 13.0). bench/probes/gemm_forms.py repeats that run in a child
+# process (a fault is sticky), through torch's call ("block": xfail where it faults so, pass where the run replays
+# clean: one run is no proof the fault is gone) and through musekern's own cuBLASLt call ("lt", what the block path
+# takes: must replay clean); any other error fails.
+@pytest.mark.parametrize("form", ["block", "lt"])
+def test_block_scaled_mm_graphs_replay(form):
     from musekern.gemm import fp8 as gemm_fp8
 
     if gemm_fp8.block_scaled_mm(torch.device("cuda")) is None:
@@ -749,8 +752,9 @@ def test_torch_block_scaled_mm_graphs_replay():
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     ms = "33,36,40,44,48,52,56,60,64,72,96,100,128,256"  # round 82's run (faulted at M = 96)
     probe = os.path.join(root, "bench", "probes", "gemm_forms.py")
-    r = subprocess.run([sys.executable, probe, "--tps", "8", "--ms", ms, "--locate", "--only", "block4,block8,block16"],
+    only = ",".join(f"{form}{p}" for p in (4, 8, 16))
+    r = subprocess.run([sys.executable, probe, "--tps", "8", "--ms", ms, "--locate", "--only", only],
                        cwd=root, capture_output=True, text=True, timeout=140, env=dict(os.environ, PYTHONPATH=path))
-    if r.returncode and "illegal memory access" in r.stderr:
+    if form == "block" and r.returncode and "illegal memory access" in r.stderr:
         pytest.xfail("torch's block-scaled _scaled_mm faulted in graph replay: " + r.stderr.strip().splitlines()[-1])
     assert r.returncode == 0, r.stderr[-2000:]

@@ -12,7 +12,10 @@ scale's rank picks the arithmetic:
 - "block" ([N // 64, 64]): W8A8 as vLLM's block path (research/fp8.md section 2): x quantized per token and 128-column
   group (`reference.quantize_x_per_group`'s bytes, the x_quant kernel's group build), then `torch._scaled_mm` with
   1x128 block scales on both sides (cuBLASLt's block scaling, sm_90 with CUDA >= 12.9: each 128-column block's product
-  scaled by s_x[m, kb] * s_w[n, kb] in fp32, one bf16 rounding; M padded to a multiple of 4, BLOCK_MM_ROWS). The
+  scaled by s_x[m, kb] * s_w[n, kb] in fp32, one bf16 rounding; M padded to a multiple of 4, BLOCK_MM_ROWS),
+  through musekern's own cuBLASLt call (gemm/cublaslt.py's E4M3_BLOCKS form, `prepare_blocks`: the algorithm
+  torch's call would take, a workspace of its own each call) where prepared, else through torch's. torch's call
+  faulted in CUDA-graph replay (an illegal memory access, bench/NOTES.md "e4m3 weights"). The
   weight's scales go per row ([N, 64], each 64-row scale repeated: exact for the half-block shards, where a 128x128
   form would not be), one small copy a call (N * 256 bytes). Where torch does not serve block scaling (another GPU or
   device, an older CUDA): the weight dequantized into a bf16 scratch copy (`pack.dequantize_tensors`; exact where the
@@ -25,13 +28,16 @@ caller has checked the call (ops/qkv_front.py) and runs the fused epilogue on y 
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 
 import torch
 
+from ..model import HIDDEN
 from ..reference import FP8_K_GROUP, quantize_x_per_group, quantize_x_per_token
+from ..runtime.loader import current_stream_getter
 from ..weights.pack import GROUP_ROWS, dequantize_tensors
-from . import tune
+from . import cublaslt, tune
 
 
 def quantize_reference(x: torch.Tensor, group: int = 0, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,6 +109,80 @@ def weight_scales_per_row(weight_scale: torch.Tensor) -> torch.Tensor:
     return weight_scale.t().repeat_interleave(GROUP_ROWS, dim=1)
 
 
+_LT: dict = {}  # (N, rows, device) -> (launch, workspace bytes): `prepare_blocks`'s own cuBLASLt calls
+_LT_LOCK = threading.Lock()
+SCALE_ALIGNMENT = 16  # cuBLASLt's scale tensors: 16-byte aligned
+_stream = current_stream_getter()  # device index -> torch's current stream there, as a raw handle
+
+
+def prepare_blocks(n: int, ms, device: int) -> dict:
+    """musekern's own cuBLASLt call of the 1x128 form for weight rows `n` and each M in `ms` (padded to
+    BLOCK_MM_ROWS): the heuristic's algorithms in its order (the first is the one torch's call takes), the first
+    whose y on random e4m3 inputs and scales is the fp32 product's (within tune.CHECK_RTOL of max |y|) kept for
+    `mm_block`. Returns {rows: the kept algorithm's name, or why none}; where none, `mm_block` takes torch's call.
+    Syncs and allocates an fp32 copy of one weight: call before capture, never inside."""
+    dev = torch.device("cuda", device)
+    out = {}
+    with _LT_LOCK, torch.cuda.device(device):
+        todo = sorted({-(-m // BLOCK_MM_ROWS) * BLOCK_MM_ROWS for m in ms} - {r for (nn, r, d) in _LT
+                                                                              if nn == n and d == device})
+        if not todo:
+            return out
+        try:
+            lib = cublaslt.library()
+        except cublaslt.CublasLtError as e:
+            return {r: str(e) for r in todo}
+        g = torch.Generator(device=dev).manual_seed(n)
+        w = (torch.rand(n, HIDDEN, device=dev, generator=g) * 2 - 1).mul_(448).to(torch.float8_e4m3fn)
+        sw = torch.rand(HIDDEN // FP8_K_GROUP, n, device=dev, generator=g).add_(0.5).div_(448 * 64)
+        w32 = w.float() * sw.t().repeat_interleave(FP8_K_GROUP, dim=1)
+        for rows in todo:
+            q = (torch.rand(rows, HIDDEN, device=dev, generator=g) * 2 - 1).mul_(448).to(torch.float8_e4m3fn)
+            sx = torch.rand(HIDDEN // FP8_K_GROUP, rows, device=dev, generator=g).add_(0.5).div_(448)
+            want = (q.float() * sx.t().repeat_interleave(FP8_K_GROUP, dim=1)) @ w32.t()
+            tol = tune.CHECK_RTOL * want.abs().max().item()
+            y = torch.empty(rows, n, dtype=torch.bfloat16, device=dev)
+            mat, why = cublaslt.Matmul(lib, n, rows, device, cublaslt.E4M3_BLOCKS), "no algorithm offered"
+            for cand in mat.candidates():
+                f = mat.launcher(cand)
+                ws = torch.empty(max(cand.workspace, 1), dtype=torch.uint8, device=dev)
+                y.fill_(float("nan"))
+                try:
+                    f(w.data_ptr(), q.data_ptr(), y.data_ptr(), ws.data_ptr(), _stream(device), sw.data_ptr(),
+                      sx.data_ptr())
+                    err = (y.float() - want).abs().max().item()
+                except cublaslt.CublasLtError as e:
+                    err, why = float("nan"), str(e)
+                if err <= tol:
+                    _LT[(n, rows, device)] = (f, cand.workspace)
+                    out[rows] = cand.name
+                    break
+                if err == err:
+                    why = f"{cand.name}: max |y - fp32| = {err:.3g} > {tol:.3g}"
+            else:
+                out[rows] = why
+        torch.cuda.synchronize(device)
+    return out
+
+
+def _lt_block_mm(q, w, sx, sw_t, out) -> bool:
+    """`_block_scaled_mm` through the call `prepare_blocks` kept for this shape: True, or False (nothing launched)
+    where none was kept or a pointer is not aligned as the call assumes."""
+    dev = q.get_device()
+    run = _LT.get((w.shape[0], q.shape[0], dev))
+    if run is None or (q.data_ptr() | w.data_ptr() | out.data_ptr()) % cublaslt.ALIGNMENT \
+            or (sx.data_ptr() | sw_t.data_ptr()) % SCALE_ALIGNMENT:
+        return False
+    if dev != torch.cuda.current_device():  # the handle and stream are x's device's: launch there
+        with torch.cuda.device(dev):
+            return _lt_block_mm(q, w, sx, sw_t, out)
+    launch, ws = run
+    workspace = torch.empty(ws, dtype=torch.uint8, device=q.device) if ws else None  # stream-ordered, per call
+    launch(w.data_ptr(), q.data_ptr(), out.data_ptr(), workspace.data_ptr() if ws else 0, _stream(dev),
+           sw_t.data_ptr(), sx.data_ptr())
+    return True
+
+
 def mm_block(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out: torch.Tensor,
              quantize=quantize_reference) -> torch.Tensor:
     """out = bf16(sum over 128-column blocks kb of (q_x @ weight^T)_kb * s_x[m, kb] * s_w[n, kb]): weight_scale float32
@@ -114,7 +194,9 @@ def mm_block(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     rows = -(-m // BLOCK_MM_ROWS) * BLOCK_MM_ROWS
     q, s = quantize(x, FP8_K_GROUP, rows)
     y = out if rows == m else torch.empty(rows, out.shape[1], dtype=out.dtype, device=out.device)
-    form(q, weight, s, weight_scales_per_row(weight_scale), y)
+    sw = weight_scales_per_row(weight_scale)
+    if not _lt_block_mm(q, weight, s, sw, y):
+        form(q, weight, s, sw, y)
     return out if y is out else out.copy_(y[:m])
 
 

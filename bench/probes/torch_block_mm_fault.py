@@ -1,0 +1,91 @@
+"""torch's 1x128 block-scaled `_scaled_mm` faults in CUDA-graph replay ("an illegal memory access"; H100, torch
+2.11.0+cu130; bench/NOTES.md "e4m3 weights"): the same sequence as `gemm_forms.py --only block4,block8,block16
+--locate`, in torch alone, for a report upstream.
+
+Per M: 8 layers of e4m3 weights [N, 8192] with 1x128 weight scales [64, N] (the [N, 64] column-major form torch
+takes), x quantized [rows, 8192] with scales [rows, 64] column-major, for rows = M padded to 4, 8 and 16; one graph
+per padding holding `--loops` passes over the 8 layers (each graph warmed up on a side stream, then captured on
+torch's default capture stream), each graph replayed alone and synchronized, then `--replays` round-robin replays.
+Then the tensors are dropped and torch.cuda.empty_cache() runs (`--keep-cache`: not). Prints one line an M; the first
+error stops the run and names the M and the graph (exit 1).
+
+python3 bench/probes/torch_block_mm_fault.py [--n 2176] [--ms 33,36,...] [--loops 16] [--pads 4,8,16]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+K, LAYERS = 8192, 8
+
+
+def block_mm(q, w, sx, sw, y):
+    return torch._scaled_mm(q, w.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16, out=y)
+
+
+def graphs_for(n: int, m: int, pads, loops: int, g: torch.Generator):
+    w = [torch.randn(n, K, device="cuda", generator=g).div_(K ** 0.5).to(torch.float8_e4m3fn) for _ in range(LAYERS)]
+    sw = [torch.rand(K // 128, n, device="cuda", generator=g) + 0.5 for _ in range(LAYERS)]
+    xq = torch.randn(m, K, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    out = []
+    for pad in pads:
+        rows = -(-m // pad) * pad
+        q = torch.cat([xq, torch.zeros(rows - m, K, dtype=xq.dtype, device="cuda")])
+        sx = torch.ones(K // 128, rows, device="cuda").t()
+        y = [torch.empty(rows, n, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+        calls = [(lambda j=j, q=q, sx=sx, y=y: block_mm(q, w[j], sx, sw[j], y[j])) for j in range(LAYERS)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for f in calls:
+                f()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        gr = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(gr):
+            for _ in range(loops):
+                for f in calls:
+                    f()
+        out.append((f"pad{pad}", gr))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=2176, help="N (2176: the TP8 shard of bench/probes/gemm_forms.py)")
+    ap.add_argument("--ms", default="33,36,40,44,48,52,56,60,64,72,96,100,128,256")
+    ap.add_argument("--pads", default="4,8,16")
+    ap.add_argument("--loops", type=int, default=16, help="passes over the 8 layers a graph holds")
+    ap.add_argument("--replays", type=int, default=12)
+    ap.add_argument("--keep-cache", action="store_true")
+    a = ap.parse_args()
+    print(f"torch {torch.__version__} CUDA {torch.version.cuda} {torch.cuda.get_device_name()} N={a.n}", flush=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pads = [int(p) for p in a.pads.split(",")]
+    for m in (int(s) for s in a.ms.split(",")):
+        where = "capture"
+        try:
+            graphs = graphs_for(a.n, m, pads, a.loops, g)
+            for name, gr in graphs:
+                where = f"replay {name}"
+                gr.replay()
+                torch.cuda.synchronize()
+            where = "round-robin replays"
+            for _ in range(a.replays):
+                for _, gr in graphs:
+                    gr.replay()
+            torch.cuda.synchronize()
+            del graphs
+            if not a.keep_cache:
+                torch.cuda.empty_cache()
+        except (RuntimeError, torch.AcceleratorError) as e:
+            print(f"M={m}: FAULT in {where}: {str(e).splitlines()[0]}", flush=True)
+            return 1
+        print(f"M={m}: ok", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -117,17 +117,17 @@ _stream = current_stream_getter()  # device index -> torch's current stream ther
 
 def prepare_blocks(n: int, ms, device: int) -> dict:
     """musekern's own cuBLASLt call of the 1x128 form for weight rows `n` and each M in `ms` (padded to
-    BLOCK_MM_ROWS): the heuristic's algorithms in its order (the first is the one torch's call takes), the first
-    whose y on random e4m3 inputs and scales is the fp32 product's (within tune.CHECK_RTOL of max |y|) kept for
-    `mm_block`. Returns {rows: the kept algorithm's name, or why none}; where none, `mm_block` takes torch's call.
-    Syncs and allocates an fp32 copy of one weight: call before capture, never inside."""
+    BLOCK_MM_ROWS): the heuristic's algorithms in its order (torch's call takes its first under torch's workspace),
+    the first whose y on random e4m3 inputs and scales is torch's call's (within tune.CHECK_RTOL of max |y|) kept for
+    `mm_block`. Returns {rows: the kept algorithm's name, or why none} for the rows not kept before; where none,
+    `mm_block` takes torch's call. Two GEMMs a padded M and a sync: call before capture, never inside."""
     dev = torch.device("cuda", device)
-    out = {}
+    form = block_scaled_mm(dev)
     with _LT_LOCK, torch.cuda.device(device):
-        todo = sorted({-(-m // BLOCK_MM_ROWS) * BLOCK_MM_ROWS for m in ms} - {r for (nn, r, d) in _LT
-                                                                              if nn == n and d == device})
-        if not todo:
-            return out
+        todo = sorted({-(-m // BLOCK_MM_ROWS) * BLOCK_MM_ROWS for m in ms}
+                      - {r for (nn, r, d) in _LT if nn == n and d == device})
+        if not todo or form is None:
+            return {r: "torch serves no block-scaled FP8 GEMM here" for r in todo}
         try:
             lib = cublaslt.library()
         except cublaslt.CublasLtError as e:
@@ -135,11 +135,11 @@ def prepare_blocks(n: int, ms, device: int) -> dict:
         g = torch.Generator(device=dev).manual_seed(n)
         w = (torch.rand(n, HIDDEN, device=dev, generator=g) * 2 - 1).mul_(448).to(torch.float8_e4m3fn)
         sw = torch.rand(HIDDEN // FP8_K_GROUP, n, device=dev, generator=g).add_(0.5).div_(448 * 64)
-        w32 = w.float() * sw.t().repeat_interleave(FP8_K_GROUP, dim=1)
+        out = {}
         for rows in todo:
             q = (torch.rand(rows, HIDDEN, device=dev, generator=g) * 2 - 1).mul_(448).to(torch.float8_e4m3fn)
-            sx = torch.rand(HIDDEN // FP8_K_GROUP, rows, device=dev, generator=g).add_(0.5).div_(448)
-            want = (q.float() * sx.t().repeat_interleave(FP8_K_GROUP, dim=1)) @ w32.t()
+            sx = torch.rand(HIDDEN // FP8_K_GROUP, rows, device=dev, generator=g).add_(0.5).div_(448).t()
+            want = form(q, w, sx, sw, torch.empty(rows, n, dtype=torch.bfloat16, device=dev)).float()
             tol = tune.CHECK_RTOL * want.abs().max().item()
             y = torch.empty(rows, n, dtype=torch.bfloat16, device=dev)
             mat, why = cublaslt.Matmul(lib, n, rows, device, cublaslt.E4M3_BLOCKS), "no algorithm offered"
@@ -158,7 +158,7 @@ def prepare_blocks(n: int, ms, device: int) -> dict:
                     out[rows] = cand.name
                     break
                 if err == err:
-                    why = f"{cand.name}: max |y - fp32| = {err:.3g} > {tol:.3g}"
+                    why = f"{cand.name}: max |y - torch's| = {err:.3g} > {tol:.3g}"
             else:
                 out[rows] = why
         torch.cuda.synchronize(device)

@@ -10,7 +10,8 @@ SECONDS=0
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[0-9]00' | tr H h)
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
 if [[ $gpu == h200 ]]; then
-  source bench/probes/h200_owed.sh
+  source bench/probes/h200_owed.sh  # its GPU round runs the own call's tests too
+  if (( SECONDS > 300 )); then echo "t=$SECONDS: the rest in the next call"; exit 0; fi
 fi
 MS=33,36,40,44,48,52,56,60,64,72,96,100,128,256
 last() { grep -E "^TP[0-9] M=[0-9]+$|error|own cuBLASLt" "$1" | tail -n 2 | tr '\n' ' '; echo; }

@@ -200,8 +200,17 @@ class Matmul:
         if getattr(self, "desc", None):
             d.cublasLtMatmulDescDestroy(self.desc)
 
+    def set_scales(self, w_scale: int, x_scale: int) -> None:
+        """A scaled form's scale pointers on the descriptor: each call's, and the heuristic asks for them too (a
+        null one is CUBLAS_STATUS_INVALID_VALUE: "the scaling mode ... requires a custom pointer")."""
+        pw, px = C.c_void_p(w_scale), C.c_void_p(x_scale)
+        for attr, p in ((DESC_A_SCALE_POINTER, pw), (DESC_B_SCALE_POINTER, px)):
+            self.lib.check(self.lib.dll.cublasLtMatmulDescSetAttribute(self.desc, attr, C.byref(p), C.sizeof(p)),
+                           "cublasLtMatmulDescSetAttribute (scale pointer)")
+
     def candidates(self, caps=WORKSPACE_CAPS) -> list[Candidate]:
-        """Every algorithm the heuristic offers under each workspace cap, in its order, each once."""
+        """Every algorithm the heuristic offers under each workspace cap, in its order, each once (a scaled form:
+        after `set_scales`)."""
         d, ok = self.lib.dll, self.lib.check
         out, seen = [], set()
         for cap in caps:
@@ -248,15 +257,10 @@ class Matmul:
 
         if self.form.scale_mode is None:
             return run
-        set_attr, lock = self.lib.dll.cublasLtMatmulDescSetAttribute, self._lock
-        pw, px = C.c_void_p(), C.c_void_p()
+        lock, set_scales = self._lock, self.set_scales
 
         def run_scaled(w: int, x: int, y: int, workspace: int, stream: int, w_scale: int = 0, x_scale: int = 0):
             with lock:  # the pointers are read when the call is enqueued: set, launch, under one lock
-                pw.value, px.value = w_scale, x_scale
-                for attr, p in ((DESC_A_SCALE_POINTER, pw), (DESC_B_SCALE_POINTER, px)):
-                    st = set_attr(desc, attr, C.byref(p), C.sizeof(p))
-                    if st:
-                        check(st, "cublasLtMatmulDescSetAttribute (scale pointer)")
+                set_scales(w_scale, x_scale)
                 run(w, x, y, workspace, stream)
         return run_scaled

@@ -143,6 +143,7 @@ def prepare_blocks(n: int, ms, device: int) -> dict:
             tol = tune.CHECK_RTOL * want.abs().max().item()
             y = torch.empty(rows, n, dtype=torch.bfloat16, device=dev)
             mat, why = cublaslt.Matmul(lib, n, rows, device, cublaslt.E4M3_BLOCKS), "no algorithm offered"
+            mat.set_scales(sw.data_ptr(), sx.data_ptr())
             for cand in mat.candidates():
                 f = mat.launcher(cand)
                 ws = torch.empty(max(cand.workspace, 1), dtype=torch.uint8, device=dev)

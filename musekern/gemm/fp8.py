@@ -28,6 +28,7 @@ caller has checked the call (ops/qkv_front.py) and runs the fused epilogue on y 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import warnings
 
@@ -113,6 +114,7 @@ _LT: dict = {}  # (N, rows, device) -> (launch, workspace bytes): `prepare_block
 _LT_LOCK = threading.Lock()
 SCALE_ALIGNMENT = 16  # cuBLASLt's scale tensors: 16-byte aligned
 _stream = current_stream_getter()  # device index -> torch's current stream there, as a raw handle
+log = logging.getLogger("musekern.gemm")
 
 
 def prepare_blocks(n: int, ms, device: int) -> dict:
@@ -142,9 +144,13 @@ def prepare_blocks(n: int, ms, device: int) -> dict:
             want = form(q, w, sx, sw, torch.empty(rows, n, dtype=torch.bfloat16, device=dev)).float()
             tol = tune.CHECK_RTOL * want.abs().max().item()
             y = torch.empty(rows, n, dtype=torch.bfloat16, device=dev)
-            mat, why = cublaslt.Matmul(lib, n, rows, device, cublaslt.E4M3_BLOCKS), "no algorithm offered"
-            mat.set_scales(sw.data_ptr(), sx.data_ptr())
-            for cand in mat.candidates():
+            try:  # a library that cannot describe or plan this call leaves torch's
+                mat, why = cublaslt.Matmul(lib, n, rows, device, cublaslt.E4M3_BLOCKS), "no algorithm offered"
+                mat.set_scales(sw.data_ptr(), sx.data_ptr())
+                cands = mat.candidates()
+            except cublaslt.CublasLtError as e:
+                cands, why = [], str(e)
+            for cand in cands:
                 f = mat.launcher(cand)
                 ws = torch.empty(max(cand.workspace, 1), dtype=torch.uint8, device=dev)
                 y.fill_(float("nan"))
@@ -162,6 +168,8 @@ def prepare_blocks(n: int, ms, device: int) -> dict:
                     why = f"{cand.name}: max |y - torch's| = {err:.3g} > {tol:.3g}"
             else:
                 out[rows] = why
+                log.warning("no own cuBLASLt 1x128 call for N = %d, %d rows (%s): torch's _scaled_mm runs there, "
+                            "which has faulted in CUDA-graph replay (bench/NOTES.md)", n, rows, why)
         torch.cuda.synchronize(device)
     return out
 

@@ -1,0 +1,29 @@
+# Round 84 (round 83 cut to the device time left): the own cuBLASLt call's verdict (torch's 1x128 call alone, then the
+# same three graphs through the own call: TP8 twice, TP1), the own call's and the GEMM path's GPU tests, w8_bench
+# (the GEMM path at M = 64 / 1024 through the own call), then w8_all_m at the M where torch's call faulted and around
+# them (no BENCH_GRAPH_BLAS=clear) in the time left (ROUND_S, 330).
+# Here: bash bench/gpu_cache.sh.  GPU (carry .musekern-cache, .whl): bash bench/probes/round84.sh
+source bench/device_env.sh
+SECONDS=0
+TOTAL=${ROUND_S:-330}
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[0-9]00' | tr H h)
+MS=33,36,40,44,48,52,56,60,64,72,96,100,128,256
+last() { grep -E "^TP[0-9] M=[0-9]+$|rror|own cuBLASLt" "$1" | tail -n 2 | tr '\n' ' '; echo; }
+timeout 60 python3 bench/probes/torch_block_mm_fault.py > /tmp/t0.txt 2>&1
+echo "torch alone rc=$? t=$SECONDS: $(tail -n 1 /tmp/t0.txt)"; head -n 1 /tmp/t0.txt
+for run in 1 2; do
+  timeout 60 python3 bench/probes/gemm_forms.py --tps 8 --ms $MS --locate --only lt4,lt8,lt16 > /tmp/l$run.txt 2>&1
+  echo "own TP8 run $run rc=$? t=$SECONDS: $(last /tmp/l$run.txt)"
+done
+timeout 90 python3 bench/probes/gemm_forms.py --tps 1 --ms $MS --locate --only lt4,lt8,lt16 > /tmp/l3.txt 2>&1
+echo "own TP1 rc=$? t=$SECONDS: $(last /tmp/l3.txt)"
+GPU_ROUND_NAME=$gpu-gemm-path-tests GPU_TESTS="tests/test_gpu_gemm.py tests/test_gpu_qkv_front.py" TEST_TIMEOUT=150 \
+  bash bench/gpu_round.sh "own_block or block_scaled_mm_graphs or fp8_weight_gemm_path or fp8_weight_graph_replay" \
+  2>&1 | tail -n 6
+rm -f $OUT/*.junit.xml
+echo "tests t=$SECONDS"
+timeout 60 python3 bench/w8_bench.py --gemm-ms 64,1024 --out $OUT/$gpu-w8-bench.json 2>/tmp/w8.log | tail -n 12
+echo "w8 t=$SECONDS"; grep -h "ok=False" /tmp/w8.log | head -n 6; grep -A60 Traceback /tmp/w8.log | tail -n 2
+timeout $((TOTAL - SECONDS)) python3 bench/w8_all_m.py --ms 33,40,48,56,64,72,96,128,256,1024 \
+  --out $OUT/$gpu-w8-all-m.json 2>/tmp/all_m.log | tail -n 34
+echo "all_m rc=${PIPESTATUS[0]} t=$SECONDS"; grep -h "Traceback\|rror" /tmp/all_m.log | head -n 4; tail -n 2 /tmp/all_m.log

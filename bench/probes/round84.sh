@@ -2,6 +2,9 @@
 # same three graphs through the own call: TP8 twice, TP1), the own call's and the GEMM path's GPU tests, w8_bench
 # (the GEMM path at M = 64 / 1024 through the own call), then w8_all_m at the M where torch's call faulted and around
 # them (no BENCH_GRAPH_BLAS=clear) in the time left (ROUND_S, 330).
+# Run it from branch issue30-channel-lt: there ops.qkv_front.prepare takes the own call (and per-row scales the 1x128
+# GEMM up to M = 72), so its GEMM-path tests, w8_bench and w8_all_m measure the product on it; on main they measure
+# torch's call.
 # Here: bash bench/gpu_cache.sh.  GPU (carry .musekern-cache, .whl): bash bench/probes/round84.sh
 source bench/device_env.sh
 SECONDS=0

@@ -13,9 +13,10 @@ scale's rank picks the arithmetic:
   group (`reference.quantize_x_per_group`'s bytes, the x_quant kernel's group build), then `torch._scaled_mm` with
   1x128 block scales on both sides (cuBLASLt's block scaling, sm_90 with CUDA >= 12.9: each 128-column block's product
   scaled by s_x[m, kb] * s_w[n, kb] in fp32, one bf16 rounding; M padded to a multiple of 4, BLOCK_MM_ROWS),
-  through musekern's own cuBLASLt call (gemm/cublaslt.py's E4M3_BLOCKS form, `prepare_blocks`: the algorithm
-  torch's call would take, a workspace of its own each call) where prepared, else through torch's. torch's call
-  faulted in CUDA-graph replay (an illegal memory access, bench/NOTES.md "e4m3 weights"). The
+  through torch's call, or musekern's own cuBLASLt call for the shapes `prepare_blocks` kept (gemm/cublaslt.py's
+  E4M3_BLOCKS form: the algorithm torch's call takes, a workspace of its own each call). torch's call faults in
+  CUDA-graph replay (an illegal memory access, bench/NOTES.md "e4m3 weights"); the own call is built to avoid that,
+  and ops.qkv_front.prepare takes it once a GPU round shows it replays clean (bench/probes/round84.sh). The
   weight's scales go per row ([N, 64], each 64-row scale repeated: exact for the half-block shards, where a 128x128
   form would not be), one small copy a call (N * 256 bytes). Where torch does not serve block scaling (another GPU or
   device, an older CUDA): the weight dequantized into a bf16 scratch copy (`pack.dequantize_tensors`; exact where the

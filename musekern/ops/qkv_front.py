@@ -413,13 +413,12 @@ def prepare(N: int, rows=16, num_kv_heads: int | None = None, device=None, kv_ca
     rest = [m for m in ms if m not in fused]
     if rest:
         kernels += qkv_epilogue.prepare(N, rest, num_kv_heads, dev, kv)
-        if not wf.fp8:  # e4m3 weights: gemm.fp8 (cuBLASLt's FP8 GEMM, or the bf16 copy's mm): nothing timed
+        if not wf.fp8:  # e4m3 weights: gemm.fp8 (torch's _scaled_mm, or the bf16 copy's mm): nothing measured
             gemm.tune(N, rest, dev)  # cuBLAS's handles made and its algorithm measured per M, outside any capture
         elif wf.kernel_scale == "channel":
             kernels.append(x_quant.prepare(dev))  # the W8A8 path's x quantization
         elif gemm_fp8.block_scaled_mm(torch.device("cuda", dev)) is not None:  # else the bf16 copy's GEMM
             kernels.append(x_quant.prepare(dev, XQ_GROUP))
-            gemm_fp8.prepare_blocks(N, rest, dev)  # the 1x128 GEMM through musekern's own cuBLASLt call
     return kernels
 
 

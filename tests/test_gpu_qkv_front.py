@@ -736,12 +736,12 @@ def test_fp8_weight_graph_replay_equals_eager(fp8_weights, tp, m, mode):
     assert_graph_replays(lambda out: run_w8(p, pw, nkv, out=out), eager)
 
 
-# torch's 1x128 block-scaled _scaled_mm (the block path's GEMM above the front until gemm.fp8.prepare_blocks) has
-# faulted in CUDA-graph replay with no musekern kernel in the graphs (bench/NOTES.md "e4m3 weights": three graphs of it
-# alone in one process, TP8, H100, torch 2.11 + CUDA 13.0). bench/probes/gemm_forms.py repeats that run in a child
-# process (a fault is sticky), through torch's call ("block": xfail where it faults so, pass where the run replays
-# clean: one run is no proof the fault is gone) and through musekern's own cuBLASLt call ("lt", what the block path
-# takes: must replay clean); any other error fails.
+# torch's 1x128 block-scaled _scaled_mm (the block path's GEMM above the front) has faulted in CUDA-graph replay with no
+# musekern kernel in the graphs (bench/NOTES.md "e4m3 weights": three graphs of it alone in one process, TP8, H100 and
+# H200, torch 2.11 + CUDA 13.0). bench/probes/gemm_forms.py repeats that run in a child process (a fault is sticky),
+# through torch's call ("block": xfail where it faults so, pass where the run replays clean: one run is no proof the
+# fault is gone) and through musekern's own cuBLASLt call ("lt", gemm.fp8.prepare_blocks: must replay clean before
+# the product takes it, branch issue30-channel-lt); any other error fails.
 @pytest.mark.parametrize("form", ["block", "lt"])
 def test_block_scaled_mm_graphs_replay(form):
     from musekern.gemm import fp8 as gemm_fp8

@@ -1,7 +1,7 @@
-# Round 84 (round 83 cut to the device time left): the own cuBLASLt call's verdict (torch's 1x128 call alone, then the
-# same three graphs through the own call: TP8 twice, TP1), the own call's and the GEMM path's GPU tests, w8_bench
-# (the GEMM path at M = 64 / 1024 through the own call), then w8_all_m at the M where torch's call faulted and around
-# them (no BENCH_GRAPH_BLAS=clear) in the time left (ROUND_S, 330).
+# Round 84: the own cuBLASLt call's replay verdict (torch's 1x128 call alone, then the same three graphs through the
+# own call: TP8 twice, TP1), the own call's and the GEMM path's GPU tests, w8_bench (the GEMM path at M = 64 / 1024
+# through the own call), then w8_all_m at the M where torch's call faulted and around them (no BENCH_GRAPH_BLAS=clear)
+# in the time left (ROUND_S, 330). Round 83 (the owed H200 round before it) ran at 9b36672, branch round83-h200.
 # Run it from branch issue30-channel-lt: there ops.qkv_front.prepare takes the own call (and per-row scales the 1x128
 # GEMM up to M = 72), so its GEMM-path tests, w8_bench and w8_all_m measure the product on it; on main they measure
 # torch's call.

@@ -157,13 +157,12 @@ class Candidate:
 @dataclass(frozen=True)
 class Form:
     """The operands' data type and, for scaled operands, both sides' scale mode."""
-    name: str
     operand: int  # cudaDataType of x and W
     scale_mode: int | None = None  # cublasLtMatmulMatrixScale_t of both, None: unscaled
 
 
-BF16 = Form("bf16", R_16BF)
-E4M3_BLOCKS = Form("e4m3_1x128", R_8F_E4M3, SCALE_VEC128_32F)
+BF16 = Form(R_16BF)
+E4M3_BLOCKS = Form(R_8F_E4M3, SCALE_VEC128_32F)
 
 
 class Matmul:

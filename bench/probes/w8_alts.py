@@ -15,6 +15,12 @@ ones in one process. Each alternative maps (shard, scale kind, M) to the build t
   takes "k" since 1a3b17d.
 - "rows1", "rows1tp2" (round 54): the same pairs the other way round, once the plan took "k" for them. Since the plan
   takes W8A8 ("wg", x quantized in the kernel) for TP8's runtime-M one-tile build, "k1" is that build's W8A16 twin.
+- "k1tp1" (round 84, H200): TP1's one-tile builds as W8A16 under "k" in place of the planned W8A8 ("wg", x quantized
+  ahead by x_quant): TP1 M = 1 streams at 78% of copy on the H200 against 93% on the H100 (h200-w8-bench.json);
+  is it the W8A8 build (x_quant's launch ahead) or the stream?
+- "deep8" (round 84, H200): TP8's one-tile builds with the deepest ring one CTA an SM holds (the W8A8 build's
+  stages come from the W8A16 rule, sized for two CTAs an SM, while its 68 CTAs are alone on their SMs): TP8 M = 1 is
+  0.79x bf16 on the H200 against 0.62 on the H100; does it want more bytes in flight for 1.4x the bandwidth?
 - "plan": the planned builds themselves, M = 1-8, for a run on kernel sources other than the tree's (the loader keys
   a build by its sources, so the same labels launch the other sources' builds): its "planned" and "plan" rows are
   then the same builds, and the comparison is with another run's ratios.
@@ -28,7 +34,7 @@ import dataclasses
 import sys
 
 from musekern.kernels.qkv_front import rules
-from musekern.kernels.qkv_front.variant import QkvFrontVariant
+from musekern.kernels.qkv_front.variant import K_TILES, QkvFrontVariant
 from musekern.targets import get_target
 
 N, NKV = 2176, 1  # TP8
@@ -54,6 +60,17 @@ def split_as(warp: str):
     return make
 
 
+def deep(kind: str, m: int, n: int, nkv: int) -> QkvFrontVariant:
+    """The planned e4m3 build of (kind, m, n, nkv) with the deepest ring one CTA an SM holds (trigger_ahead = stages
+    where the plan fires ahead)."""
+    v = plan(kind, m, n, nkv)
+    t, per_cta = get_target("h200"), (K_TILES + v.k_split - 1) // v.k_split
+    st = max(s for s in range(v.stages, per_cta + 1)
+             if rules.ring_smem_bytes(s, v.tiles, v.k_split, False, v.weight_dtype, v.weight_scale, v.warp_split,
+                                      v.x_dtype) + rules.SMEM_RESERVE_BYTES <= t.max_smem_optin)
+    return dataclasses.replace(v, stages=st, trigger_ahead=min(st, per_cta - 1 - st) if v.trigger_ahead else 0)
+
+
 def plan(kind: str, m: int, n: int, nkv: int) -> QkvFrontVariant:
     """The planned e4m3 build of (kind, m, n, nkv)."""
     return rules.variant(n, m, nkv, get_target("h200"), weight_dtype="fp8_e4m3", weight_scale=kind)
@@ -61,6 +78,7 @@ def plan(kind: str, m: int, n: int, nkv: int) -> QkvFrontVariant:
 
 ONE_TILE = (range(1, 9), (1, 5, 8), (1, 4, 8))  # M served, checked (the ends of its token tile), timed
 TP2 = (8704, 4)
+TP1 = (17408, 8)
 # name: (variant of (kind, m, n, nkv), the M it serves, the M it is checked at (the ends of its token tiles), the M
 # timed, the shard (N, KV heads))
 ALTS = {
@@ -69,6 +87,8 @@ ALTS = {
     "k1tp2": (split_as("k"), *ONE_TILE, TP2),
     "rows1": (split_as("rows"), *ONE_TILE, (N, NKV)),
     "rows1tp2": (split_as("rows"), *ONE_TILE, TP2),
+    "k1tp1": (split_as("k"), *ONE_TILE, TP1),
+    "deep8": (deep, *ONE_TILE, (N, NKV)),
     "plan": (plan, *ONE_TILE, (N, NKV)),
 }
 

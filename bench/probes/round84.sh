@@ -7,7 +7,7 @@
 # torch's call.
 # Last, the H200 misses of issue 30 (TP8 M = 1 0.79x bf16, TP1 78% of copy): bench/probes/w8_alts.py's deep8 (TP8's
 # one-tile builds with the deepest ring), k1tp1 (TP1's W8A16 in place of W8A8 with x_quant ahead), split4 (TP8 at
-# k_split 4), each beside the plan, in ALTS_S (210).
+# k_split 4), each beside the plan, in ALTS_S (210; 0 skips them: they are the H200's).
 # Here: bash bench/gpu_cache.sh, then each ALT's labels: musekern prepare --target h200 --variant ... (w8_alts.py labels
 # ALT).  GPU (carry .musekern-cache, .whl): bash bench/probes/round84.sh
 source bench/device_env.sh
@@ -35,7 +35,7 @@ timeout $((TOTAL - SECONDS)) python3 bench/w8_all_m.py --ms 33,40,48,56,64,72,96
   --out $OUT/$gpu-w8-all-m.json 2>/tmp/all_m.log | tail -n 34
 echo "all_m rc=${PIPESTATUS[0]} t=$SECONDS"; grep -h "Traceback\|rror" /tmp/all_m.log | head -n 4; tail -n 2 /tmp/all_m.log
 S0=$SECONDS
-for alt in deep8 k1tp1 split4; do
+for alt in $([ "${ALTS_S:-210}" -gt 0 ] && echo deep8 k1tp1 split4); do
   timeout $(( ${ALTS_S:-210} / 3 )) python3 bench/probes/w8_alts.py run $alt 2>/tmp/alt-$alt.log | tail -n 7
   echo "$alt rc=${PIPESTATUS[0]} t=$SECONDS"; grep -h "Traceback\|rror\|ok=False" /tmp/alt-$alt.log | head -n 4
 done

@@ -21,6 +21,8 @@ ones in one process. Each alternative maps (shard, scale kind, M) to the build t
 - "deep8" (round 84, H200): TP8's one-tile builds with the deepest ring one CTA an SM holds (the W8A8 build's
   stages come from the W8A16 rule, sized for two CTAs an SM, while its 68 CTAs are alone on their SMs): TP8 M = 1 is
   0.79x bf16 on the H200 against 0.62 on the H100; does it want more bytes in flight for 1.4x the bandwidth?
+- "split2tp1" (round 84, H200): TP1's one-tile builds at k_split 2 (544 CTAs of 256 KiB in place of 272 of 512): at
+  one CTA an SM the plan's 272 CTAs run in waves of 132, 132 and 8, and the last 8 stream alone; halves that tail.
 - "plan": the planned builds themselves, M = 1-8, for a run on kernel sources other than the tree's (the loader keys
   a build by its sources, so the same labels launch the other sources' builds): its "planned" and "plan" rows are
   then the same builds, and the comparison is with another run's ratios.
@@ -71,6 +73,14 @@ def deep(kind: str, m: int, n: int, nkv: int) -> QkvFrontVariant:
     return dataclasses.replace(v, stages=st, trigger_ahead=min(st, per_cta - 1 - st) if v.trigger_ahead else 0)
 
 
+def split2(kind: str, m: int, n: int, nkv: int) -> QkvFrontVariant:
+    """The planned e4m3 build of (kind, m, n, nkv) at k_split 2 (the rules' ring and trigger for it)."""
+    v, t = plan(kind, m, n, nkv), get_target("h200")
+    st = rules.ring_stages(2, t, v.tiles, n, weight_dtype=v.weight_dtype, weight_scale=kind, x_dtype=v.x_dtype)
+    return dataclasses.replace(v, k_split=2, stages=st, trigger=rules.pdl_trigger(n, 2, t, v.tiles),
+                               trigger_ahead=rules.trigger_ahead(n, 2, t, v.tiles, st))
+
+
 def plan(kind: str, m: int, n: int, nkv: int) -> QkvFrontVariant:
     """The planned e4m3 build of (kind, m, n, nkv)."""
     return rules.variant(n, m, nkv, get_target("h200"), weight_dtype="fp8_e4m3", weight_scale=kind)
@@ -89,6 +99,7 @@ ALTS = {
     "rows1tp2": (split_as("rows"), *ONE_TILE, TP2),
     "k1tp1": (split_as("k"), *ONE_TILE, TP1),
     "deep8": (deep, *ONE_TILE, (N, NKV)),
+    "split2tp1": (split2, *ONE_TILE, TP1),
     "plan": (plan, *ONE_TILE, (N, NKV)),
 }
 

@@ -1,5 +1,5 @@
-# Round 85 (issue 30, the H200 misses): the W8A8 consumer with one wgmma group in flight (branch issue30-wg8-lag,
-# dd3ba49: WG8_RUN k-tiles a run, 64 = the whole loop unrolled, 8 = runs of 8) against the plan's consumer, each
+# Round 85 (issue 30, the H200 misses): the W8A8 consumer with one wgmma group in flight (branch issue30-wg8-lag:
+# WG8_RUN k-tiles a run, 64 = the whole loop unrolled, 8 = runs of 8) against the plan's consumer, each
 # through w8_bench (checks at M = 1 / 8, timing M = 1 / 8 at every shard: TP4 / TP2 are W8A16, unchanged, the
 # control), plan first and last (drift between processes).
 # Here: bash bench/gpu_cache.sh; for r in 64 8: mkdir -p .probe-lag$r && git archive issue30-wg8-lag musekern | tar -x

@@ -555,11 +555,29 @@ def test_weight_format_unknown_is_refused(run, cmd):
 
 
 def test_doctor_fix_command_names_the_weight_format():
+    from musekern.cli.common import PlanOptions
     from musekern.cli.doctor_cmd import _fix_command
 
-    cmd = _fix_command(None, None, "fp8_e4m3", "fp8-channel", None, [{"target": "h200"}])
+    cmd = _fix_command(PlanOptions(kv_cache_dtype="fp8_e4m3", weight_format="fp8-channel"), None, [{"target": "h200"}])
     assert cmd == "musekern prepare --target h200 --kv-cache-dtype fp8_e4m3 --weight-format fp8-channel"
-    assert "--weight-format" not in _fix_command(None, None, None, None, None, [{"target": "h200"}])
+    assert "--weight-format" not in _fix_command(PlanOptions(), None, [{"target": "h200"}])
+    cmd = _fix_command(PlanOptions(model_path="my model.json", tp=(8,)), "/c d", [{"target": "h200"}])
+    assert cmd == "musekern prepare --model 'my model.json' --target h200 --tp 8 --cache-dir '/c d'"  # shell-quoted
+
+
+# Every fix a planning command suggests names the options that chose the plan (explain's and export's named only
+# --model and --tp: their `prepare` built the bf16 plan of an FP8 one, and the command still failed after it).
+@pytest.mark.parametrize("opts", [["--weight-format", "fp8-block"], ["--tp", "8", "--kv-cache-dtype", "fp8_e4m3"]],
+                         ids=["weight-format", "kv-tp"])
+def test_fix_commands_name_the_plan_options(run, opts):
+    r = run("export", "--target", "h200", *opts, "-o", "x.tar", code=1)
+    fix = re.search(r"run `(musekern prepare[^`]*)` first", r.stderr).group(1)
+    assert fix == f"musekern prepare --target h200 {' '.join(opts)} --cache-dir {os.environ['MUSEKERN_CACHE_DIR']}"
+    label = json.loads(run("plan", "--target", "h200", *opts, "--json").stdout)["rows"][0]["label"]
+    r = run("explain", label, "--target", "h200", *opts)
+    assert f"fix: musekern prepare --target h200 {' '.join(opts)}" in r.stderr
+    r = run("doctor", "--target", "h200", *opts, code=1)
+    assert f"fix: musekern prepare --target h200 {' '.join(opts)}" in r.stderr
 
 
 @pytest.mark.parametrize("cmd", ["plan", "prepare", "doctor", "explain", "export"])
@@ -567,3 +585,23 @@ def test_kv_cache_dtype_e5m2_is_refused(run, cmd):
     extra = {"explain": ["qk_norm[dtype=bfloat16,has_scale=False,head_dim=64]"], "export": ["-o", "x.tar"]}
     r = run(cmd, *extra.get(cmd, []), "--target", "h200", "--kv-cache-dtype", "fp8_e5m2", code=2)
     assert "fp8_e5m2 KV caches are not served" in r.output
+
+
+# Two plans of one config (another --tp, --kv-cache-dtype or --weight-format) in one cache: each keeps its own
+# record, so `clean --stale` removes neither's entries (one shared record name kept only the last prepare's plan).
+@pytest.mark.parametrize("first,second", [(["--tp", "8"], ["--tp", "1"]),
+                                          ([], ["--weight-format", "fp8-block"]),
+                                          ([], ["--kv-cache-dtype", "fp8"])], ids=["tp", "weight-format", "kv"])
+def test_plans_of_one_config_keep_their_own_records(run, monkeypatch, first, second):
+    from store_fakes import fake_builds
+
+    fake_builds(monkeypatch)
+    keys_of = {}
+    for opts in (first, second):
+        doc = json.loads(run("prepare", "--target", "h200", *opts, "--json").stdout)
+        keys_of[tuple(opts)] = {r["key"] for r in doc["results"]}
+    assert keys_of[tuple(first)] - keys_of[tuple(second)]  # the first plan has builds the second lacks
+    doc = json.loads(run("clean", "--stale", "--dry-run", "--json").stdout)
+    assert doc["removed"] == [], doc
+    for opts in (first, second):  # and each plan is still whole
+        assert json.loads(run("doctor", "--target", "h200", *opts, "--json").stdout)["missing"] == []

@@ -11,19 +11,13 @@ from .common import (
     cache_dir_option,
     emit_json,
     json_option,
-    kv_cache_dtype_option,
-    load_model,
     log,
-    model_option,
-    resolve_targets,
+    plan_options,
     shard_option,
     sign_key_option,
     table,
-    target_option,
-    tp_option,
     trusted_keys_option,
     warn,
-    weight_format_option,
     wide_option,
 )
 
@@ -73,17 +67,12 @@ def model_json(model) -> dict:
 
 
 @click.command("plan")
-@model_option
-@target_option
-@tp_option
+@plan_options
 @wide_option
-@kv_cache_dtype_option
-@weight_format_option
 @json_option
-def plan_cmd(model_path, target_names, tp, kv_cache_dtype, weight_format, as_json):
+def plan_cmd(plan, as_json):
     """List every kernel variant the model needs, per target and TP rank."""
-    model = load_model(model_path, tp, kv_cache_dtype, weight_format)
-    targets = resolve_targets(target_names, model)
+    model, targets = plan.load()
     entries = plan_model(model, targets)
     rows = _plan_rows(entries, model)
     if as_json:
@@ -98,11 +87,7 @@ def plan_cmd(model_path, target_names, tp, kv_cache_dtype, weight_format, as_jso
 
 
 @click.command("prepare")
-@model_option
-@target_option
-@tp_option
-@kv_cache_dtype_option
-@weight_format_option
+@plan_options
 @click.option("--variant", "variant_labels", multiple=True,
               help="Build this variant (a label from `musekern plan`) instead of the model's plan. Repeatable.")
 @cache_dir_option
@@ -116,16 +101,14 @@ def plan_cmd(model_path, target_names, tp, kv_cache_dtype, weight_format, as_jso
 @trusted_keys_option
 @wide_option
 @json_option
-def prepare_cmd(model_path, target_names, tp, kv_cache_dtype, weight_format, variant_labels, cache_dir, jobs, shard,
-                remote, upload, sign_key, trusted_keys, as_json):
+def prepare_cmd(plan, variant_labels, cache_dir, jobs, shard, remote, upload, sign_key, trusted_keys, as_json):
     """Compile every kernel variant the model needs into the cache (no GPU needed)."""
     from ..builder import BuildExtraMissing
     from ..builder.prepare import BUILT, FAILED, HIT, PULLED, prepare
     from ..store.cache import Cache, ReadOnlyCacheError, default_cache_dir
     from ..store.signing import SecretKey, TrustedKeys
 
-    model = load_model(model_path, tp, kv_cache_dtype, weight_format)
-    targets = resolve_targets(target_names, model)
+    model, targets = plan.load()
     entries = _entries_for(model, targets, variant_labels)
     if upload and not remote:
         raise UsageFailure("--upload needs --remote URL (or MUSEKERN_REMOTE)")
@@ -147,7 +130,7 @@ def prepare_cmd(model_path, target_names, tp, kv_cache_dtype, weight_format, var
         except OSError as e:
             raise _cache_failure(cache, e) from None
     # the whole plan is recorded (also in a shard run): `musekern clean --stale` keeps what some plan needs
-    plan_name = None if variant_labels else f"{model.source}|{','.join(t.name for t in targets)}"
+    plan_name = None if variant_labels else plan.record_name(model, targets)
     n = len(shard_plan(entries, *shard)) if shard else len(entries)
     log(f"musekern prepare: {n} variant(s) for {', '.join(t.name for t in targets)} -> {cache.root}")
     try:

@@ -24,19 +24,14 @@ from .common import (
     cache_dir_option,
     emit_json,
     json_option,
-    kv_cache_dtype_option,
     log,
-    model_option,
     one_line_errors,
+    plan_options,
     shard_option,
     sign_key_option,
     table,
-    target_option,
-    tp_flag,
-    tp_option,
     trusted_keys_option,
     warn,
-    weight_format_option,
     wide_option,
 )
 
@@ -330,15 +325,13 @@ def gc_cmd(max_size, older_than, set_max, dry_run, cache_dir, as_json):
 
 
 # ---------------------------------------------------------------- explain
-def _planned_parts(model_path, target_names, tp=None, shard=None, kv_cache_dtype=None, weight_format=None):
-    """(model, targets, [(PlanEntry, KeyParts)]) of the model's plan, or of its shard (K, N): the variants
+def _planned_parts(plan, shard=None):
+    """(model, targets, [(PlanEntry, KeyParts)]) of the plan's entries, or of its shard (K, N): the variants
     `prepare --shard K/N` of the same plan builds (variants.shard_plan), keyed as prepare keys them."""
     from ..builder.prepare import plan_keys
     from ..plan import plan_model, shard_plan
-    from .common import load_model, resolve_targets
 
-    model = load_model(model_path, tp, kv_cache_dtype, weight_format)
-    targets = resolve_targets(target_names, model)
+    model, targets = plan.load()
     entries = plan_model(model, targets)
     if shard:
         entries = shard_plan(entries, *shard)
@@ -351,14 +344,10 @@ def _parts_json(entry) -> dict:
 
 @click.command("explain")
 @click.argument("what", metavar="LABEL_OR_KEY")
-@model_option
-@target_option
-@tp_option
-@kv_cache_dtype_option
-@weight_format_option
+@plan_options
 @cache_dir_option
 @json_option
-def explain_cmd(what, model_path, target_names, tp, kv_cache_dtype, weight_format, cache_dir, as_json):
+def explain_cmd(what, plan, cache_dir, as_json):
     """Print the key parts of an entry (key or key prefix) or of a variant label.
 
     For a label, the matching entries are shown; with --model/--target the planned key is
@@ -400,9 +389,8 @@ def explain_cmd(what, model_path, target_names, tp, kv_cache_dtype, weight_forma
     entries = [e for e in cache.entries() if e.label.replace(" ", "") == label]
     result.update(kind="label", entries=[_parts_json(e) for e in entries])
     planned = []
-    if model_path or target_names or tp or kv_cache_dtype or weight_format:
-        model, _, pairs = _planned_parts(model_path, target_names, tp, kv_cache_dtype=kv_cache_dtype,
-                                         weight_format=weight_format)
+    if plan.given():
+        model, _, pairs = _planned_parts(plan)
         result["warnings"] = list(model.warnings)
         policy = lookup.Policy.build(verify=False)
         for pe, parts in pairs:
@@ -439,8 +427,7 @@ def explain_cmd(what, model_path, target_names, tp, kv_cache_dtype, weight_forma
                    + ("present" if p["present"] else "MISSING"))
         if not p["present"]:
             click.echo(f"  {p['message']}")
-            log(f"fix: musekern prepare --target {p['target']}{f' --model {model_path}' if model_path else ''}"
-                f"{tp_flag(tp)}{_cd(cache)}")
+            log(f"fix: musekern prepare{plan.flags(targets=[p['target']])}{_cd(cache)}")
 
 
 def _print_parts(entry) -> None:
@@ -458,11 +445,7 @@ def _print_parts(entry) -> None:
 
 # ---------------------------------------------------------------- export / import
 @click.command("export")
-@model_option
-@target_option
-@tp_option
-@kv_cache_dtype_option
-@weight_format_option
+@plan_options
 @shard_option
 @click.option("--all", "all_", is_flag=True, help="Export every sound entry instead of a model's plan (a damaged one "
               "is skipped with a warning, and the export exits 1).")
@@ -472,8 +455,7 @@ def _print_parts(entry) -> None:
 @sign_key_option
 @cache_dir_option
 @json_option
-def export_cmd(model_path, target_names, tp, kv_cache_dtype, weight_format, shard, all_, keys, output, sign_key,
-               cache_dir, as_json):
+def export_cmd(plan, shard, all_, keys, output, sign_key, cache_dir, as_json):
     """Write a reproducible bundle (tar) of the model's planned entries, or of shard K/N of them (what
     `prepare --shard K/N` built), or --all / --key entries; --sign-key signs each manifest in it."""
     from ..store.bundle import bundle_compression, export_bundle
@@ -487,7 +469,7 @@ def export_cmd(model_path, target_names, tp, kv_cache_dtype, weight_format, shar
     warnings: list[str] = []
     skipped: list[str] = []
     if all_ or keys:
-        if model_path or target_names or tp or kv_cache_dtype or weight_format or shard:
+        if plan.given() or shard:
             raise click.UsageError("give either --model/--target/--tp/--kv-cache-dtype/--weight-format/--shard or "
                                    "--all/--key, not both")
         chosen = []
@@ -505,7 +487,7 @@ def export_cmd(model_path, target_names, tp, kv_cache_dtype, weight_format, shar
                               f"{cache.root}; `musekern ls{_cd(cache)}` lists them")
             chosen.append(matches[0])
     else:
-        model, targets, pairs = _planned_parts(model_path, target_names, tp, shard, kv_cache_dtype, weight_format)
+        model, targets, pairs = _planned_parts(plan, shard)
         warnings = list(model.warnings)
         policy = lookup.Policy.build(verify=False)
         chosen, missing = [], []
@@ -515,16 +497,14 @@ def export_cmd(model_path, target_names, tp, kv_cache_dtype, weight_format, shar
         sh = f" --shard {shard[0]}/{shard[1]}" if shard else ""
         what = f"shard {shard[0]}/{shard[1]} of the plan" if shard else "the plan"
         if missing:
-            tnames = " ".join(f"--target {t.name}" for t in targets)
-            mpart = f" --model {model_path}" if model_path else ""
             for pe in missing:
                 log(f"missing: {pe.target.name} {pe.variant.label}")
             raise Failure(f"{len(missing)} of the {len(pairs)} variants of {what} are not in {cache.root}; "
-                          f"run `musekern prepare{mpart} {tnames}{tp_flag(tp)}{sh}{_cd(cache)}` first")
+                          f"run `musekern prepare{plan.flags(targets=[t.name for t in targets])}{sh}{_cd(cache)}` "
+                          "first")
         # A shard's bundle records its own plan name: importing every shard into one cache then records every
         # shard's keys (one shared name would keep only the last import's, and `clean --stale` would drop the rest).
-        plan_name = f"{model.source}|{','.join(t.name for t in targets)}" + (f"|shard {shard[0]}/{shard[1]}"
-                                                                           if shard else "")
+        plan_name = plan.record_name(model, targets) + (f"|shard {shard[0]}/{shard[1]}" if shard else "")
     try:
         index = export_bundle(cache, chosen, output, plan_name=plan_name, sign=sign)
     except CacheError as e:

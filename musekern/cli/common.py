@@ -1,10 +1,12 @@
 """Options and output helpers shared by every musekern command (defined once, here)."""
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import json
 import re
+import shlex
 import sys
 
 import click
@@ -46,16 +48,6 @@ def _parse_tp(ctx, param, value):
     if not tps:
         raise click.BadParameter(f"expected comma-separated sizes such as 1,2,4,8, got {value!r}")
     return tps
-
-
-def option_flag(name: str, value) -> str:
-    """` --NAME VALUE` to put in a suggested fix command ("" where the option was not given: the config's value)."""
-    return f" --{name} {value}" if value else ""
-
-
-def tp_flag(tp) -> str:
-    """The --tp spelling to put in a suggested fix command ("" when the config's sizes were used)."""
-    return option_flag("tp", ",".join(map(str, tp)) if tp else None)
 
 
 tp_option = click.option(
@@ -195,6 +187,60 @@ def resolve_targets(names, model):
         raise UsageFailure(str(e)) from None
     raise UsageFailure("no target: none named (--target), none in the config (musekern.targets), no GPU here; "
                        f"pass one, e.g. `musekern prepare --target h200` (supported: {supported_targets()})")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """The options that say what to plan, as given (None / () where not: the config's values then): --model,
+    --target, --tp, --kv-cache-dtype, --weight-format. `plan_options` hands them to a command as one."""
+    model_path: str | None = None
+    target_names: tuple[str, ...] = ()
+    tp: tuple[int, ...] | None = None
+    kv_cache_dtype: str | None = None
+    weight_format: str | None = None
+
+    def given(self) -> bool:
+        return bool(self.model_path or self.target_names or self.tp or self.kv_cache_dtype or self.weight_format)
+
+    def load(self):
+        """(model, targets): the validated config with the options applied (`load_model`: its warnings on stderr)
+        and the targets (`resolve_targets`)."""
+        model = load_model(self.model_path, self.tp, self.kv_cache_dtype, self.weight_format)
+        return model, resolve_targets(self.target_names, model)
+
+    def flags(self, targets=None) -> str:
+        """The options as a suggested command spells them, shell-quoted (`targets`: these target names in place of
+        --target's); none for an option not given."""
+        given = [("--model", self.model_path), *(("--target", t) for t in (self.target_names if targets is None
+                                                                          else targets)),
+                 ("--tp", ",".join(map(str, self.tp)) if self.tp else None),
+                 ("--kv-cache-dtype", self.kv_cache_dtype), ("--weight-format", self.weight_format)]
+        return "".join(f" {flag} {shlex.quote(str(value))}" for flag, value in given if value)
+
+    def record_name(self, model, targets) -> str:
+        """The name `prepare` records the plan's keys under (`clean --stale` keeps the entries of every recorded
+        plan; a new record of a name replaces the old one): the config and the targets, then each planning option
+        given, as resolved. Two plans of one config (--tp 8 and --tp 1, bf16 and FP8 weights) keep two records."""
+        name = f"{model.source}|{','.join(t.name for t in targets)}"
+        if self.tp:
+            name += "|tp " + ",".join(map(str, model.tensor_parallel_sizes))
+        if self.kv_cache_dtype:
+            name += f"|kv {model.kv_cache_dtype}"
+        if self.weight_format:
+            name += f"|weights {model.weight_format.name}"
+        return name
+
+
+def plan_options(command):
+    """--model, --target, --tp, --kv-cache-dtype and --weight-format (defined once, above), handed to `command` as
+    one argument `plan` (a PlanOptions)."""
+    @functools.wraps(command)
+    def run(*args, model_path, target_names, tp, kv_cache_dtype, weight_format, **kwargs):
+        return command(*args, plan=PlanOptions(model_path, tuple(target_names), tp, kv_cache_dtype, weight_format),
+                       **kwargs)
+    for option in (weight_format_option, kv_cache_dtype_option, tp_option, target_option, model_option):
+        run = option(run)  # (click lists the last applied first: --model, --target, --tp, ...)
+    return run
 
 
 def emit_json(obj) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import shlex
 
 import click
 
@@ -14,17 +15,9 @@ from .common import (
     emit_json,
     environment,
     json_option,
-    kv_cache_dtype_option,
-    load_model,
     log,
-    model_option,
-    option_flag,
-    resolve_targets,
+    plan_options,
     table,
-    target_option,
-    tp_flag,
-    tp_option,
-    weight_format_option,
     wide_option,
 )
 
@@ -85,25 +78,18 @@ def _remote_problem() -> str | None:
     return None
 
 
-def _fix_command(model_path, tp, kv_cache_dtype, weight_format, cache_dir, missing) -> str:
-    """The one `musekern prepare` that builds every missing variant (same model, TP sizes, targets, cache)."""
-    tnames = dict.fromkeys(m["target"] for m in missing)
-    return ("musekern prepare" + (f" --model {model_path}" if model_path else "")
-            + "".join(f" --target {t}" for t in tnames) + tp_flag(tp)
-            + option_flag("kv-cache-dtype", kv_cache_dtype) + option_flag("weight-format", weight_format)
-            + (f" --cache-dir {cache_dir}" if cache_dir else ""))
+def _fix_command(plan, cache_dir, missing) -> str:
+    """The one `musekern prepare` that builds every missing variant (same model, TP sizes, formats, cache)."""
+    return (f"musekern prepare{plan.flags(targets=list(dict.fromkeys(m['target'] for m in missing)))}"
+            + (f" --cache-dir {shlex.quote(cache_dir)}" if cache_dir else ""))
 
 
 @click.command("doctor")
-@model_option
-@target_option
-@tp_option
-@kv_cache_dtype_option
-@weight_format_option
+@plan_options
 @cache_dir_option
 @wide_option
 @json_option
-def doctor_cmd(model_path, target_names, tp, kv_cache_dtype, weight_format, cache_dir, as_json):
+def doctor_cmd(plan, cache_dir, as_json):
     """Report versions, GPU and driver, the cache, MUSEKERN_* variables, and the model's variants missing
     from the cache (exit 1 if any, or if cuda-bindings cannot drive this driver)."""
     from ..gemm import records
@@ -111,8 +97,7 @@ def doctor_cmd(model_path, target_names, tp, kv_cache_dtype, weight_format, cach
     from ..store.cache import Cache, default_cache_dir
     from ..store.keys import key_parts
 
-    model = load_model(model_path, tp, kv_cache_dtype, weight_format)
-    targets = resolve_targets(target_names, model)
+    model, targets = plan.load()
     cache = Cache(default_cache_dir(cache_dir))
     gpus, gpu_error = _gpus()
     policy = lookup.Policy.runtime(verify=True)  # what the loader would launch; a corrupt entry is missing
@@ -172,7 +157,7 @@ def doctor_cmd(model_path, target_names, tp, kv_cache_dtype, weight_format, cach
             click.echo("")
             click.echo(table([[m["target"], m["variant"]] for m in missing], ["target", "missing variant"]))
             click.echo(f"{len(missing)} planned variant(s) missing from the cache {cache.root}")
-            log(f"fix: {_fix_command(model_path, tp, kv_cache_dtype, weight_format, cache_dir, missing)}")
+            log(f"fix: {_fix_command(plan, cache_dir, missing)}")
         else:
             click.echo("every planned variant is in the cache")
     if missing or problems:

@@ -111,3 +111,18 @@ def test_w8_alts_rows1_differs_from_the_plan_only_in_warp_split(alt, k_alt, n):
             k_alt)[(n, "fp8_e4m3", kind, m)]
         if n == alts.N:
             assert alts.table("plan")[(n, "fp8_e4m3", kind, m)] == planned  # "plan": the planned builds themselves
+
+
+def test_ptx_dump_lists_every_planned_build_once():
+    """bench/probes/ptx_dump.py (the PTX-identity check of a kernel refactor): each plan's builds are in its list, the
+    labels parse, and each names a distinct file."""
+    from musekern.config import load_config, with_weight_format
+    from musekern.plan import plan_model, variant_from_label
+    from musekern.targets import get_target
+
+    pd = _probe("ptx_dump")
+    got = pd.labels()
+    model = with_weight_format(load_config(), "fp8-channel")
+    planned = {e.variant.label for e in plan_model(model, [get_target("h200")])}
+    assert planned <= set(got) and set(pd.EXTRA) <= set(got) and len(got) == len(set(got))
+    assert all(variant_from_label(lbl).label == lbl for lbl in got)

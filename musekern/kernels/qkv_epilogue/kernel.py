@@ -48,12 +48,12 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import make_ptr
 from cutlass.cutlass_dsl import dsl_user_op
 
 from ...store.keys import variant_tag
 from ..qkv_front import fp8 as _fp8
+from ..qkv_front.ptx import asm
 from .variant import (
     EPI_BLOCK,
     EPI_CTAS_PER_SM,
@@ -73,8 +73,7 @@ _FAKE_ADDR = 1 << 20  # compile-time stand-in for the device pointers (16-byte a
 @dsl_user_op
 def _prefetch_l2(addr: Int64, *, loc=None, ip=None):
     """prefetch.global.L2 [addr]: the line comes into the L2; no register waits for it."""
-    llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l",
-                    has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    asm(None, "prefetch.global.L2 [$0];", "l", Int64(addr), side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -84,10 +83,7 @@ def _pack_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
     ptxas otherwise rounds each value alone (F2F.BF16.F32: a conversion-unit instruction, 16 results a clock an SM
     against the FMA pipe's 128 in the CUDA programming guide's throughput table; 8 a head in every thread of the
     grid, q threads too) and packs the halves with PRMT."""
-    r = llvm.inline_asm(Uint32.mlir_type, [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-                        "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", has_side_effects=False,
-                        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return Uint32(r)
+    return asm(Uint32, "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", Float32(hi), Float32(lo), loc=loc, ip=ip)
 
 
 class _Tensors(NamedTuple):

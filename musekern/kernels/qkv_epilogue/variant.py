@@ -74,7 +74,7 @@ class QkvEpilogueVariant(VariantMixin):
     kernel: ClassVar[str] = "qkv_epilogue"
     # (its FP8 store is qkv_front's fp8.py)
     sources: ClassVar[tuple[str, ...]] = ("variant.py", "abi.py", "kernel.py", "../qkv_front/fp8.py",
-                                          "../../kv_cache.py")
+                                          "../qkv_front/ptx.py", "../../kv_cache.py")
     vecs_per_thread: int  # EPI_VPT_CHOICES; never changes a bit
     rounds: int = 1  # EPI_ROUNDS_CHOICES; never changes a bit
     kv_cache_dtype: str = BF16  # the KV cache it writes (kv_cache.KV_CACHE_DTYPES); never changes y

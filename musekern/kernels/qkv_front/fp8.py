@@ -29,12 +29,12 @@ import struct
 
 import cutlass.cute as cute
 from cutlass import Float32, Int16, Int32, Int64, Uint8
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import make_ptr
 from cutlass.cutlass_dsl import dsl_user_op
 
 from ...kv_cache import E4M3_MAX
 from ..x_quant.variant import XQ_GROUP_EPS
+from .ptx import asm
 
 CACHE_DTYPE = Uint8  # the element type an FP8 build's cache pointers are compiled with (one byte an element)
 
@@ -55,48 +55,35 @@ def kv_scale(ptr: cute.Pointer, value: Float32, *, loc=None, ip=None) -> Float32
     """The scale: *ptr where ptr is not 0, else `value`. One predicated load, no branch (a branch around it kept the
     loads after it waiting: the second scale's load issued only once the first had arrived); a side effect, so it
     stays where it is put (after griddepcontrol.wait: a graph replay reads the scale's value then)."""
-    args = [ptr.toint().ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)]
-    r = llvm.inline_asm(Float32.mlir_type, args,
-                        "{\n.reg .pred p;\nsetp.ne.u64 p, $1, 0;\nmov.b32 $0, $2;\n@p ld.global.f32 $0, [$1];\n}",
-                        "=f,l,f", has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return Float32(r)
+    return asm(Float32, "{\n.reg .pred p;\nsetp.ne.u64 p, $1, 0;\nmov.b32 $0, $2;\n@p ld.global.f32 $0, [$1];\n}",
+               "=f,l,f", ptr.toint(), Float32(value), side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def e4m3x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int16:
     """Two e4m3 bytes, `lo` at the lower address (PTX puts the first source in the upper byte)."""
-    r = llvm.inline_asm(Int16.mlir_type, [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-                        "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;", "=h,f,f", has_side_effects=False,
-                        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return Int16(r)
+    return asm(Int16, "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;", "=h,f,f", Float32(hi), Float32(lo), loc=loc, ip=ip)
 
 
 @dsl_user_op
 def e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> Int32:
     """Four e4m3 bytes a, b, c, d in address order (little endian: a the low byte)."""
-    args = [Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)]
-    r = llvm.inline_asm(Int32.mlir_type, args,
-                        "{\n.reg .b16 lo, hi;\ncvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
-                        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\nmov.b32 $0, {lo, hi};\n}",
-                        "=r,f,f,f,f", has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return Int32(r)
+    return asm(Int32, "{\n.reg .b16 lo, hi;\ncvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+               "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\nmov.b32 $0, {lo, hi};\n}",
+               "=r,f,f,f,f", *(Float32(v) for v in (a, b, c, d)), loc=loc, ip=ip)
 
 
 @dsl_user_op
 def store_b16(addr: Int64, v: Int16, *, loc=None, ip=None):
     """st.global.b16 [addr], v (2-byte aligned)."""
-    llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int16(v).ir_value(loc=loc, ip=ip)],
-                    "st.global.b16 [$0], $1;", "l,h", has_side_effects=True, asm_dialect=llvm.AsmDialect.AD_ATT,
-                    loc=loc, ip=ip)
+    asm(None, "st.global.b16 [$0], $1;", "l,h", Int64(addr), Int16(v), side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def store_b64(addr: Int64, lo: Int32, hi: Int32, *, loc=None, ip=None):
     """st.global.v2.b32 [addr], {lo, hi}: 8 bytes (8-byte aligned)."""
-    llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(lo).ir_value(loc=loc, ip=ip),
-                           Int32(hi).ir_value(loc=loc, ip=ip)],
-                    "st.global.v2.b32 [$0], {$1, $2};", "l,r,r", has_side_effects=True,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    asm(None, "st.global.v2.b32 [$0], {$1, $2};", "l,r,r", Int64(addr), Int32(lo), Int32(hi), side_effects=True,
+        loc=loc, ip=ip)
 
 
 BIG, SMALL = 2.0 ** 64, 2.0 ** -64  # scales above / below are brought in range by p (see the top)
@@ -119,20 +106,14 @@ def divisor(scale: Float32):
 @dsl_user_op
 def power_of_two(s: Float32, *, loc=None, ip=None) -> Int32:
     """1 where the normal float s is a power of two (a zero mantissa), else 0."""
-    r = llvm.inline_asm(Int32.mlir_type, [Float32(s).ir_value(loc=loc, ip=ip)],
-                        "{\n.reg .b32 b;\n.reg .pred z;\nmov.b32 b, $1;\nand.b32 b, b, 0x7FFFFF;\n"
-                        "setp.eq.u32 z, b, 0;\nselp.u32 $0, 1, 0, z;\n}",
-                        "=r,f", has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return Int32(r)
+    return asm(Int32, "{\n.reg .b32 b;\n.reg .pred z;\nmov.b32 b, $1;\nand.b32 b, b, 0x7FFFFF;\n"
+               "setp.eq.u32 z, b, 0;\nselp.u32 $0, 1, 0, z;\n}", "=r,f", Float32(s), loc=loc, ip=ip)
 
 
 @dsl_user_op
 def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
     """a / b correctly rounded (div.rn.f32): a scale from an amax (x_quant's, the W8A8 front's; vLLM's amax / 448)."""
-    r = llvm.inline_asm(Float32.mlir_type, [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-                        "div.rn.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False,
-                        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return Float32(r)
+    return asm(Float32, "div.rn.f32 $0, $1, $2;", "=f,f,f", Float32(a), Float32(b), loc=loc, ip=ip)
 
 
 def group_scale(amax: Float32) -> Float32:
@@ -144,9 +125,7 @@ def group_scale(amax: Float32) -> Float32:
 @dsl_user_op
 def rcp_rn(s: Float32, *, loc=None, ip=None) -> Float32:
     """1 / s correctly rounded for every s (rcp.rn.f32, its slow path included: `reciprocal` where s is in range)."""
-    r = llvm.inline_asm(Float32.mlir_type, [Float32(s).ir_value(loc=loc, ip=ip)], "rcp.rn.f32 $0, $1;", "=f,f",
-                        has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return Float32(r)
+    return asm(Float32, "rcp.rn.f32 $0, $1;", "=f,f", Float32(s), loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -154,25 +133,19 @@ def reciprocal(s: Float32, *, loc=None, ip=None) -> Float32:
     """1 / s correctly rounded for s in [2^-64, 2^64]: rcp.rn.f32's own fast path (MUFU.RCP, then one FMA
     correction), which ptxas takes for every s whose exponent is far from both ends; without its slow-path branch
     and call (a call site pins registers: the FP8 epilogue builds held fewer CTAs an SM)."""
-    r = llvm.inline_asm(Float32.mlir_type, [Float32(s).ir_value(loc=loc, ip=ip)],
-                        "{\n.reg .f32 r, e;\nrcp.approx.ftz.f32 r, $1;\nfma.rn.f32 e, $1, r, 0fBF800000;\n"
-                        "neg.f32 e, e;\nfma.rn.f32 $0, r, e, r;\n}",
-                        "=f,f", has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return Float32(r)
+    return asm(Float32, "{\n.reg .f32 r, e;\nrcp.approx.ftz.f32 r, $1;\nfma.rn.f32 e, $1, r, 0fBF800000;\n"
+               "neg.f32 e, e;\nfma.rn.f32 $0, r, e, r;\n}", "=f,f", Float32(s), loc=loc, ip=ip)
 
 
 @dsl_user_op
 def quotient(x: Float32, d: tuple, *, loc=None, ip=None) -> Float32:
     """x / scale, correctly rounded where it matters to e4m3 (`d`: the scale's `divisor`; see the top). The clamp
     bound CLAMP * s' is formed here (two instructions) rather than held: registers are what the builds lack."""
-    s, r, p = (Float32(v).ir_value(loc=loc, ip=ip) for v in d[:3])
-    q = llvm.inline_asm(Float32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip), r, s, p],
-                        "{\n.reg .f32 xc, q, nq, e, b, nb;\nmul.rn.f32 b, $3, " + _CLAMP_PTX + ";\nneg.f32 nb, b;\n"
-                        "mul.rn.f32 xc, $1, $4;\nmin.NaN.f32 xc, xc, b;\nmax.NaN.f32 xc, xc, nb;\n"
-                        "mul.rn.f32 q, xc, $2;\nneg.f32 nq, q;\nfma.rn.f32 e, nq, $3, xc;\n"
-                        "fma.rn.f32 q, e, $2, q;\ncopysign.f32 $0, xc, q;\n}",
-                        "=f,f,f,f,f", has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return Float32(q)
+    s, r, p = (Float32(v) for v in d[:3])
+    return asm(Float32, "{\n.reg .f32 xc, q, nq, e, b, nb;\nmul.rn.f32 b, $3, " + _CLAMP_PTX + ";\nneg.f32 nb, b;\n"
+               "mul.rn.f32 xc, $1, $4;\nmin.NaN.f32 xc, xc, b;\nmax.NaN.f32 xc, xc, nb;\n"
+               "mul.rn.f32 q, xc, $2;\nneg.f32 nq, q;\nfma.rn.f32 e, nq, $3, xc;\n"
+               "fma.rn.f32 q, e, $2, q;\ncopysign.f32 $0, xc, q;\n}", "=f,f,f,f,f", Float32(x), r, s, p, loc=loc, ip=ip)
 
 
 @cute.jit

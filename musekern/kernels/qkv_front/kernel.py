@@ -17,18 +17,14 @@ the pair's first) of its head's 64 W rows and of x through a `stages`-deep share
     out-of-bounds read) and still counts the full box bytes on the mbarrier. With x_mcast each CTA of
     a head pair loads half of the rows (64 x TT/2 boxes) and multicasts them into both rings; a stage's
     empty barrier then counts both heads' consumer warps (each warp arrives locally and on the peer).
-Consumer warp w computes W rows [16w, 16w+16) x TT tokens with mma.sync m16n8k16 (W rows = the
-MMA's M, tokens = N, K = 16 per step, FP32 accumulate), operands loaded by ldmatrix from the
-swizzled ring (variant warp_split "rows"). With warp_split "k" consumer warp w instead computes all
-64 rows over k columns [32w, 32w+32) of every k-tile (x is read from shared memory once per CTA,
-not once per warp; 4 x tiles independent accumulators) and the four warps' partials are summed in
-warp order in the idle W ring after the last k-tile. With warp_split "wg" (3 token tiles and more) the four
-consumer warps are warpgroup 0 and issue wgmma m64nTTk16 with both operands straight from the swizzled ring
-(kernels/qkv_front/mma.py has the consumer roles). After the last k-tile each consumer thread
-sends its FP32 partial of token t to the owner CTA of its head, rank t % S, with st.async (DSMEM,
-completes on the owner's receive mbarrier); the owner sums the S partials in rank order 0..S-1
-(bitwise deterministic: the order depends on neither the ring depth nor timing), rounds to bf16 and
-runs the epilogue for its tokens:
+The consumers (mma.py; FP32 accumulate): warp_split "rows", warp w computes W rows [16w, 16w+16) x TT tokens with
+mma.sync m16n8k16 from ldmatrix loads of the swizzled ring; "k", warp w all 64 rows over k columns [32w, 32w+32) of
+every k-tile, the four warps' partials summed in warp order in the idle W ring after the last k-tile; "wg" (3 token
+tiles and more), warpgroup 0 issues wgmma m64nTTk16 with both operands straight from the ring. After the last k-tile
+each consumer thread sends its FP32 partial of token t to the owner CTA of its head, rank t % S, with st.async (DSMEM,
+completes on the owner's receive mbarrier); the owner sums the S partials in rank order 0..S-1 (bitwise
+deterministic: the order depends on neither the ring depth nor timing), rounds to bf16 and runs the epilogue for its
+tokens:
 RMS norm (q, k heads), interleaved RoPE (q, k), y store, K/V cache insert (k, v heads): a lane per RoPE pair, or in the
 wgmma builds with 16 owned tokens or more eight lanes a token with 16-byte accesses (kernels/qkv_front/octets.py).
 With S == 1 the partials go to the CTA's own shared memory with plain stores; so do, in the wgmma builds with S > 1,

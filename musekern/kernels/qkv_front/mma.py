@@ -346,7 +346,7 @@ class FrontConsumers:
                     dst = w8.x8_dst(i, r, 2 * q + h, self.tt)
                     for kk in cutlass.range_constexpr(4):
                         base = 16 * k + 8 * h + 2 * kk
-                        q32[dst // 4 + kk] = w8.e4m3x4(w[base], w[base + 1], inv)
+                        q32[dst // 4 + kk] = w8.scaled_e4m3x4(w[base], w[base + 1], inv)
                 if q == 0:
                     xs[i * self.tt + r] = sc
             else:

@@ -58,7 +58,7 @@ class QkvFrontVariant(VariantMixin):
     """One compiled qkv_front: serves every layer whose weight has N rows, every M with `tiles` tiles."""
     kernel: ClassVar[str] = "qkv_front"
     sources: ClassVar[tuple[str, ...]] = ("variant.py", "abi.py", "kernel.py", "ring.py", "mma.py", "octets.py",
-                                          "fp8.py", "w8.py", "../../kv_cache.py")
+                                          "fp8.py", "w8.py", "ptx.py", "../../kv_cache.py")
     n: int  # rows of the weight = output columns (q|k|v|gate)
     num_kv_heads: int
     tiles: int  # 8-token tiles (TILE_CHOICES)

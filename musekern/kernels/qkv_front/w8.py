@@ -5,9 +5,9 @@ multipliers apply to sums. Two arithmetics, by warp_split (rules.py, bench/NOTES
   bf16 (no activation rounding), every e4m3 value is exactly a bf16 one, so the MMA's products are exact and only the
   fp32 accumulation rounds, as in the bf16 front.
 - "wg" (one token tile), W8A8: all of the CTA's x lands up front (a barrier per X8_CHUNK k-tiles), is quantized in
-  place to e4m3 with a scale per (token, k-tile) as vLLM's block path has it (`fp8.group_scale`; `e4m3x4`: v times
-  1 / s correctly rounded, vLLM's v / s except where the two straddle a rounding boundary), and wgmma m64n8k32 e4m3 x
-  e4m3 (QGMMA) reads the ring's W bytes as they are. sm_90a has no e4m3 mma.sync (ptxas unpacks it to
+  place to e4m3 with a scale per (token, k-tile) as vLLM's block path has it (`fp8.group_scale`; `scaled_e4m3x4`: v
+  times 1 / s correctly rounded, vLLM's v / s except where the two straddle a rounding boundary), and wgmma m64n8k32
+  e4m3 x e4m3 (QGMMA) reads the ring's W bytes as they are. sm_90a has no e4m3 mma.sync (ptxas unpacks it to
   f16 for HMMA). The error is vLLM's chain's (x per token / 128-group), larger than W8A16's; the speed at TP8 M <= 7
   is why (mma.py `consumer_wg8`).
 
@@ -40,6 +40,7 @@ from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
+from .ptx import asm
 from .variant import HEAD_COLS, K_TILE
 
 ROW_BYTES = K_TILE  # one e4m3 ring row: 128 bytes = one 128B swizzle row
@@ -88,12 +89,10 @@ def bf16x2_half(word: Int32, high: cutlass.Constexpr, *, loc=None, ip=None) -> I
     """Two e4m3 bytes, the low (high = 0) or high 16 bits of a word (the lower address in the low byte) -> bf16x2
     (the first in the low half), exactly."""
     pick = "h" if high else "l"
-    asm = ("{\n.reg .b32 f;\n.reg .b16 l, h, lo, hi;\n.reg .f32 a, b;\nmov.b32 {l, h}, $1;\n"
-           f"cvt.rn.f16x2.e4m3x2 f, {pick};\nmov.b32 {{lo, hi}}, f;\n"
-           "cvt.f32.f16 a, lo;\ncvt.f32.f16 b, hi;\ncvt.rn.bf16x2.f32 $0, b, a;\n}")
-    r = llvm.inline_asm(Int32.mlir_type, [Int32(word).ir_value(loc=loc, ip=ip)], asm, "=r,r",
-                        has_side_effects=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return Int32(r)
+    text = ("{\n.reg .b32 f;\n.reg .b16 l, h, lo, hi;\n.reg .f32 a, b;\nmov.b32 {l, h}, $1;\n"
+            f"cvt.rn.f16x2.e4m3x2 f, {pick};\nmov.b32 {{lo, hi}}, f;\n"
+            "cvt.f32.f16 a, lo;\ncvt.f32.f16 b, hi;\ncvt.rn.bf16x2.f32 $0, b, a;\n}")
+    return asm(Int32, text, "=r,r", Int32(word), loc=loc, ip=ip)
 
 
 class LaneRows:
@@ -160,27 +159,20 @@ def load_b(x64: cute.Tensor, b64: cute.Tensor, stage, g, t, kk, tt: cutlass.Cons
 @dsl_user_op
 def amax_bf16x4x2(w0: Int32, w1: Int32, w2: Int32, w3: Int32, *, loc=None, ip=None) -> Float32:
     """max |v| over the 8 bf16 values of four words, as fp32 (exact)."""
-    asm = ("{\n.reg .b32 a, b, c, d;\n.reg .b16 lo, hi;\n.reg .f32 x, y;\n"
-           "abs.bf16x2 a, $1;\nabs.bf16x2 b, $2;\nabs.bf16x2 c, $3;\nabs.bf16x2 d, $4;\n"
-           "max.bf16x2 a, a, b;\nmax.bf16x2 c, c, d;\nmax.bf16x2 a, a, c;\n"
-           "and.b32 b, a, 0xFFFF0000;\nshl.b32 c, a, 16;\nmov.b32 x, b;\nmov.b32 y, c;\nmax.f32 $0, x, y;\n}")
-    args = [Int32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)]
-    r = llvm.inline_asm(Float32.mlir_type, args, asm, "=f,r,r,r,r", has_side_effects=False,
-                        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return Float32(r)
+    text = ("{\n.reg .b32 a, b, c, d;\n.reg .b16 lo, hi;\n.reg .f32 x, y;\n"
+            "abs.bf16x2 a, $1;\nabs.bf16x2 b, $2;\nabs.bf16x2 c, $3;\nabs.bf16x2 d, $4;\n"
+            "max.bf16x2 a, a, b;\nmax.bf16x2 c, c, d;\nmax.bf16x2 a, a, c;\n"
+            "and.b32 b, a, 0xFFFF0000;\nshl.b32 c, a, 16;\nmov.b32 x, b;\nmov.b32 y, c;\nmax.f32 $0, x, y;\n}")
+    return asm(Float32, text, "=f,r,r,r,r", *(Int32(w) for w in (w0, w1, w2, w3)), loc=loc, ip=ip)
 
 
 @dsl_user_op
-def e4m3x4(w0: Int32, w1: Int32, inv: Float32, *, loc=None, ip=None) -> Int32:
+def scaled_e4m3x4(w0: Int32, w1: Int32, inv: Float32, *, loc=None, ip=None) -> Int32:
     """Four bf16 values (w0 low, w0 high, w1 low, w1 high) times inv -> four e4m3 bytes, the first lowest (round to
     nearest even, saturating)."""
-    asm = ("{\n.reg .b32 a, b;\n.reg .b16 p, q;\n.reg .f32 x0, x1, x2, x3;\n"
-           "shl.b32 a, $1, 16;\nand.b32 b, $1, 0xFFFF0000;\nmov.b32 x0, a;\nmov.b32 x1, b;\n"
-           "shl.b32 a, $2, 16;\nand.b32 b, $2, 0xFFFF0000;\nmov.b32 x2, a;\nmov.b32 x3, b;\n"
-           "mul.f32 x0, x0, $3;\nmul.f32 x1, x1, $3;\nmul.f32 x2, x2, $3;\nmul.f32 x3, x3, $3;\n"
-           "cvt.rn.satfinite.e4m3x2.f32 p, x1, x0;\ncvt.rn.satfinite.e4m3x2.f32 q, x3, x2;\nmov.b32 $0, {p, q};\n}")
-    args = [Int32(w0).ir_value(loc=loc, ip=ip), Int32(w1).ir_value(loc=loc, ip=ip),
-            Float32(inv).ir_value(loc=loc, ip=ip)]
-    r = llvm.inline_asm(Int32.mlir_type, args, asm, "=r,r,r,f", has_side_effects=False,
-                        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return Int32(r)
+    text = ("{\n.reg .b32 a, b;\n.reg .b16 p, q;\n.reg .f32 x0, x1, x2, x3;\n"
+            "shl.b32 a, $1, 16;\nand.b32 b, $1, 0xFFFF0000;\nmov.b32 x0, a;\nmov.b32 x1, b;\n"
+            "shl.b32 a, $2, 16;\nand.b32 b, $2, 0xFFFF0000;\nmov.b32 x2, a;\nmov.b32 x3, b;\n"
+            "mul.f32 x0, x0, $3;\nmul.f32 x1, x1, $3;\nmul.f32 x2, x2, $3;\nmul.f32 x3, x3, $3;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 p, x1, x0;\ncvt.rn.satfinite.e4m3x2.f32 q, x3, x2;\nmov.b32 $0, {p, q};\n}")
+    return asm(Int32, text, "=r,r,r,f", Int32(w0), Int32(w1), Float32(inv), loc=loc, ip=ip)

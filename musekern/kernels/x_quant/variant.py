@@ -41,7 +41,7 @@ class XQuantVariant(VariantMixin):
     """`group`: columns a scale covers, 0 (the whole row: per token) or XQ_GROUP."""
     kernel: ClassVar[str] = "x_quant"
     sources: ClassVar[tuple[str, ...]] = ("variant.py", "abi.py", "kernel.py", "../qkv_front/fp8.py",
-                                          "../../kv_cache.py")
+                                          "../qkv_front/ptx.py", "../../kv_cache.py")
     group: int = 0
 
     def __post_init__(self):

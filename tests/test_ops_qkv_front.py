@@ -833,3 +833,24 @@ def test_prepare_weight_format_rejects_others(value):
 
     with pytest.raises(ValueError, match=r"^weight_format must be one of bf16, fp8-block, .* or a WeightFormat, got"):
         weight_format(value)
+
+
+# prepare of a block-FP8 weight says, before any capture, which M take torch's 1x128 call (faulted in graph replay);
+# the fused front's M (<= 16 at TP4) and a channel weight (row-wise _scaled_mm) do not
+@pytest.mark.parametrize("fmt,warned", [("fp8-block", "17,48"), ("fp8-channel", None)])
+def test_prepare_names_the_m_of_torchs_block_call(monkeypatch, caplog, fmt, warned):
+    from musekern.gemm import fp8 as gemm_fp8
+
+    monkeypatch.setattr(op.checks, "prepare_args", lambda N, rows, nkv, device: (0, 2, sorted(rows)))
+    monkeypatch.setattr(op, "_fused", lambda N, m, dev, dtype: m <= 16)
+    monkeypatch.setattr(op, "_front_plan", lambda *a: ("front",))
+    monkeypatch.setattr(op.qkv_epilogue, "prepare", lambda *a: ["epilogue"])
+    monkeypatch.setattr(op.x_quant, "prepare", lambda dev, group=0: f"x_quant{group}")
+    monkeypatch.setattr(gemm_fp8, "block_scaled_mm", lambda device: object())
+    with caplog.at_level("WARNING", logger="musekern.gemm"):
+        op.prepare(4352, rows=[1, 16, 17, 48], weight_format=fmt)
+    notes = [r.getMessage() for r in caplog.records if "faulted in CUDA-graph replay" in r.getMessage()]
+    if warned is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and f"N = 4352, M = {warned}:" in notes[0] and "keep these M out" in notes[0]

@@ -175,6 +175,14 @@ def prepare_blocks(n: int, ms, device: int) -> dict:
     return out
 
 
+def note_torch_block_call(n: int, ms) -> None:
+    """prepare's word where the 1x128 GEMM of weight rows `n` at the M values `ms` is torch's call (no own call kept
+    for them): that call has faulted in CUDA-graph replay, so the engine should know before it captures."""
+    log.warning("N = %d, M = %s: the block-scaled FP8 GEMM is torch's 1x128 _scaled_mm, which has faulted in "
+                "CUDA-graph replay (an illegal memory access; torch 2.11, H100 and H200: bench/NOTES.md \"e4m3 "
+                "weights\"); eager calls have not: keep these M out of captured graphs", n, ",".join(map(str, ms)))
+
+
 def _lt_block_mm(q, w, sx, sw_t, out) -> bool:
     """`_block_scaled_mm` through the call `prepare_blocks` kept for this shape: True, or False (nothing launched)
     where none was kept or a pointer is not aligned as the call assumes."""

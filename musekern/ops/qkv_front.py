@@ -419,6 +419,7 @@ def prepare(N: int, rows=16, num_kv_heads: int | None = None, device=None, kv_ca
             kernels.append(x_quant.prepare(dev))  # the W8A8 path's x quantization
         elif gemm_fp8.block_scaled_mm(torch.device("cuda", dev)) is not None:  # else the bf16 copy's GEMM
             kernels.append(x_quant.prepare(dev, XQ_GROUP))
+            gemm_fp8.note_torch_block_call(N, rest)
     return kernels
 
 

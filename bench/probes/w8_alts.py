@@ -128,10 +128,18 @@ def run(alt: str) -> int:
     tab, planned = table(alt), builds()
     check_ms, time_ms, (n, nkv) = ALTS[alt][2:]
     doc = {"alt": alt, "builds": sorted({v.label for v in tab.values()}), "check": [], "timing": []}
+    path = os.path.join(os.environ.get("OUT", "."), f"w8-{alt}.json")
+
+    def save() -> None:  # after each row: a run cut by its time limit still leaves what it measured
+        doc["ok"] = all(c["ok"] for c in doc["check"])
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+
     for kind in KINDS:
         for m in check_ms:
             r = wb.check(n, nkv, kind, m, tab[(n, "fp8_e4m3", kind, m)], eps, theta)
             doc["check"].append(r)
+            save()
             print(f"check {kind} M={m}: y {r['y_err']:.4f} (torch {r['torch_y_err']:.4f}) ok={r['ok']}",
                   file=sys.stderr, flush=True)
     for m in time_ms:
@@ -139,10 +147,8 @@ def run(alt: str) -> int:
             r = wb.timing(n, nkv, m, t, eps, theta, pred, 7)
             r["builds"] = name
             doc["timing"].append(r)
+            save()
             print(f"time {name} M={m}: {r['us']}", file=sys.stderr, flush=True)
-    doc["ok"] = all(c["ok"] for c in doc["check"])
-    with open(os.path.join(os.environ.get("OUT", "."), f"w8-{alt}.json"), "w") as f:
-        json.dump(doc, f, indent=1)
     print("M builds | bf16 chain | e4m3 ch / blk chain | ratio ch / blk | after-norm ratio ch / blk")
     for r in doc["timing"]:
         u, q = r["us"], r["ratio"]

@@ -1,5 +1,5 @@
-"""Inline PTX for the CuTe DSL kernels (qkv_front; qkv_epilogue and x_quant import it from here, as they do fp8.py):
-one statement with its operands typed, the llvm.inline_asm call spelled once."""
+"""Inline PTX for the CuTe DSL kernels (fp8.py, w8.py and qkv_epilogue call it; x_quant through fp8.py): one statement
+with its operands typed, the llvm.inline_asm call spelled once."""
 # (no `from __future__ import annotations`: the DSL reads real annotation objects)
 
 from cutlass._mlir.dialects import llvm

@@ -123,17 +123,18 @@ def prepare_blocks(n: int, ms, device: int) -> dict:
     BLOCK_MM_ROWS): the heuristic's algorithms in its order (torch's call takes its first under torch's workspace),
     the first whose y on random e4m3 inputs and scales is torch's call's (within tune.CHECK_RTOL of max |y|) kept for
     `mm_block`. Returns {rows: the kept algorithm's name, or why none} for the rows not kept before; where none,
-    `mm_block` takes torch's call. Two GEMMs a padded M and a sync: call before capture, never inside."""
+    `mm_block` takes torch's call, and `note_torch_block_call` names those M. Two GEMMs a padded M and a sync: call
+    before capture, never inside."""
     dev = torch.device("cuda", device)
     form = block_scaled_mm(dev)
     with _LT_LOCK, torch.cuda.device(device):
-        todo = sorted({-(-m // BLOCK_MM_ROWS) * BLOCK_MM_ROWS for m in ms}
-                      - {r for (nn, r, d) in _LT if nn == n and d == device})
+        todo = sorted({block_rows(m) for m in ms} - {r for (nn, r, d) in _LT if nn == n and d == device})
         if not todo or form is None:
             return {r: "torch serves no block-scaled FP8 GEMM here" for r in todo}
         try:
             lib = cublaslt.library()
         except cublaslt.CublasLtError as e:
+            note_torch_block_call(n, ms, str(e))
             return {r: str(e) for r in todo}
         g = torch.Generator(device=dev).manual_seed(n)
         w = (torch.rand(n, HIDDEN, device=dev, generator=g) * 2 - 1).mul_(448).to(torch.float8_e4m3fn)
@@ -169,18 +170,26 @@ def prepare_blocks(n: int, ms, device: int) -> dict:
                     why = f"{cand.name}: max |y - torch's| = {err:.3g} > {tol:.3g}"
             else:
                 out[rows] = why
-                log.warning("no own cuBLASLt 1x128 call for N = %d, %d rows (%s): torch's _scaled_mm runs there, "
-                            "which has faulted in CUDA-graph replay (bench/NOTES.md)", n, rows, why)
         torch.cuda.synchronize(device)
+    left = [m for m in ms if (n, block_rows(m), device) not in _LT]
+    if left:
+        note_torch_block_call(n, left, "; ".join(sorted({out[block_rows(m)] for m in left})))
     return out
 
 
-def note_torch_block_call(n: int, ms) -> None:
-    """prepare's word where the 1x128 GEMM of weight rows `n` at the M values `ms` is torch's call (no own call kept
-    for them): that call has faulted in CUDA-graph replay, so the engine should know before it captures."""
-    log.warning("N = %d, M = %s: the block-scaled FP8 GEMM is torch's 1x128 _scaled_mm, which has faulted in "
+def block_rows(m: int) -> int:
+    """The rows the 1x128 GEMM runs for M tokens: M padded to BLOCK_MM_ROWS."""
+    return -(-m // BLOCK_MM_ROWS) * BLOCK_MM_ROWS
+
+
+def note_torch_block_call(n: int, ms, why: str | None = None) -> None:
+    """The one warning where the 1x128 GEMM of weight rows `n` at the M values `ms` is torch's call (`why` no own call
+    was kept for them, where one was tried): that call has faulted in CUDA-graph replay, so the engine should know
+    before it captures (ops.qkv_front.prepare, `prepare_blocks`)."""
+    log.warning("N = %d, M = %s: the block-scaled FP8 GEMM is torch's 1x128 _scaled_mm%s, which has faulted in "
                 "CUDA-graph replay (an illegal memory access; torch 2.11, H100 and H200: bench/NOTES.md \"e4m3 "
-                "weights\"); eager calls have not: keep these M out of captured graphs", n, ",".join(map(str, ms)))
+                "weights\"); eager calls have not: keep these M out of captured graphs", n, ",".join(map(str, ms)),
+                f" (no own cuBLASLt call: {why})" if why else "")
 
 
 def _lt_block_mm(q, w, sx, sw_t, out) -> bool:
@@ -209,7 +218,7 @@ def mm_block(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     if form is None:
         return tune.mm(x, dequantize_tensors(weight, weight_scale).to(torch.bfloat16), out)
     m = x.shape[0]
-    rows = -(-m // BLOCK_MM_ROWS) * BLOCK_MM_ROWS
+    rows = block_rows(m)
     q, s = quantize(x, FP8_K_GROUP, rows)
     y = out if rows == m else torch.empty(rows, out.shape[1], dtype=out.dtype, device=out.device)
     sw = weight_scales_per_row(weight_scale)

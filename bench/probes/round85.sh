@@ -12,7 +12,7 @@ SECONDS=0
 base=$PYTHONPATH
 for tree in plan lag64 lag8 plan2; do
   p=$base; case $tree in lag*) p=$PWD/.probe-$tree:$base;; esac
-  PYTHONPATH=$p timeout ${RUN_S:-130} python3 bench/w8_bench.py --check-ms 1,8 --ms 1,8 --gemm-ms '' \
+  PYTHONPATH=$p timeout ${RUN_S:-130} python3 bench/w8_bench.py --check-ms 1,8 --ms 1,8 --gemm-ms "" --samples ${SAMPLES:-7} \
     --out $OUT/w8-$tree.json 2>/tmp/w8-$tree.log >/tmp/w8-$tree.txt
   echo "$tree rc=$? t=$SECONDS $(grep -c 'ok=True' /tmp/w8-$tree.log) checks ok, $(grep -c 'ok=False' /tmp/w8-$tree.log) not"
   grep -h "Traceback\|rror" /tmp/w8-$tree.log | head -n 3

@@ -10,6 +10,7 @@ Then the tensors are dropped and torch.cuda.empty_cache() runs (`--keep-cache`: 
 error stops the run and names the M and the graph (exit 1).
 
 python3 bench/probes/torch_block_mm_fault.py [--n 2176] [--ms 33,36,...] [--loops 16] [--pads 4,8,16]
+    [--slack BYTES --on w,sw,q,sx,y]
 """
 from __future__ import annotations
 
@@ -25,16 +26,25 @@ def block_mm(q, w, sx, sw, y):
     return torch._scaled_mm(q, w.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16, out=y)
 
 
-def graphs_for(n: int, m: int, pads, loops: int, g: torch.Generator):
-    w = [torch.randn(n, K, device="cuda", generator=g).div_(K ** 0.5).to(torch.float8_e4m3fn) for _ in range(LAYERS)]
-    sw = [torch.rand(K // 128, n, device="cuda", generator=g) + 0.5 for _ in range(LAYERS)]
+def padded(t: torch.Tensor, slack: int, on: bool) -> torch.Tensor:
+    """t itself, or (on) a copy at the start of an allocation `slack` bytes longer (reads past t's end land in it)."""
+    if not on or not slack:
+        return t
+    buf = torch.zeros(t.numel() * t.element_size() + slack, dtype=torch.uint8, device=t.device)
+    return buf[:t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+
+
+def graphs_for(n: int, m: int, pads, loops: int, g: torch.Generator, slack: int = 0, on=()):
+    w = [padded(torch.randn(n, K, device="cuda", generator=g).div_(K ** 0.5).to(torch.float8_e4m3fn), slack, "w" in on)
+         for _ in range(LAYERS)]
+    sw = [padded(torch.rand(K // 128, n, device="cuda", generator=g) + 0.5, slack, "sw" in on) for _ in range(LAYERS)]
     xq = torch.randn(m, K, device="cuda", generator=g).to(torch.float8_e4m3fn)
     out = []
     for pad in pads:
         rows = -(-m // pad) * pad
-        q = torch.cat([xq, torch.zeros(rows - m, K, dtype=xq.dtype, device="cuda")])
-        sx = torch.ones(K // 128, rows, device="cuda").t()
-        y = [torch.empty(rows, n, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+        q = padded(torch.cat([xq, torch.zeros(rows - m, K, dtype=xq.dtype, device="cuda")]), slack, "q" in on)
+        sx = padded(torch.ones(K // 128, rows, device="cuda"), slack, "sx" in on).t()
+        y = [padded(torch.empty(rows, n, dtype=torch.bfloat16, device="cuda"), slack, "y" in on) for _ in range(LAYERS)]
         calls = [(lambda j=j, q=q, sx=sx, y=y: block_mm(q, w[j], sx, sw[j], y[j])) for j in range(LAYERS)]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -60,14 +70,17 @@ def main() -> int:
     ap.add_argument("--loops", type=int, default=16, help="passes over the 8 layers a graph holds")
     ap.add_argument("--replays", type=int, default=12)
     ap.add_argument("--keep-cache", action="store_true")
+    ap.add_argument("--slack", type=int, default=0, help="bytes of allocation past the end of each tensor named in --on")
+    ap.add_argument("--on", default="w,sw,q,sx,y", help="the tensors --slack pads")
     a = ap.parse_args()
-    print(f"torch {torch.__version__} CUDA {torch.version.cuda} {torch.cuda.get_device_name()} N={a.n}", flush=True)
+    print(f"torch {torch.__version__} CUDA {torch.version.cuda} {torch.cuda.get_device_name()} N={a.n}"
+          f"{f' slack {a.slack} on {a.on}' if a.slack else ''}", flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     pads = [int(p) for p in a.pads.split(",")]
     for m in (int(s) for s in a.ms.split(",")):
         where = "capture"
         try:
-            graphs = graphs_for(a.n, m, pads, a.loops, g)
+            graphs = graphs_for(a.n, m, pads, a.loops, g, a.slack, a.on.split(","))
             for name, gr in graphs:
                 where = f"replay {name}"
                 gr.replay()

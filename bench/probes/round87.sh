@@ -21,5 +21,5 @@ timeout 120 $SAN python3 bench/probes/gemm_forms.py --tps 8 --ms 72,96 --locate 
   > $OUT/memcheck-own.txt 2>&1
 echo "memcheck own rc=$? t=$SECONDS"; grep -m 8 -E "Invalid|Address|is out of bounds|nearest|ERROR SUMMARY|rror" \
   $OUT/memcheck-own.txt
-if [ $((560 - SECONDS)) -ge 200 ]; then RUN_S=85 bash bench/probes/round85.sh; fi
+if [ $((${ROUND_S:-560} - SECONDS)) -ge 200 ]; then RUN_S=85 bash bench/probes/round85.sh; fi
 echo "done t=$SECONDS"

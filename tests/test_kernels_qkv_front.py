@@ -604,6 +604,7 @@ def test_w8_compile_ptx(kmod, v):
 @pytest.mark.slow
 @pytest.mark.parametrize("v", PLANNED_W8A8 + W8A8_IN_KERNEL, ids=lambda v: v.label)
 def test_w8a8_compile_ptx(kmod, v):
+    from musekern.kernels.qkv_front.mma import WG8_RUN
     from musekern.kernels.qkv_front.variant import X8_CHUNK
     from musekern.store.abi import check_abi_against_ptx
 
@@ -614,7 +615,9 @@ def test_w8a8_compile_ptx(kmod, v):
     ahead = v.x_dtype != "bf16"
     for tx in (W_STAGE_BYTES // 2, X8_CHUNK * tt * K_TILE * (1 if ahead else 2)):
         assert re.search(rf"mov\.b32\s+%r\d+, {tx};\s*\n\s*mbarrier\.arrive\.expect_tx", ptx), tx
-    assert _count(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tt}k32\.f32\.e4m3\.e4m3", ptx) == K_TILE // 32
+    # a run of WG8_RUN k-tiles unrolled (mma.py), 4 k32 steps a k-tile
+    run = min(WG8_RUN, K_TILES // v.k_split)
+    assert _count(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tt}k32\.f32\.e4m3\.e4m3", ptx) == run * K_TILE // 32
     assert _count(r"mma\.sync", ptx) == _count(r"ldmatrix", ptx) == _count(r"cvt\.rn\.f16x2\.e4m3x2", ptx) == 0
     quantizes = _count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx) > 0 and _count(r"abs\.bf16x2", ptx) > 0
     assert quantizes != ahead

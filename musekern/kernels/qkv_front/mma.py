@@ -19,6 +19,10 @@ from . import fp8, w8
 from .variant import CONSUMER_WARPS, HEAD_COLS, K_TILE, K_TILES, RED_STRIDE, SCALES_SMEM, WARP_K, X8_CHUNK
 
 CONSUMER_THREADS = 32 * CONSUMER_WARPS
+# W8A8 ("wg", e4m3): k-tiles a run of the consumer's loop unrolls, one wgmma group kept in flight within it (ptxas
+# serializes every wgmma where a group in flight crosses a loop's back edge: C7514); 8 against the whole loop (64):
+# bench/NOTES.md "e4m3 weights"
+WG8_RUN = 8
 # named barriers (0 is __syncthreads)
 BAR_PARTIALS = 1  # S == 1, and "wg" with S > 1: consumers wrote (their own tokens') partials with plain stores
 BAR_AUX = 2  # aux warp staged slots and cos|sin rows -> consumer warps (epilogue)
@@ -226,48 +230,65 @@ class FrontConsumers:
     def consumer_wg8(self, tiled_mma, st, sW, sX8, full, empty, tidx, place, wq, M):
         """warp_split "wg" with e4m3 weights (W8A8): x's first chunk of X8_CHUNK k-tiles quantized here in place
         (`_quantize_chunk`, warp w its tokens w, w + 4), the later ones by the aux warp meanwhile (`quantizer`, an
-        mbarrier a chunk); per k-tile 4 wgmma m64nTTk32 from the W stage and that k-tile's e4m3 x into `part`, and
-        acc += part * (the token's x scale * the k-tile's block multiplier); a stage is released once its MMAs
-        completed."""
+        mbarrier a chunk); per k-tile 4 wgmma m64nTTk32 from the W stage and that k-tile's e4m3 x into a partial,
+        one group kept in flight within a run of WG8_RUN k-tiles: k-tile i's group is issued before k-tile
+        i - 1's is waited for, released and added (acc += part * (the token's x scale * the k-tile's block
+        multiplier), in k-tile order: the same sums as one group at a time), so the MMAs' latency overlaps the next
+        stage's wait and the scaling. Two partials alternate."""
+        assert self.ntiles % min(WG8_RUN, self.ntiles) == 0
         thr_mma = tiled_mma.get_slice(tidx)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sW))  # (MMA, 1, 4 k32, stages) descriptors
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sX8))  # (MMA, 1, 4 k32, 2 x k-tiles)
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((HEAD_COLS, self.tt)), Float32)
         acc.fill(0.0)
-        part = cute.make_rmem_tensor(acc.layout, Float32)
+        parts = (cute.make_rmem_tensor(acc.layout, Float32), cute.make_rmem_tensor(acc.layout, Float32))
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((HEAD_COLS, self.tt)))
         xs = st.xs.get_tensor(cute.make_layout(self.ntiles * self.tt))
-        cfull = st.cfull.data_ptr()
-        xfull = st.xfull.data_ptr()
-        ksteps = cute.size(tCrA, mode=[2])
         if cutlass.const_expr(self.x8_ahead):
-            cute.arch.mbarrier_wait(cfull, 0)  # x quantized ahead: its scales staged (`stage_x_scales`)
+            cute.arch.mbarrier_wait(st.cfull.data_ptr(), 0)  # x quantized ahead: its scales staged (`stage_x_scales`)
         else:
-            cute.arch.mbarrier_wait(xfull, 0)  # chunk 0's x landed
+            cute.arch.mbarrier_wait(st.xfull.data_ptr(), 0)  # chunk 0's x landed
             self._quantize_chunk(st, xs, Int32(0), tidx // 32, CONSUMER_WARPS, self.tt // CONSUMER_WARPS, M)
             cute.arch.fence_proxy("async.shared", space="cta")  # the generic stores, before wgmma reads them
             cute.arch.barrier(barrier_id=BAR_RED, number_of_threads=CONSUMER_THREADS)
-        for i in cutlass.range(self.ntiles, unroll=1):
-            s = i % self.stages
-            if cutlass.const_expr(self.x8_ahead):
-                if i % X8_CHUNK == 0:
-                    cute.arch.mbarrier_wait(xfull + i // X8_CHUNK, 0)  # the chunk's e4m3 x landed
-            elif i % X8_CHUNK == 0 and i > 0:
-                cute.arch.mbarrier_wait(cfull + i // X8_CHUNK, 0)
-            cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
-            sc = self._tile_scale(wq, i)
-            warpgroup.fence()
-            for kk in cutlass.range_constexpr(ksteps):
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
-                cute.gemm(tiled_mma, part, tCrA[None, None, kk, s], tCrB[None, None, kk, (2 - self.x8_ahead) * i],
-                          part)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            self.release(empty + s, place)
-            for e in cutlass.range_constexpr(cute.size(part)):
-                m, n = tCcC[e]
-                acc[e] = acc[e] + part[e] * (xs[i * self.tt + n] * sc)
+        run = min(WG8_RUN, self.ntiles)
+        for c in cutlass.range(self.ntiles // run, unroll=1):
+            for h in cutlass.range_constexpr(run):
+                i = c * run + h
+                s = self._wait_wg8(st, full, i)
+                warpgroup.fence()
+                for kk in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):  # (inline: tiled_mma is rebound)
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
+                    cute.gemm(tiled_mma, parts[h % 2], tCrA[None, None, kk, s],
+                              tCrB[None, None, kk, (2 - self.x8_ahead) * i], parts[h % 2])
+                warpgroup.commit_group()
+                if cutlass.const_expr(h > 0):
+                    warpgroup.wait_group(1)  # k-tile i - 1's MMAs completed (i's in flight)
+                    self._retire_wg8(acc, parts[(h - 1) % 2], xs, tCcC, empty, place, wq, i - 1)
+            warpgroup.wait_group(0)  # the run's last k-tile (no group crosses the loop's back edge: ptxas would
+            self._retire_wg8(acc, parts[(run - 1) % 2], xs, tCcC, empty, place, wq, c * run + run - 1)  # serialize
         return acc
+
+    @cute.jit
+    def _wait_wg8(self, st, full, i):
+        """W8A8: wait for k-tile i's x chunk (at its first k-tile) and W stage; its stage."""
+        s = i % self.stages
+        if cutlass.const_expr(self.x8_ahead):
+            if i % X8_CHUNK == 0:
+                cute.arch.mbarrier_wait(st.xfull.data_ptr() + i // X8_CHUNK, 0)  # the chunk's e4m3 x landed
+        elif i % X8_CHUNK == 0 and i > 0:
+            cute.arch.mbarrier_wait(st.cfull.data_ptr() + i // X8_CHUNK, 0)
+        cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
+        return s
+
+    @cute.jit
+    def _retire_wg8(self, acc, part, xs, tCcC, empty, place, wq, i):
+        """W8A8: k-tile i's MMAs completed: release its stage, acc += part * (x scale * block multiplier)."""
+        self.release(empty + i % self.stages, place)
+        sc = self._tile_scale(wq, i)
+        for e in cutlass.range_constexpr(cute.size(part)):
+            m, n = tCcC[e]
+            acc[e] = acc[e] + part[e] * (xs[i * self.tt + n] * sc)
 
     @cute.jit
     def quantizer(self, st, M):

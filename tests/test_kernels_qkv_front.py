@@ -746,6 +746,9 @@ def test_w8_sass(kmod, v, tmp_path):
         if v.kv_cache_dtype == "bf16":  # (an FP8 cache's stores convert too)
             assert ("F2FP.SATFINITE.E4M3.F32.PACK_AB" in s) == (v.x_dtype == "bf16")
         assert "HMMA" not in s and "F2FP.F16.E4M3.UNPACK_B" not in s and not re.search(r"\b(STL|LDL)\b", s)
+        # one wgmma group kept in flight (mma.py WG8_RUN): ptxas serializes every wgmma to wait_group 0 where a
+        # group crosses a dynamic loop's back edge (C7514)
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in s
         return
     # planned for two CTAs per SM (the 4-tile builds serve only where their CTAs are alone on their SMs: rules.py
     # W8_WIDE_TILES)

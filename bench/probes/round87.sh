@@ -1,8 +1,9 @@
 # Round 87: where the 1x128 block-scaled GEMM's graph-replay fault reads or writes (round 86, H100: torch's call alone
 # faults at M = 48 padded to 8, the own cuBLASLt call at TP8 M = 96 and TP1 M = 100, both the same cuBLASLt kernels):
-# torch alone as in round 86, then with 16 MiB of allocation past the end of every tensor, then past one kind at a
-# time (a fault that vanishes names the buffer read past), then memcheck on the faulting sequences; then round 85's
-# W8A8 consumer comparison again where 200 s are left.
+# torch alone with only the pad-8 graph an M (round 86 ran pads 4 / 8 / 16 and faulted in pad 8's), then with 16 MiB
+# of allocation past the end of every tensor, then past one kind at a time (a fault that vanishes names the buffer read
+# past), then memcheck on both sequences; then round 85's W8A8 consumer comparison again where 200 s are left.
+# Ran once (ROUND_S=0, H100): no fault in any, memcheck 0 errors (h100-e4m3-bounds.json block_mm_replay).
 # GPU (carry .musekern-cache, .whl, .probe-lag64, .probe-lag8): bash bench/probes/round87.sh
 source bench/device_env.sh
 SECONDS=0

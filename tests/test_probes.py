@@ -124,5 +124,5 @@ def test_ptx_dump_lists_every_planned_build_once():
     got = pd.labels()
     model = with_weight_format(load_config(), "fp8-channel")
     planned = {e.variant.label for e in plan_model(model, [get_target("h200")])}
-    assert planned <= set(got) and set(pd.EXTRA) <= set(got) and len(got) == len(set(got))
+    assert planned <= set(got) and pd.extra() <= set(got) and len(got) == len(set(got))
     assert all(variant_from_label(lbl).label == lbl for lbl in got)

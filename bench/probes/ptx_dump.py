@@ -1,29 +1,32 @@
 """The PTX of every planned h200 build (the bundled config: bf16 and FP8 KV caches, bf16 / e4m3 block / e4m3 channel
-weights) and of the W8A8 builds the probes time, one file a build, for a PTX-identity check of a kernel refactor
-without a GPU: dump before and after, then `diff -r BEFORE AFTER` (no output: every build compiles to the same PTX,
-so the GPU evidence of the old sources holds for the new ones). Deterministic (two dumps of one tree are equal).
+weights) and of the builds w8_bench times on every shard (W8A8 ones among them), one file a build, for a PTX-identity
+check of a kernel refactor without a GPU: dump before and after, then `diff -r BEFORE AFTER` (no output: every build
+compiles to the same PTX, so the GPU evidence of the old sources holds for the new ones). Deterministic (two dumps of
+one tree are equal).
 
 Here (build extra; outside the repository, so that PYTHONPATH picks the tree):
   PYTHONPATH=TREE python3 TREE/bench/probes/ptx_dump.py OUT   (~2 min; OUT/<hash>.ptx and .label a build)
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import sys
 from pathlib import Path
 
 # (kv cache dtype, weight format) of each plan dumped
 PLANS = (("auto", "bf16"), ("fp8", "bf16"), ("auto", "fp8-block"), ("auto", "fp8-channel"), ("fp8", "fp8-block"))
-EXTRA = (  # the W8A8 builds beside the plan's (TP8 in-kernel x, TP1 x quantized ahead), and W8A16 TP4 two tiles
-    "qkv_front[fixed_rows=0,k_split=2,n=2176,num_kv_heads=1,stages=10,tiles=1,trigger=late,trigger_ahead=10,warp_split=wg,"
-    "weight_dtype=fp8_e4m3,weight_scale=block]",
-    "qkv_front[fixed_rows=0,k_split=1,n=17408,num_kv_heads=8,stages=19,tiles=1,warp_split=wg,weight_dtype=fp8_e4m3,"
-    "weight_scale=channel,x_dtype=fp8_e4m3]",
-    "qkv_front[fixed_rows=8,k_split=2,n=2176,num_kv_heads=1,stages=10,tiles=1,trigger=late,trigger_ahead=10,warp_split=k,"
-    "weight_dtype=fp8_e4m3,weight_scale=block]",
-    "qkv_front[fixed_rows=0,k_split=2,n=4352,num_kv_heads=2,stages=8,tiles=2,trigger=exit,warp_split=k,"
-    "weight_dtype=fp8_e4m3,weight_scale=channel]",
-)
+
+
+def extra() -> set[str]:
+    """The builds beside the plans': every one w8_bench times (bench/w8_labels.py: each shard's bf16 and e4m3 builds),
+    and its one-tile W8A8 builds with x quantized in the kernel (x_dtype bf16: kept buildable, as the kernel tests'
+    W8A8_IN_KERNEL)."""
+    from bench.w8_labels import builds
+
+    w8 = set(builds().values())
+    return {v.label for v in w8} | {dataclasses.replace(v, x_dtype="bf16").label for v in w8
+                                    if v.warp_split == "wg" and v.tiles == 1}
 
 
 def labels() -> list[str]:
@@ -32,7 +35,7 @@ def labels() -> list[str]:
     from musekern.plan import plan_model
     from musekern.targets import get_target
 
-    out = set(EXTRA)
+    out = extra()
     for kv, wf in PLANS:
         model = with_weight_format(with_kv_cache_dtype(load_config(), kv), wf)
         out |= {e.variant.label for e in plan_model(model, [get_target("h200")])}

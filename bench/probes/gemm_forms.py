@@ -6,8 +6,7 @@ Per shard and M, 8 layers rotated, CUDA-graph replay, x already quantized (the G
   rowwise     _scaled_mm, per-token x scale [M, 1], per-row weight scale [1, N] (the channel path's GEMM today)
   block4/8/16 _scaled_mm 1x128 x 1x128 blocks, M padded to a multiple of 4 / 8 / 16 (block4 is the block path's today),
               the weight scales [K / 128, N] (channel scales repeated over K are these exactly)
-  lt4/8/16    the same through musekern's own cuBLASLt call (gemm.fp8.prepare_blocks: the algorithm torch's call
-              takes, a workspace of its own each call)
+              (the own cuBLASLt call of the same form, lt4/8/16, ran to 6811d37: it faulted in replay too)
 and the whole product path (ops.qkv_front.launch_gemm_epilogue: x_quant + GEMM + epilogue) for channel and block
 scales as it is on this tree. Prints one table last: us per layer, and the best block form over rowwise.
 
@@ -35,11 +34,6 @@ MS = (33, 36, 40, 44, 48, 52, 56, 60, 64, 72, 96, 100, 128, 256, 1024, 4096)  # 
 # and the large M the GEMM path's target is stated at
 PADS = (4, 8, 16)
 FORM_V2 = os.environ.get("FORMS_V2") == "1"  # the block GEMM through torch.nn.functional.scaled_mm (the v2 form)
-
-
-def _own(q, w, sx, sw, y) -> None:
-    if not gemm_fp8._lt_block_mm(q, w, sx, sw, y):
-        raise RuntimeError(f"no own cuBLASLt call prepared for N = {w.shape[0]}, {q.shape[0]} rows")
 
 
 def measure(n: int, nkv: int, m: int, eps: float, theta: float, samples: int, loops: int = 0,
@@ -77,9 +71,6 @@ def measure(n: int, nkv: int, m: int, eps: float, theta: float, samples: int, lo
             sx = torch.ones(HIDDEN // 128, rows, device="cuda").t()
             y = [torch.empty(rows, n, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
             add(f"block{pad}", lambda j, q=q, sx=sx, y=y: block(q, w8[j], sx, swb[j], y[j]))
-            if not only or f"lt{pad}" in only:
-                log(f"  own cuBLASLt call at {rows} rows: {gemm_fp8.prepare_blocks(n, [rows], x.get_device())}")
-                add(f"lt{pad}", lambda j, q=q, sx=sx, y=y: _own(q, w8[j], sx, swb[j], y[j]))
     for gr in graphs if locate else ():  # each replayed alone first: a fault names its graph
         log(f"  replay {gr.name}")
         gr.replay()

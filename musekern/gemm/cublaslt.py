@@ -9,10 +9,8 @@ libcublasLt torch already loaded (so both agree on the library), never links one
 Column-major, as cuBLASLt sees row-major tensors: y^T [N, M] (ld N) = A^T B with A = W^T [K, N] (ld K) and
 B = x^T [K, M] (ld K): transa = T, transb = N.
 
-Two forms (`Form`): bf16 operands (the bf16 GEMM path), and e4m3 operands with 1x128 block scales (the FP8 block
-path, gemm/fp8.py): each 128-column block's product scaled by s_w[n, kb] * s_x[m, kb] in fp32 (VEC128_32F on both
-sides, what torch's `_scaled_mm` asks for its BlockWise1x128 x BlockWise1x128 form; cuBLASLt 12.9+ on sm_90). Its
-scale tensors go as the outer dimension fastest: s_w at kb * N + n, s_x at kb * M + m.
+The FP8 GEMM path (gemm/fp8.py) is torch's `_scaled_mm`: an own call of cuBLASLt's 1x128 block-scaled form
+faulted in CUDA-graph replay as torch's does (the same kernels: bench/NOTES.md "e4m3 weights"), so it was dropped.
 """
 from __future__ import annotations
 
@@ -27,10 +25,8 @@ from dataclasses import dataclass
 from ..model import HIDDEN  # K: the model's hidden size
 
 # cublasLt.h, cublas_api.h, library_types.h
-COMPUTE_32F, R_32F, R_16BF, R_8F_E4M3, OP_N, OP_T = 68, 0, 14, 28, 0, 1
+COMPUTE_32F, R_32F, R_16BF, OP_N, OP_T = 68, 0, 14, 0, 1
 DESC_TRANSA, DESC_TRANSB, PREF_MAX_WORKSPACE = 3, 4, 1
-DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER, DESC_A_SCALE_MODE, DESC_B_SCALE_MODE = 17, 18, 31, 32
-SCALE_VEC128_32F = 4  # cublasLtMatmulMatrixScale_t: one fp32 scale per 128 elements along K
 CFG_ID, CFG_TILE_ID, CFG_SPLITK, CFG_STAGES = 0, 1, 2, 6
 HEURISTIC_ASK = 32  # algorithms asked of the heuristic a call (cuBLASLt 13 answered at most 8 on the H200)
 # The pointers the heuristic may assume aligned to (its default): `gemm.tune.mm` takes torch.mm for any other call.
@@ -154,37 +150,21 @@ class Candidate:
         return f"lt[tile={self.tile},splitk={self.splitk},ws={self.workspace}]"
 
 
-@dataclass(frozen=True)
-class Form:
-    """The operands' data type and, for scaled operands, both sides' scale mode."""
-    operand: int  # cudaDataType of x and W
-    scale_mode: int | None = None  # cublasLtMatmulMatrixScale_t of both, None: unscaled
-
-
-BF16 = Form(R_16BF)
-E4M3_BLOCKS = Form(R_8F_E4M3, SCALE_VEC128_32F)
-
-
 class Matmul:
-    """The descriptors of one (N, M) on one device: y [M, N] = x [M, 8192] @ W [N, 8192]^T, operands of `form`, bf16
-    out, fp32 accumulate."""
+    """The descriptors of one (N, M) on one device: y [M, N] = x [M, 8192] @ W [N, 8192]^T, bf16 operands and out,
+    fp32 accumulate."""
 
-    def __init__(self, lib: Library, n: int, m: int, device: int, form: Form = BF16):
-        self.lib, self.n, self.m, self.form = lib, n, m, form
+    def __init__(self, lib: Library, n: int, m: int, device: int):
+        self.lib, self.n, self.m = lib, n, m
         self.desc, self.a, self.b, self.d = _VP(), _VP(), _VP(), _VP()  # set first: __del__ frees what was made
         self.h = lib.handle(device)
         d, ok = lib.dll, lib.check
         ok(d.cublasLtMatmulDescCreate(C.byref(self.desc), COMPUTE_32F, R_32F), "cublasLtMatmulDescCreate")
-        ints = [(DESC_TRANSA, OP_T), (DESC_TRANSB, OP_N)]
-        if form.scale_mode is not None:
-            ints += [(DESC_A_SCALE_MODE, form.scale_mode), (DESC_B_SCALE_MODE, form.scale_mode)]
-        for attr, val in ints:
+        for attr, val in ((DESC_TRANSA, OP_T), (DESC_TRANSB, OP_N)):
             v = C.c_int32(val)
             ok(d.cublasLtMatmulDescSetAttribute(self.desc, attr, C.byref(v), 4), "cublasLtMatmulDescSetAttribute")
-        for lay, t, rows, cols, ld in ((self.a, form.operand, HIDDEN, n, HIDDEN),
-                                       (self.b, form.operand, HIDDEN, m, HIDDEN), (self.d, R_16BF, n, m, n)):
-            ok(d.cublasLtMatrixLayoutCreate(C.byref(lay), t, rows, cols, ld), "cublasLtMatrixLayoutCreate")
-        self._lock = threading.Lock()  # a scaled form's call sets its scale pointers on the shared descriptor
+        for lay, rows, cols, ld in ((self.a, HIDDEN, n, HIDDEN), (self.b, HIDDEN, m, HIDDEN), (self.d, n, m, n)):
+            ok(d.cublasLtMatrixLayoutCreate(C.byref(lay), R_16BF, rows, cols, ld), "cublasLtMatrixLayoutCreate")
         self._alpha, self._beta = C.c_float(1.0), C.c_float(0.0)
         self._args = (self.h, self.desc, C.byref(self._alpha))  # the call's fixed leading arguments
         self._fn = d.cublasLtMatmul
@@ -199,17 +179,8 @@ class Matmul:
         if getattr(self, "desc", None):
             d.cublasLtMatmulDescDestroy(self.desc)
 
-    def set_scales(self, w_scale: int, x_scale: int) -> None:
-        """A scaled form's scale pointers on the descriptor: each call's, and the heuristic asks for them too (a
-        null one is CUBLAS_STATUS_INVALID_VALUE: "the scaling mode ... requires a custom pointer")."""
-        pw, px = C.c_void_p(w_scale), C.c_void_p(x_scale)
-        for attr, p in ((DESC_A_SCALE_POINTER, pw), (DESC_B_SCALE_POINTER, px)):
-            self.lib.check(self.lib.dll.cublasLtMatmulDescSetAttribute(self.desc, attr, C.byref(p), C.sizeof(p)),
-                           "cublasLtMatmulDescSetAttribute (scale pointer)")
-
     def candidates(self, caps=WORKSPACE_CAPS) -> list[Candidate]:
-        """Every algorithm the heuristic offers under each workspace cap, in its order, each once (a scaled form:
-        after `set_scales`)."""
+        """Every algorithm the heuristic offers under each workspace cap, in its order, each once."""
         d, ok = self.lib.dll, self.lib.check
         out, seen = [], set()
         for cap in caps:
@@ -241,25 +212,16 @@ class Matmul:
         return v.value if st == 0 else -1
 
     def launcher(self, cand: Candidate):
-        """f(w_ptr, x_ptr, y_ptr, workspace_ptr, stream, w_scale_ptr=0, x_scale_ptr=0) -> None: this algorithm,
-        checked status (the scales for a scaled form: module docstring). The function keeps this Matmul (its
-        descriptors) and the algorithm alive as long as it lives. Pointers must be ALIGNMENT-byte aligned (scales 16)
-        and the workspace `cand.workspace` bytes."""
+        """f(w_ptr, x_ptr, y_ptr, workspace_ptr, stream) -> None: this algorithm, checked status. The function keeps
+        this Matmul (its descriptors) and the algorithm alive as long as it lives. Pointers must be ALIGNMENT-byte
+        aligned and the workspace `cand.workspace` bytes."""
         algo = Algo.from_buffer_copy(cand.algo)
         pa, ws, fn, (h, desc, alpha) = C.byref(algo), cand.workspace, self._fn, self._args
         a, b, d, beta, check, mat = self.a, self.b, self.d, C.byref(self._beta), self.lib.check, self
 
-        def run(w: int, x: int, y: int, workspace: int, stream: int, w_scale: int = 0, x_scale: int = 0) -> None:
+        def run(w: int, x: int, y: int, workspace: int, stream: int) -> None:
             st = fn(h, desc, alpha, w, a, x, b, beta, y, d, y, d, pa, workspace, ws, stream)
             if st:
                 check(st, f"cublasLtMatmul ({mat.n} x {mat.m})")
 
-        if self.form.scale_mode is None:
-            return run
-        lock, set_scales = self._lock, self.set_scales
-
-        def run_scaled(w: int, x: int, y: int, workspace: int, stream: int, w_scale: int = 0, x_scale: int = 0):
-            with lock:  # the pointers are read when the call is enqueued: set, launch, under one lock
-                set_scales(w_scale, x_scale)
-                run(w, x, y, workspace, stream)
-        return run_scaled
+        return run

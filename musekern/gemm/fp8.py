@@ -13,12 +13,11 @@ scale's rank picks the arithmetic:
   group (`reference.quantize_x_per_group`'s bytes, the x_quant kernel's group build), then `torch._scaled_mm` with
   1x128 block scales on both sides (cuBLASLt's block scaling, sm_90 with CUDA >= 12.9: each 128-column block's product
   scaled by s_x[m, kb] * s_w[n, kb] in fp32, one bf16 rounding; M padded to a multiple of 4, BLOCK_MM_ROWS),
-  through torch's call, or musekern's own cuBLASLt call for the shapes `prepare_blocks` kept (gemm/cublaslt.py's
-  E4M3_BLOCKS form: the algorithm torch's call takes, a workspace of its own each call). torch's call faults in
-  CUDA-graph replay (an illegal memory access, bench/NOTES.md "e4m3 weights"); the own call is built to avoid that,
-  and ops.qkv_front.prepare takes it once a GPU round shows it replays clean (bench/probes/round84.sh). The
-  weight's scales go per row ([N, 64], each 64-row scale repeated: exact for the half-block shards, where a 128x128
-  form would not be), one small copy a call (N * 256 bytes). Where torch does not serve block scaling (another GPU or
+  through torch's call. That call faults in CUDA-graph replay after earlier graphs in a process (an illegal memory
+  access; musekern's own call of the same cuBLASLt kernels faulted too and was dropped: bench/NOTES.md "e4m3
+  weights"): ops.qkv_front.prepare warns for the M it serves (`note_torch_block_call`). The weight's scales go per
+  row ([N, 64], each 64-row scale repeated: exact for the half-block shards, where a 128x128 form would not be), one
+  small copy a call (N * 256 bytes). Where torch does not serve block scaling (another GPU or
   device, an older CUDA): the weight dequantized into a bf16 scratch copy (`pack.dequantize_tensors`; exact where the
   scales are powers of two, ue8m0) and the bf16 GEMM (`tune.mm`): no x rounding, but a full bf16 weight written and
   read a call.
@@ -30,16 +29,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import warnings
 
 import torch
 
-from ..model import HIDDEN
 from ..reference import FP8_K_GROUP, quantize_x_per_group, quantize_x_per_token
-from ..runtime.loader import current_stream_getter
 from ..weights.pack import GROUP_ROWS, dequantize_tensors
-from . import cublaslt, tune
+from . import tune
 
 
 def quantize_reference(x: torch.Tensor, group: int = 0, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,70 +107,7 @@ def weight_scales_per_row(weight_scale: torch.Tensor) -> torch.Tensor:
     return weight_scale.t().repeat_interleave(GROUP_ROWS, dim=1)
 
 
-_LT: dict = {}  # (N, rows, device) -> (launch, workspace bytes): `prepare_blocks`'s own cuBLASLt calls
-_LT_LOCK = threading.Lock()
-SCALE_ALIGNMENT = 16  # cuBLASLt's scale tensors: 16-byte aligned
-_stream = current_stream_getter()  # device index -> torch's current stream there, as a raw handle
 log = logging.getLogger("musekern.gemm")
-
-
-def prepare_blocks(n: int, ms, device: int) -> dict:
-    """musekern's own cuBLASLt call of the 1x128 form for weight rows `n` and each M in `ms` (padded to
-    BLOCK_MM_ROWS): the heuristic's algorithms in its order (torch's call takes its first under torch's workspace),
-    the first whose y on random e4m3 inputs and scales is torch's call's (within tune.CHECK_RTOL of max |y|) kept for
-    `mm_block`. Returns {rows: the kept algorithm's name, or why none} for the rows not kept before; where none,
-    `mm_block` takes torch's call, and `note_torch_block_call` names those M. Two GEMMs a padded M and a sync: call
-    before capture, never inside."""
-    dev = torch.device("cuda", device)
-    form = block_scaled_mm(dev)
-    with _LT_LOCK, torch.cuda.device(device):
-        todo = sorted({block_rows(m) for m in ms} - {r for (nn, r, d) in _LT if nn == n and d == device})
-        if not todo or form is None:
-            return {r: "torch serves no block-scaled FP8 GEMM here" for r in todo}
-        try:
-            lib = cublaslt.library()
-        except cublaslt.CublasLtError as e:
-            note_torch_block_call(n, ms, str(e))
-            return {r: str(e) for r in todo}
-        g = torch.Generator(device=dev).manual_seed(n)
-        w = (torch.rand(n, HIDDEN, device=dev, generator=g) * 2 - 1).mul_(448).to(torch.float8_e4m3fn)
-        sw = torch.rand(HIDDEN // FP8_K_GROUP, n, device=dev, generator=g).add_(0.5).div_(448 * 64)
-        out = {}
-        for rows in todo:
-            q = (torch.rand(rows, HIDDEN, device=dev, generator=g) * 2 - 1).mul_(448).to(torch.float8_e4m3fn)
-            sx = torch.rand(HIDDEN // FP8_K_GROUP, rows, device=dev, generator=g).add_(0.5).div_(448).t()
-            want = form(q, w, sx, sw, torch.empty(rows, n, dtype=torch.bfloat16, device=dev)).float()
-            tol = tune.CHECK_RTOL * want.abs().max().item()
-            y = torch.empty(rows, n, dtype=torch.bfloat16, device=dev)
-            try:  # a library that cannot describe or plan this call leaves torch's
-                mat, why = cublaslt.Matmul(lib, n, rows, device, cublaslt.E4M3_BLOCKS), "no algorithm offered"
-                mat.set_scales(sw.data_ptr(), sx.data_ptr())
-                cands = mat.candidates()
-            except cublaslt.CublasLtError as e:
-                cands, why = [], str(e)
-            for cand in cands:
-                f = mat.launcher(cand)
-                ws = torch.empty(max(cand.workspace, 1), dtype=torch.uint8, device=dev)
-                y.fill_(float("nan"))
-                try:
-                    f(w.data_ptr(), q.data_ptr(), y.data_ptr(), ws.data_ptr(), _stream(device), sw.data_ptr(),
-                      sx.data_ptr())
-                    err = (y.float() - want).abs().max().item()
-                except cublaslt.CublasLtError as e:
-                    err, why = float("nan"), str(e)
-                if err <= tol:
-                    _LT[(n, rows, device)] = (f, cand.workspace)
-                    out[rows] = cand.name
-                    break
-                if err == err:
-                    why = f"{cand.name}: max |y - torch's| = {err:.3g} > {tol:.3g}"
-            else:
-                out[rows] = why
-        torch.cuda.synchronize(device)
-    left = [m for m in ms if (n, block_rows(m), device) not in _LT]
-    if left:
-        note_torch_block_call(n, left, "; ".join(sorted({out[block_rows(m)] for m in left})))
-    return out
 
 
 def block_rows(m: int) -> int:
@@ -182,32 +115,12 @@ def block_rows(m: int) -> int:
     return -(-m // BLOCK_MM_ROWS) * BLOCK_MM_ROWS
 
 
-def note_torch_block_call(n: int, ms, why: str | None = None) -> None:
-    """The one warning where the 1x128 GEMM of weight rows `n` at the M values `ms` is torch's call (`why` no own call
-    was kept for them, where one was tried): that call has faulted in CUDA-graph replay, so the engine should know
-    before it captures (ops.qkv_front.prepare, `prepare_blocks`)."""
-    log.warning("N = %d, M = %s: the block-scaled FP8 GEMM is torch's 1x128 _scaled_mm%s, which has faulted in "
+def note_torch_block_call(n: int, ms) -> None:
+    """The one warning where the 1x128 GEMM of weight rows `n` serves the M values `ms`: torch's call has faulted in
+    CUDA-graph replay, so the engine should know before it captures (ops.qkv_front.prepare)."""
+    log.warning("N = %d, M = %s: the block-scaled FP8 GEMM is torch's 1x128 _scaled_mm, which has faulted in "
                 "CUDA-graph replay (an illegal memory access; torch 2.11, H100 and H200: bench/NOTES.md \"e4m3 "
-                "weights\"); eager calls have not: keep these M out of captured graphs", n, ",".join(map(str, ms)),
-                f" (no own cuBLASLt call: {why})" if why else "")
-
-
-def _lt_block_mm(q, w, sx, sw_t, out) -> bool:
-    """`_block_scaled_mm` through the call `prepare_blocks` kept for this shape: True, or False (nothing launched)
-    where none was kept or a pointer is not aligned as the call assumes."""
-    dev = q.get_device()
-    run = _LT.get((w.shape[0], q.shape[0], dev))
-    if run is None or (q.data_ptr() | w.data_ptr() | out.data_ptr()) % cublaslt.ALIGNMENT \
-            or (sx.data_ptr() | sw_t.data_ptr()) % SCALE_ALIGNMENT:
-        return False
-    if dev != torch.cuda.current_device():  # the handle and stream are x's device's: launch there
-        with torch.cuda.device(dev):
-            return _lt_block_mm(q, w, sx, sw_t, out)
-    launch, ws = run
-    workspace = torch.empty(ws, dtype=torch.uint8, device=q.device) if ws else None  # stream-ordered, per call
-    launch(w.data_ptr(), q.data_ptr(), out.data_ptr(), workspace.data_ptr() if ws else 0, _stream(dev),
-           sw_t.data_ptr(), sx.data_ptr())
-    return True
+                "weights\"); eager calls have not: keep these M out of captured graphs", n, ",".join(map(str, ms)))
 
 
 def mm_block(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out: torch.Tensor,
@@ -222,8 +135,7 @@ def mm_block(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     q, s = quantize(x, FP8_K_GROUP, rows)
     y = out if rows == m else torch.empty(rows, out.shape[1], dtype=out.dtype, device=out.device)
     sw = weight_scales_per_row(weight_scale)
-    if not _lt_block_mm(q, weight, s, sw, y):
-        form(q, weight, s, sw, y)
+    form(q, weight, s, sw, y)
     return out if y is out else out.copy_(y[:m])
 
 

@@ -1,4 +1,5 @@
-# Round 90 (round 88 folded in; round89.sh is the H200's second call): one call that serves whichever GPU comes (the pool gave 2 calls in ~15 tries in round 86-88's sessions).
+# Round 90 (round 88 folded in; round89.sh is the H200's second call): one call that serves whichever GPU comes
+# (the pool gave 2 calls in ~15 tries in round 86-88's sessions).
 # The whole GPU round with the sanitizers (the W8A8 consumer's runs of 8 k-tiles, WG8_RUN, have had no GPU test
 # yet), w8_bench on every shard (-> $OUT/<gpu>-w8-bench.json), then on an H200 issue 30's suspects beside the plan
 # (round 89's w8_alts: deep8, split4, k1tp1, split2tp1), on an H100 the 1x128 fault's history (round 88's tail:

@@ -2,10 +2,11 @@
 # (the pool gave 2 calls in ~15 tries in round 86-88's sessions).
 # The whole GPU round with the sanitizers (the W8A8 consumer's runs of 8 k-tiles, WG8_RUN, have had no GPU test
 # yet), w8_bench on every shard (-> $OUT/<gpu>-w8-bench.json), then on an H200 issue 30's suspects beside the plan
-# (round 89's w8_alts: deep8, split4, k1tp1, split2tp1), on an H100 the 1x128 fault's history (round 88's tail:
-# torch's call alone twice, --keep-cache, memcheck), in what is left of ROUND_S (575).
-# Here: bash bench/gpu_cache.sh + the alts' labels (round89.sh). GPU (carry .musekern-cache, .whl):
-# bash bench/probes/round90.sh
+# (round 89's w8_alts: deep8, split4, k1tp1, split2tp1), on an H100 the 1x128 fault's history
+# (probes/fault_history.sh), in what is left of ROUND_S (575).
+# Here: bash bench/gpu_cache.sh, then for each ALT: musekern prepare --target h200 --cache-dir .musekern-cache
+# $(for l in $(python3 bench/probes/w8_alts.py labels ALT); do echo --variant $l; done).
+# GPU (carry .musekern-cache, .whl): bash bench/probes/round90.sh
 source bench/device_env.sh
 SECONDS=0
 TOTAL=${ROUND_S:-575}
@@ -24,13 +25,5 @@ if [ $gpu = h200 ]; then
     echo "${alts[$i]} rc=${PIPESTATUS[0]} t=$SECONDS"; grep -h "Traceback\|rror\|ok=False" /tmp/alt.log | head -n 4
   done
 else
-  F=bench/probes/torch_block_mm_fault.py
-  for run in default keep; do
-    timeout 40 python3 $F $([ $run = keep ] && echo --keep-cache) > $OUT/fault-$run.txt 2>&1
-    echo "fault $run rc=$? t=$SECONDS: $(tail -n 1 $OUT/fault-$run.txt)"
-  done
-  [ $((TOTAL - SECONDS)) -ge 30 ] && timeout $((TOTAL - SECONDS)) compute-sanitizer --tool memcheck --print-limit 8 \
-    --report-api-errors no python3 $F --loops 2 --replays 2 > $OUT/fault-memcheck.txt 2>&1
-  echo "memcheck rc=$? t=$SECONDS"; grep -m 10 -E "Invalid|Address|out of bounds|in [a-z_0-9]+|ERROR SUMMARY|FAULT" \
-    $OUT/fault-memcheck.txt
+  source bench/probes/fault_history.sh
 fi

@@ -7,10 +7,14 @@ takes), x quantized [rows, 8192] with scales [rows, 64] column-major, for rows =
 per padding holding `--loops` passes over the 8 layers (each graph warmed up on a side stream, then captured on
 torch's default capture stream), each graph replayed alone and synchronized, then `--replays` round-robin replays.
 Then the tensors are dropped and torch.cuda.empty_cache() runs (`--keep-cache`: not). Prints one line an M; the first
-error stops the run and names the M and the graph (exit 1).
+error stops the run and names the M and the graph (exit 1). `--slack` on this sequence (the one that faults): a fault
+that stops is a read past the end of a tensor that lands in unmapped memory only after a teardown (round 87's 0 faults
+with slack ran one graph an M, which does not fault anyway). `--eager`: each call once, no graph, for
+`PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck` (every tensor its own cudaMalloc, so memcheck sees
+a read past any tensor: under the caching allocator a read inside the same segment is invisible to it).
 
 python3 bench/probes/torch_block_mm_fault.py [--n 2176] [--ms 33,36,...] [--loops 16] [--pads 4,8,16]
-    [--slack BYTES --on w,sw,q,sx,y]
+    [--slack BYTES --on w,sw,q,sx,y] [--keep-cache] [--eager]
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ def padded(t: torch.Tensor, slack: int, on: bool) -> torch.Tensor:
     return buf[:t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
 
 
-def graphs_for(n: int, m: int, pads, loops: int, g: torch.Generator, slack: int = 0, on=()):
+def graphs_for(n: int, m: int, pads, loops: int, g: torch.Generator, slack: int = 0, on=(), eager: bool = False):
     w = [padded(torch.randn(n, K, device="cuda", generator=g).div_(K ** 0.5).to(torch.float8_e4m3fn), slack, "w" in on)
          for _ in range(LAYERS)]
     sw = [padded(torch.rand(K // 128, n, device="cuda", generator=g) + 0.5, slack, "sw" in on) for _ in range(LAYERS)]
@@ -46,6 +50,11 @@ def graphs_for(n: int, m: int, pads, loops: int, g: torch.Generator, slack: int 
         sx = padded(torch.ones(K // 128, rows, device="cuda"), slack, "sx" in on).t()
         y = [padded(torch.empty(rows, n, dtype=torch.bfloat16, device="cuda"), slack, "y" in on) for _ in range(LAYERS)]
         calls = [(lambda j=j, q=q, sx=sx, y=y: block_mm(q, w[j], sx, sw[j], y[j])) for j in range(LAYERS)]
+        if eager:
+            for f in calls:
+                f()
+            torch.cuda.synchronize()
+            continue
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -70,17 +79,18 @@ def main() -> int:
     ap.add_argument("--loops", type=int, default=16, help="passes over the 8 layers a graph holds")
     ap.add_argument("--replays", type=int, default=12)
     ap.add_argument("--keep-cache", action="store_true")
-    ap.add_argument("--slack", type=int, default=0, help="bytes of allocation past the end of each tensor named in --on")
+    ap.add_argument("--slack", type=int, default=0, help="bytes allocated past the end of each tensor in --on")
     ap.add_argument("--on", default="w,sw,q,sx,y", help="the tensors --slack pads")
+    ap.add_argument("--eager", action="store_true", help="each call once, no graph (memcheck, no caching allocator)")
     a = ap.parse_args()
     print(f"torch {torch.__version__} CUDA {torch.version.cuda} {torch.cuda.get_device_name()} N={a.n}"
-          f"{f' slack {a.slack} on {a.on}' if a.slack else ''}", flush=True)
+          f"{f' slack {a.slack} on {a.on}' if a.slack else ''}{' eager' if a.eager else ''}", flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     pads = [int(p) for p in a.pads.split(",")]
     for m in (int(s) for s in a.ms.split(",")):
-        where = "capture"
+        where = "eager call" if a.eager else "capture"
         try:
-            graphs = graphs_for(a.n, m, pads, a.loops, g, a.slack, a.on.split(","))
+            graphs = graphs_for(a.n, m, pads, a.loops, g, a.slack, a.on.split(","), a.eager)
             for name, gr in graphs:
                 where = f"replay {name}"
                 gr.replay()

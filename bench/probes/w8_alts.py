@@ -23,6 +23,10 @@ ones in one process. Each alternative maps (shard, scale kind, M) to the build t
   0.79x bf16 on the H200 against 0.62 on the H100; does it want more bytes in flight for 1.4x the bandwidth?
 - "split2tp1" (round 84, H200): TP1's one-tile builds at k_split 2 (544 CTAs of 256 KiB in place of 272 of 512): at
   one CTA an SM the plan's 272 CTAs run in waves of 132, 132 and 8, and the last 8 stream alone; halves that tail.
+- "wg4" (round 90, H200): TP8 as W8A8 at k_split 4 with two token tiles (x quantized ahead by x_quant, PDL, as
+  TP1's: one tile would give an owner 2 tokens) in place of the plan's W8A8 / W8A16 builds at k_split 2: 136 CTAs
+  (nearly every SM) each streaming 16 k-tiles, against 68 of 32; the rules' ring and trigger for it. Serves M = 1-16.
+  If TP8 is paced per SM (68 SMs each at ~40 GB/s on the H200, where bf16's 68 CTAs reach ~60), twice the SMs help.
 - "plan": the planned builds themselves, M = 1-8, for a run on kernel sources other than the tree's (the loader keys
   a build by its sources, so the same labels launch the other sources' builds): its "planned" and "plan" rows are
   then the same builds, and the comparison is with another run's ratios.
@@ -49,6 +53,15 @@ def split4(kind: str) -> QkvFrontVariant:
     st = rules.ring_stages(4, t, base.tiles, N, weight_dtype="fp8_e4m3", weight_scale=kind)
     return dataclasses.replace(base, k_split=4, stages=st, trigger=rules.pdl_trigger(N, 4, t, base.tiles),
                                trigger_ahead=rules.trigger_ahead(N, 4, t, base.tiles, st))
+
+
+def wg4(kind: str) -> QkvFrontVariant:
+    t, tiles = get_target("h200"), 2
+    base = rules.variant(17408, 1, 8, t, weight_dtype="fp8_e4m3", weight_scale=kind)  # TP1's W8A8 build, x ahead
+    st = rules.ring_stages(4, t, tiles, N, weight_dtype="fp8_e4m3", weight_scale=kind, x_dtype=base.x_dtype)
+    return dataclasses.replace(base, n=N, num_kv_heads=NKV, k_split=4, tiles=tiles, stages=st, fixed_rows=0,
+                               trigger=rules.pdl_trigger(N, 4, t, tiles),
+                               trigger_ahead=rules.trigger_ahead(N, 4, t, tiles, st))
 
 
 def split_as(warp: str):
@@ -93,6 +106,7 @@ TP1 = (17408, 8)
 # timed, the shard (N, KV heads))
 ALTS = {
     "split4": (lambda kind, m, n, nkv: split4(kind), range(1, 17), (1, 8, 9, 16), (1, 8, 16), (N, NKV)),
+    "wg4": (lambda kind, m, n, nkv: wg4(kind), range(1, 17), (1, 8, 9, 16), (1, 8, 16), (N, NKV)),
     "k1": (split_as("k"), *ONE_TILE, (N, NKV)),
     "k1tp2": (split_as("k"), *ONE_TILE, TP2),
     "rows1": (split_as("rows"), *ONE_TILE, (N, NKV)),

@@ -25,7 +25,8 @@ ones in one process. Each alternative maps (shard, scale kind, M) to the build t
   one CTA an SM the plan's 272 CTAs run in waves of 132, 132 and 8, and the last 8 stream alone; halves that tail.
 - "wg4" (round 90, H200): TP8 as W8A8 at k_split 4 with two token tiles (x quantized ahead by x_quant, PDL, as
   TP1's: one tile would give an owner 2 tokens) in place of the plan's W8A8 / W8A16 builds at k_split 2: 136 CTAs
-  (nearly every SM) each streaming 16 k-tiles, against 68 of 32; the rules' ring and trigger for it. Serves M = 1-16.
+  (nearly every SM) each streaming 16 k-tiles, against 68 of 32; the deepest ring two CTAs an SM hold, the rules'
+  trigger. Serves M = 1-16.
   If TP8 is paced per SM (68 SMs each at ~40 GB/s on the H200, where bf16's 68 CTAs reach ~60), twice the SMs help.
 - "plan": the planned builds themselves, M = 1-8, for a run on kernel sources other than the tree's (the loader keys
   a build by its sources, so the same labels launch the other sources' builds): its "planned" and "plan" rows are
@@ -58,7 +59,10 @@ def split4(kind: str) -> QkvFrontVariant:
 def wg4(kind: str) -> QkvFrontVariant:
     t, tiles = get_target("h200"), 2
     base = rules.variant(17408, 1, 8, t, weight_dtype="fp8_e4m3", weight_scale=kind)  # TP1's W8A8 build, x ahead
-    st = rules.ring_stages(4, t, tiles, N, weight_dtype="fp8_e4m3", weight_scale=kind, x_dtype=base.x_dtype)
+    # the deepest ring two CTAs an SM hold (136 CTAs, clusters of 4, on 132 SMs: one a SM would leave a second wave)
+    st = max(s for s in range(rules.MIN_RING_STAGES, K_TILES // 4 + 1)
+             if 2 * (rules.ring_smem_bytes(s, tiles, 4, False, "fp8_e4m3", kind, "wg", base.x_dtype)
+                     + rules.SMEM_RESERVE_BYTES) <= t.smem_per_sm)
     return dataclasses.replace(base, n=N, num_kv_heads=NKV, k_split=4, tiles=tiles, stages=st, fixed_rows=0,
                                trigger=rules.pdl_trigger(N, 4, t, tiles),
                                trigger_ahead=rules.trigger_ahead(N, 4, t, tiles, st))

@@ -26,8 +26,8 @@ ones in one process. Each alternative maps (shard, scale kind, M) to the build t
 - "wg4" (round 90, H200): TP8 as W8A8 at k_split 4 with two token tiles (x quantized ahead by x_quant, PDL, as
   TP1's: one tile would give an owner 2 tokens) in place of the plan's W8A8 / W8A16 builds at k_split 2: 136 CTAs
   (nearly every SM) each streaming 16 k-tiles, against 68 of 32; the deepest ring two CTAs an SM hold, the rules'
-  trigger. Serves M = 1-16.
-  If TP8 is paced per SM (68 SMs each at ~40 GB/s on the H200, where bf16's 68 CTAs reach ~60), twice the SMs help.
+  trigger. Serves M = 1-16. h200-w8-bench.json's chain times less ~1.7 us (bf16's time over its floor) give each of
+  TP8's 68 CTAs ~40 GB/s with e4m3 and ~60 with bf16: if e4m3 is paced per SM, twice the SMs help.
 - "plan": the planned builds themselves, M = 1-8, for a run on kernel sources other than the tree's (the loader keys
   a build by its sources, so the same labels launch the other sources' builds): its "planned" and "plan" rows are
   then the same builds, and the comparison is with another run's ratios.
@@ -59,7 +59,7 @@ def split4(kind: str) -> QkvFrontVariant:
 def wg4(kind: str) -> QkvFrontVariant:
     t, tiles = get_target("h200"), 2
     base = rules.variant(17408, 1, 8, t, weight_dtype="fp8_e4m3", weight_scale=kind)  # TP1's W8A8 build, x ahead
-    # the deepest ring two CTAs an SM hold (136 CTAs, clusters of 4, on 132 SMs: one a SM would leave a second wave)
+    # the deepest ring two CTAs an SM hold (136 CTAs, clusters of 4, on 132 SMs: one an SM would leave a second wave)
     st = max(s for s in range(rules.MIN_RING_STAGES, K_TILES // 4 + 1)
              if 2 * (rules.ring_smem_bytes(s, tiles, 4, False, "fp8_e4m3", kind, "wg", base.x_dtype)
                      + rules.SMEM_RESERVE_BYTES) <= t.smem_per_sm)

@@ -4,9 +4,17 @@
 # yet), w8_bench on every shard (-> $OUT/<gpu>-w8-bench.json), then on an H200 issue 30's suspects beside the plan
 # (w8_alts: deep8, wg4, split2tp1, k1tp1, split4), on an H100 the 1x128 fault's history
 # (probes/fault_history.sh), in what is left of ROUND_S (575).
-# Here: bash bench/gpu_cache.sh, then for each ALT: musekern prepare --target h200 --cache-dir .musekern-cache
-# $(for l in $(python3 bench/probes/w8_alts.py labels ALT); do echo --variant $l; done).
+# Here (build extra installed): bash bench/probes/round90.sh cache  (bench/gpu_cache.sh + the suspects' builds).
 # GPU (carry .musekern-cache, .whl): bash bench/probes/round90.sh
+ALTS=(deep8 wg4 split2tp1 k1tp1 split4)
+if [ "${1:-}" = cache ]; then
+  bash bench/gpu_cache.sh || exit 1
+  for alt in "${ALTS[@]}"; do
+    musekern prepare --target h200 --cache-dir .musekern-cache -j 2 \
+      $(for l in $(python3 bench/probes/w8_alts.py labels $alt); do echo --variant $l; done) >&2 || exit 1
+  done
+  exit 0
+fi
 source bench/device_env.sh
 SECONDS=0
 TOTAL=${ROUND_S:-575}
@@ -18,11 +26,10 @@ timeout 80 python3 bench/w8_bench.py --check-ms 1,2,7,8,9,16 --ms 1,8,16 --gemm-
   2>/tmp/w8.log | tail -n 24
 echo "w8 t=$SECONDS"; grep -h "ok=False" /tmp/w8.log | head -n 6; grep -A60 Traceback /tmp/w8.log | tail -n 2
 if [ $gpu = h200 ]; then
-  alts=(deep8 wg4 split2tp1 k1tp1 split4)
-  for i in 0 1 2 3 4; do
-    left=$(( (TOTAL - SECONDS) / (5 - i) )); [ $left -lt 20 ] && break
-    timeout $left python3 bench/probes/w8_alts.py run ${alts[$i]} 2>/tmp/alt.log | tail -n 7
-    echo "${alts[$i]} rc=${PIPESTATUS[0]} t=$SECONDS"; grep -h "Traceback\|rror\|ok=False" /tmp/alt.log | head -n 4
+  for i in "${!ALTS[@]}"; do
+    left=$(( (TOTAL - SECONDS) / (${#ALTS[@]} - i) )); [ $left -lt 20 ] && break
+    timeout $left python3 bench/probes/w8_alts.py run ${ALTS[$i]} 2>/tmp/alt.log | tail -n 7
+    echo "${ALTS[$i]} rc=${PIPESTATUS[0]} t=$SECONDS"; grep -h "Traceback\|rror\|ok=False" /tmp/alt.log | head -n 4
   done
 else
   source bench/probes/fault_history.sh

@@ -61,8 +61,8 @@ def wg4(kind: str) -> QkvFrontVariant:
     base = rules.variant(17408, 1, 8, t, weight_dtype="fp8_e4m3", weight_scale=kind)  # TP1's W8A8 build, x ahead
     # the deepest ring two CTAs an SM hold (136 CTAs, clusters of 4, on 132 SMs: one an SM would leave a second wave)
     st = max(s for s in range(rules.MIN_RING_STAGES, K_TILES // 4 + 1)
-             if 2 * (rules.ring_smem_bytes(s, tiles, 4, False, "fp8_e4m3", kind, "wg", base.x_dtype)
-                     + rules.SMEM_RESERVE_BYTES) <= t.smem_per_sm)
+             if rules.CTAS_PER_SM * (rules.ring_smem_bytes(s, tiles, 4, False, "fp8_e4m3", kind, "wg", base.x_dtype)
+                                     + rules.SMEM_RESERVED_PER_CTA) <= t.smem_per_sm)  # (rules.ring_stages' test)
     return dataclasses.replace(base, n=N, num_kv_heads=NKV, k_split=4, tiles=tiles, stages=st, fixed_rows=0,
                                trigger=rules.pdl_trigger(N, 4, t, tiles),
                                trigger_ahead=rules.trigger_ahead(N, 4, t, tiles, st))
